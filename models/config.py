@@ -1,0 +1,180 @@
+"""Model configuration read from a Hugging Face `config.json` (transformers 4 and 5 spellings)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding settings; `rope_type` is one of "default", "linear", "llama3"."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    def inv_freq(self, head_dim: int) -> np.ndarray:
+        """float32 [head_dim // 2], computed as transformers does (float32 powers of theta)."""
+        exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+        inv_freq = (1.0 / (np.float32(self.theta) ** exponents)).astype(np.float32)
+        if self.rope_type == "default":
+            return inv_freq
+        if self.rope_type == "linear":
+            return (inv_freq / np.float32(self.factor)).astype(np.float32)
+        if self.rope_type == "llama3":
+            return _llama3_inv_freq(self, inv_freq)
+        raise NotImplementedError(
+            f"rope_type {self.rope_type!r} is not supported; supported: default, linear, llama3")
+
+
+def _llama3_inv_freq(rope: RopeConfig, inv_freq: np.ndarray) -> np.ndarray:
+    # Llama 3.1 keeps high frequencies, divides low ones by `factor`, and interpolates in between.
+    old_len = rope.original_max_position_embeddings
+    low_freq_wavelen = old_len / rope.low_freq_factor
+    high_freq_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * np.pi / inv_freq
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """What the Flax models need to know, independent of the HF spelling it came from."""
+
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope: RopeConfig = RopeConfig()
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    o_proj_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token_id: int | None = None
+    checkpoint_dtype: str = "float32"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
+    # transformers 5 folds theta and scaling into `rope_parameters`; transformers 4 uses
+    # `rope_theta` plus an optional `rope_scaling` dict whose type key is "rope_type" or "type".
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = dict(raw.get("rope_scaling") or {})
+    merged = {**scaling, **params}
+    theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
+    rope = RopeConfig(
+        theta=float(theta),
+        rope_type=rope_type,
+        factor=float(merged.get("factor", 1.0)),
+        low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(
+            merged.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))),
+    )
+    if rope_type not in ("default", "linear", "llama3"):
+        raise NotImplementedError(
+            f"rope scaling {rope_type!r} is not supported yet; supported: default, linear, llama3")
+    return rope
+
+
+def _as_id_tuple(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, (list, tuple)):
+        return tuple(int(v) for v in value)
+    return (int(value),)
+
+
+def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
+    window = raw.get("sliding_window")
+    if model_type == "qwen2":
+        # Qwen2 only slides when asked to, and then per layer (issue: more model families).
+        if raw.get("use_sliding_window", False):
+            raise NotImplementedError("Qwen2 with use_sliding_window=True is not supported yet")
+        return None
+    layer_types = raw.get("layer_types")
+    if layer_types and len(set(layer_types)) > 1:
+        raise NotImplementedError("models mixing sliding and full attention layers are not supported yet")
+    if layer_types and layer_types[0] == "full_attention":
+        return None
+    return int(window) if window else None
+
+
+def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
+    """Builds a ModelConfig from a parsed HF config.json (and optional generation_config.json)."""
+    architectures = raw.get("architectures") or []
+    if not architectures:
+        raise ValueError("config.json has no 'architectures' entry; cannot tell which model to build")
+    num_heads = int(raw["num_attention_heads"])
+    hidden = int(raw["hidden_size"])
+    head_dim = raw.get("head_dim") or hidden // num_heads
+    model_type = raw.get("model_type", "")
+    eos = _as_id_tuple(raw.get("eos_token_id"))
+    if generation_config:
+        eos = tuple(dict.fromkeys(eos + _as_id_tuple(generation_config.get("eos_token_id"))))
+    dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    return ModelConfig(
+        architecture=architectures[0],
+        model_type=model_type,
+        vocab_size=int(raw["vocab_size"]),
+        hidden_size=hidden,
+        intermediate_size=int(raw["intermediate_size"]),
+        num_layers=int(raw["num_hidden_layers"]),
+        num_heads=num_heads,
+        num_kv_heads=int(raw.get("num_key_value_heads") or num_heads),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_hf(raw),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v biases; Llama and Mistral only when `attention_bias` says so.
+        attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+        # Llama's `attention_bias` covers o_proj too; Qwen2's o_proj never has a bias.
+        o_proj_bias=bool(raw.get("attention_bias", False)) and model_type == "llama",
+        mlp_bias=bool(raw.get("mlp_bias", False)),
+        hidden_act=str(raw.get("hidden_act", "silu")),
+        sliding_window=_sliding_window(raw, model_type),
+        eos_token_ids=eos,
+        bos_token_id=raw.get("bos_token_id"),
+        checkpoint_dtype=str(dtype).replace("torch.", ""),
+    )
+
+
+def load_model_config(model_dir: str) -> ModelConfig:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        raw = json.load(f)
+    generation = None
+    gen_path = os.path.join(model_dir, "generation_config.json")
+    if os.path.exists(gen_path):
+        with open(gen_path) as f:
+            generation = json.load(f)
+    return model_config_from_hf(raw, generation)

@@ -1,0 +1,99 @@
+"""Building blocks shared by the model families: RMSNorm, rotary embedding, gated MLP, GQA attention."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.config import ModelConfig
+
+_ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "swish": jax.nn.silu,
+    "gelu": lambda x: jax.nn.gelu(x, approximate=False),
+    "gelu_pytorch_tanh": lambda x: jax.nn.gelu(x, approximate=True),
+    "gelu_new": lambda x: jax.nn.gelu(x, approximate=True),
+    "relu": jax.nn.relu,
+}
+
+
+def activation(name: str) -> Callable[[jax.Array], jax.Array]:
+    if name not in _ACTIVATIONS:
+        raise NotImplementedError(f"hidden_act {name!r} is not supported; supported: {sorted(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32 and cast back, as transformers' Llama does."""
+
+    eps: float
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        x32 = x.astype(jnp.float32)
+        variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
+        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype)
+        return scale * normed
+
+
+def rotary_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
+    """cos, sin float32 [T, head_dim] for the rotate-half convention (frequencies repeated twice)."""
+    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]. Rotate-half (GPT-NeoX) layout."""
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+    cos = cos[:, None, :].astype(x.dtype)
+    sin = sin[:, None, :].astype(x.dtype)
+    return x * cos + rotated * sin
+
+
+class GatedMLP(nn.Module):
+    config: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        cfg = self.config
+        dense = lambda n, name: nn.Dense(n, use_bias=cfg.mlp_bias, dtype=self.dtype, param_dtype=self.dtype,
+                                         name=name)
+        act = activation(cfg.hidden_act)
+        hidden = act(dense(cfg.intermediate_size, "gate_proj")(x)) * dense(cfg.intermediate_size, "up_proj")(x)
+        return dense(cfg.hidden_size, "down_proj")(hidden)
+
+
+class PagedSelfAttention(nn.Module):
+    """GQA self-attention whose keys and values live in the paged KV pool.
+
+    `attention` is the backend (models.attention); the pool is the whole stacked cache, `layer` selects ours.
+    """
+
+    config: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, cos, sin, k_cache, v_cache, layer, meta, attention):
+        cfg = self.config
+        num_tokens = x.shape[0]
+        dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype,
+                                               name=name)
+        q = dense(cfg.q_size, "q_proj", cfg.attention_bias)(x).reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = dense(cfg.kv_size, "k_proj", cfg.attention_bias)(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = dense(cfg.kv_size, "v_proj", cfg.attention_bias)(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        k_cache, v_cache = attention.write_kv(k_cache, v_cache, layer, k, v, meta)
+        out = attention.attend(q, k_cache, v_cache, layer, meta, scale=cfg.head_dim ** -0.5,
+                               sliding_window=cfg.sliding_window)
+        out = dense(cfg.hidden_size, "o_proj", cfg.o_proj_bias)(out.reshape(num_tokens, cfg.q_size))
+        return out, k_cache, v_cache

@@ -1,0 +1,183 @@
+"""Loads Hugging Face checkpoints (config.json + safetensors) into our parameter trees.
+
+Weights stream tensor by tensor from memory-mapped safetensors into preallocated, layer-stacked host
+buffers of the target dtype; each finished buffer goes to the device and is dropped on the host, so at most
+one full copy of the weights exists at a time (plus one tensor).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import jax
+import ml_dtypes
+import numpy as np
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from models.config import ModelConfig, load_model_config
+from models.registry import model_class
+
+_DTYPES = {
+    "float32": np.float32, "float": np.float32, "fp32": np.float32,
+    "bfloat16": ml_dtypes.bfloat16, "bf16": ml_dtypes.bfloat16,
+    "float16": np.float16, "half": np.float16, "fp16": np.float16,
+}
+
+_HUB_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
+
+
+def resolve_dtype(dtype: Any, config: ModelConfig) -> np.dtype:
+    """vLLM spellings ("auto", "half", "float", "bfloat16", ...) or a numpy/jax dtype -> numpy dtype.
+
+    "auto" keeps the checkpoint's dtype (a float32 checkpoint runs in float32, which CPU needs anyway).
+    """
+    if isinstance(dtype, str):
+        key = dtype.lower()
+        if key == "auto":
+            key = config.checkpoint_dtype
+            if key not in _DTYPES:
+                key = "float32"
+        if key not in _DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; use one of 'auto', {sorted(_DTYPES)}")
+        return np.dtype(_DTYPES[key])
+    try:
+        resolved = np.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"unsupported dtype {dtype!r}") from None
+    if resolved not in {np.dtype(t) for t in _DTYPES.values()}:
+        raise ValueError(f"unsupported dtype {dtype!r}; use float32, bfloat16 or float16")
+    return resolved
+
+
+def resolve_model_path(model: str) -> str:
+    """A local directory, else a hub id downloaded (config, tokenizer, safetensors only)."""
+    if os.path.isdir(model):
+        if not os.path.exists(os.path.join(model, "config.json")):
+            raise ValueError(f"model directory {model!r} has no config.json")
+        return model
+    if os.path.exists(model):
+        raise ValueError(f"model path {model!r} is a file; pass the checkpoint directory")
+    if model.startswith((".", "/", "~")) or model.count("/") > 1:
+        raise ValueError(f"model path {model!r} does not exist")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(model, allow_patterns=_HUB_PATTERNS)
+    except Exception as exc:  # noqa: BLE001 - any hub failure becomes one clear message
+        raise ValueError(f"model {model!r} is not a local directory and could not be fetched from the "
+                         f"Hugging Face hub: {type(exc).__name__}: {exc}") from exc
+
+
+def _safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+    files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
+    if not files:
+        raise ValueError(f"no .safetensors files in {model_dir!r} (PyTorch .bin checkpoints are not supported)")
+    return [os.path.join(model_dir, f) for f in files]
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def _target(name: str) -> tuple[tuple[str, ...], int | None, bool] | None:
+    """HF tensor name -> (path in our tree, layer index or None, transpose?). None = not ours to load."""
+    if name == "model.embed_tokens.weight":
+        return ("embed_tokens", "embedding"), None, False
+    if name == "model.norm.weight":
+        return ("norm", "scale"), None, False
+    if name == "lm_head.weight":
+        return ("lm_head", "kernel"), None, True
+    match = _LAYER_RE.match(name)
+    if not match:
+        return None
+    layer, module, kind = int(match.group(1)), match.group(2), match.group(3)
+    parts = tuple(module.split("."))
+    if parts[-1].endswith("layernorm"):
+        return ("layers", *parts, "scale"), layer, False
+    return ("layers", *parts, "kernel" if kind == "weight" else "bias"), layer, kind == "weight"
+
+
+def _expected_shapes(model, config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    shapes: dict[tuple[str, ...], tuple[int, ...]] = {
+        ("embed_tokens", "embedding"): (config.vocab_size, config.hidden_size),
+        ("norm", "scale"): (config.hidden_size,),
+    }
+    if not config.tie_word_embeddings:
+        shapes[("lm_head", "kernel")] = (config.hidden_size, config.vocab_size)
+    layer_tree = model.layer_param_shapes()
+    for path, leaf in jax.tree_util.tree_flatten_with_path(layer_tree)[0]:
+        key = ("layers", *(p.key for p in path))
+        shapes[key] = (config.num_layers, *leaf.shape)
+    return shapes
+
+
+def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, show_progress: bool = True):
+    """Reads every tensor the model needs; returns the parameter tree on the default device."""
+    expected = _expected_shapes(model, config)
+    buffers: dict[tuple[str, ...], np.ndarray] = {}
+    filled: dict[tuple[str, ...], int] = {}
+    params: dict = {}
+    files = _safetensors_files(model_dir)
+    with tqdm(desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
+        for path in files:
+            with safe_open(path, framework="np") as f:
+                for name in f.keys():
+                    target = _target(name)
+                    if target is None or target[0] not in expected:
+                        continue  # e.g. rotary inv_freq buffers, or lm_head when tied
+                    key, layer, transpose = target
+                    tensor = f.get_tensor(name)
+                    if transpose:
+                        tensor = tensor.T
+                    shape = expected[key]
+                    want = shape[1:] if layer is not None else shape
+                    if tensor.shape != want:
+                        raise ValueError(f"checkpoint tensor {name} has shape {tensor.shape} (after transpose: "
+                                         f"{transpose}); the config implies {want}")
+                    if key not in buffers:
+                        buffers[key] = np.empty(shape, dtype)
+                        filled[key] = 0
+                    if layer is None:
+                        buffers[key][...] = tensor
+                    else:
+                        buffers[key][layer] = tensor
+                    filled[key] += 1
+                    if filled[key] == (config.num_layers if layer is not None else 1):
+                        _put(params, key, jax.device_put(buffers.pop(key)))
+                    bar.update()
+    missing = [".".join(k) for k in expected if _get(params, k) is None]
+    if missing:
+        raise ValueError(f"checkpoint in {model_dir!r} lacks tensors for: {', '.join(missing)}")
+    return params
+
+
+def _put(tree: dict, key: tuple[str, ...], value) -> None:
+    for part in key[:-1]:
+        tree = tree.setdefault(part, {})
+    tree[key[-1]] = value
+
+
+def _get(tree: dict, key: tuple[str, ...]):
+    for part in key:
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def load_model(model: str, dtype: Any = "auto", show_progress: bool = True):
+    """Returns (model_dir, config, model, params, numpy dtype)."""
+    model_dir = resolve_model_path(model)
+    config = load_model_config(model_dir)
+    cls = model_class(config.architecture)
+    np_dtype = resolve_dtype(dtype, config)
+    instance = cls(config, np_dtype)
+    params = load_params(model_dir, instance, config, np_dtype, show_progress)
+    return model_dir, config, instance, params, np_dtype

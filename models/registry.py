@@ -1,0 +1,22 @@
+"""Maps Hugging Face `architectures` names to our implementations."""
+
+from __future__ import annotations
+
+from models.llama import LlamaForCausalLM
+
+_REGISTRY = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_REGISTRY)
+
+
+def model_class(architecture: str):
+    if architecture not in _REGISTRY:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(supported_architectures())}")
+    return _REGISTRY[architecture]

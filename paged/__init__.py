@@ -1,0 +1,10 @@
+"""paged: a paged-attention LLM inference engine in JAX."""
+
+from paged.engine import LLMEngine
+from paged.llm import LLM
+from paged.outputs import CompletionOutput, RequestOutput
+from paged.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]

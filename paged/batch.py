@@ -1,0 +1,127 @@
+"""Turns a scheduled batch into padded, bucketed host arrays for the jitted step.
+
+Shapes the step sees: T tokens (a power of two from 8, capped at max_num_batched_tokens), S sequences
+(min(T, max_num_seqs): a step has at most one sequence per token, and tying S to T halves the number of
+shapes to compile), and P pages per sequence (a power of two, capped at max_blocks_per_seq).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from models.attention import AttentionMetadata
+from paged.block_manager import SINK_BLOCK, BlockManager
+from paged.sampler import SamplingMetadata
+from paged.sampling_params import MAX_MIN_TOKENS_BANNED_IDS
+from paged.scheduler import ScheduledBatch
+
+
+def _next_power_of_two(n: int, minimum: int, maximum: int) -> int:
+    bucket = minimum
+    while bucket < n:
+        bucket *= 2
+    return min(bucket, maximum)
+
+
+@dataclasses.dataclass(frozen=True)
+class Buckets:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_blocks_per_seq: int
+    min_tokens: int = 8
+
+    def tokens(self, n: int) -> int:
+        return _next_power_of_two(n, self.min_tokens, self.max_num_batched_tokens)
+
+    def seqs(self, num_tokens_bucket: int) -> int:
+        return min(num_tokens_bucket, self.max_num_seqs)
+
+    def pages(self, n: int) -> int:
+        return _next_power_of_two(n, 1, self.max_blocks_per_seq)
+
+    def all_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (T, S, P) the engine can produce; what a full warm-up compiles."""
+        token_sizes = sorted({self.tokens(n) for n in range(1, self.max_num_batched_tokens + 1)})
+        page_sizes = sorted({self.pages(n) for n in range(1, self.max_blocks_per_seq + 1)})
+        return [(t, self.seqs(t), p) for t in token_sizes for p in page_sizes]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepInputs:
+    token_ids: np.ndarray  # int32 [T]
+    attention: AttentionMetadata
+    logits_indices: np.ndarray  # int32 [S]
+    sampling: SamplingMetadata
+
+
+def prepare_inputs(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets) -> StepInputs:
+    num_tokens = batch.total_tokens
+    t_pad = buckets.tokens(num_tokens)
+    s_pad = buckets.seqs(t_pad)
+    num_seqs = len(batch.requests)
+    assert num_tokens <= t_pad and num_seqs <= s_pad, (num_tokens, t_pad, num_seqs, s_pad)
+
+    token_ids = np.zeros(t_pad, np.int32)
+    positions = np.zeros(t_pad, np.int32)
+    # Padded tokens write into the sink block and read as sequence 0 at position 0: harmless and NaN-free.
+    slot_mapping = np.full(t_pad, SINK_BLOCK * block_manager.block_size, np.int32)
+    token_seq_ids = np.zeros(t_pad, np.int32)
+    query_start = np.zeros(s_pad + 1, np.int32)
+    seq_lens = np.zeros(s_pad, np.int32)
+    logits_indices = np.zeros(s_pad, np.int32)
+    rows = np.zeros(s_pad, np.int64)
+    has_row = np.zeros(s_pad, bool)
+
+    temperature = np.zeros(s_pad, np.float32)
+    top_k = np.zeros(s_pad, np.int32)
+    top_p = np.ones(s_pad, np.float32)
+    min_p = np.zeros(s_pad, np.float32)
+    seeds = np.zeros(s_pad, np.uint32)
+    output_index = np.zeros(s_pad, np.int32)
+    banned_ids = np.full((s_pad, MAX_MIN_TOKENS_BANNED_IDS), -1, np.int32)
+
+    offset = 0
+    max_pages = 1
+    for i, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+        start, stop = request.num_computed_tokens, request.num_computed_tokens + num_new
+        token_ids[offset:offset + num_new] = request.token_ids[start:stop]
+        positions[offset:offset + num_new] = np.arange(start, stop)
+        slot_mapping[offset:offset + num_new] = block_manager.slots(request, start, stop)
+        token_seq_ids[offset:offset + num_new] = i
+        offset += num_new
+        query_start[i + 1] = offset
+        seq_lens[i] = stop
+        logits_indices[i] = offset - 1
+        rows[i] = request.page_row
+        has_row[i] = True
+        max_pages = max(max_pages, block_manager.blocks_for(stop))
+
+        params = request.params
+        temperature[i] = params.temperature
+        top_k[i] = params.top_k
+        top_p[i] = params.top_p
+        min_p[i] = params.min_p
+        seeds[i] = request.seed
+        output_index[i] = request.num_output_tokens
+        if request.num_output_tokens < params.min_tokens:
+            stop_ids = list(params.stop_token_ids)
+            if not params.ignore_eos:
+                stop_ids += list(request.eos_token_ids)
+            stop_ids = stop_ids[:MAX_MIN_TOKENS_BANNED_IDS]
+            banned_ids[i, :len(stop_ids)] = stop_ids
+    query_start[num_seqs + 1:] = offset
+
+    p_pad = buckets.pages(max_pages)
+    page_tables = np.where(has_row[:, None], block_manager.page_table[rows, :p_pad], SINK_BLOCK).astype(np.int32)
+    return StepInputs(
+        token_ids=token_ids,
+        attention=AttentionMetadata(slot_mapping=slot_mapping, positions=positions, token_seq_ids=token_seq_ids,
+                                    page_tables=page_tables, query_start=query_start, seq_lens=seq_lens),
+        logits_indices=logits_indices,
+        sampling=SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
+                                  output_index=output_index, banned_ids=banned_ids),
+    )

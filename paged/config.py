@@ -1,0 +1,61 @@
+"""Engine configuration: one frozen dataclass, validated up front."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """Sizes that fix the engine's memory and compiled shapes.
+
+    Defaults suit a CPU: 64 sequences and 512 tokens per step keep every compiled shape small while still
+    batching decode widely; GPUs want larger values (vLLM uses 256 and 8192).
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    max_model_len: int | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = False
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def validate(self) -> None:
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(isinstance(self.block_size, int) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
+              f"block_size must be a power of two from 1 to 128, got {self.block_size!r}")
+        check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 2),
+              f"num_kv_blocks must be None or an integer >= 2, got {self.num_kv_blocks!r}")
+        check(0 < self.gpu_memory_utilization <= 1,
+              f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
+              f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
+        check(self.max_num_batched_tokens is None
+              or (isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= 1),
+              f"max_num_batched_tokens must be None or an integer >= 1, got {self.max_num_batched_tokens!r}")
+        check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
+              f"max_model_len must be None or an integer >= 1, got {self.max_model_len!r}")
+        if self.enable_prefix_caching:
+            raise NotImplementedError("enable_prefix_caching=True is not implemented yet (KV memory issue)")
+
+    def resolved(self, model_max_len: int) -> "EngineConfig":
+        """Fills max_model_len and max_num_batched_tokens from the model and each other."""
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
+                             f"({model_max_len})")
+        tokens = self.max_num_batched_tokens
+        if tokens is None:
+            tokens = 512 if self.enable_chunked_prefill else max(512, max_model_len)
+        if not self.enable_chunked_prefill and tokens < max_model_len:
+            raise ValueError(f"max_num_batched_tokens={tokens} is smaller than max_model_len={max_model_len}; "
+                             "without chunked prefill a long prompt could never be scheduled. Raise it, lower "
+                             "max_model_len, or set enable_chunked_prefill=True")
+        return dataclasses.replace(self, max_model_len=max_model_len, max_num_batched_tokens=tokens)

@@ -1,0 +1,53 @@
+"""Incremental detokenization and stop-string detection.
+
+Decoding the whole output every step costs O(n^2) over a generation; instead each step decodes a short
+window: the tokens since the last emitted boundary, minus the part already turned into text. A window
+that ends in U+FFFD (an unfinished UTF-8 sequence) waits for the next token.
+"""
+
+from __future__ import annotations
+
+# Prompt tokens kept as left context so the first output token decodes with the right leading space.
+_CONTEXT_TOKENS = 5
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids = list(prompt_token_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.token_ids)
+        self.text = ""
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        """Appends one token; returns the text it completes (possibly empty)."""
+        self.token_ids.append(token_id)
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full_text) > len(prefix_text) and not full_text.endswith("\ufffd"):
+            delta = full_text[len(prefix_text):]
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            self.text += delta
+            return delta
+        return ""
+
+
+def find_stop_string(text: str, delta_len: int, stops: list[str]) -> tuple[str, int] | None:
+    """Finds the earliest stop string that the last `delta_len` characters completed.
+
+    Returns (stop, index where it starts) or None. Only the tail can hold a new match, so the search
+    starts `len(stop) - 1` characters before the delta.
+    """
+    best = None
+    for stop in stops:
+        start = max(0, len(text) - delta_len - len(stop) + 1)
+        index = text.find(stop, start)
+        if index != -1 and (best is None or index < best[1]):
+            best = (stop, index)
+    return best

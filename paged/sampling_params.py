@@ -1,0 +1,90 @@
+"""SamplingParams: how to pick tokens and when to stop (vLLM's names and defaults)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+# Stop ids that `min_tokens` must keep out of the sample are passed to the device as a fixed-width row,
+# so the step's shapes never depend on a request's stop list.
+MAX_MIN_TOKENS_BANNED_IDS = 16
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Sampling and stopping controls for one request.
+
+    temperature 0 is greedy. top_k 0 or -1 disables top-k. Filters apply in this order on the
+    temperature-scaled distribution: min_p (relative to the most likely token), then top_k, then top_p on
+    what remains (renormalised).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first invalid field and its value."""
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(message)
+
+        check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        check(_is_number(self.temperature) and self.temperature >= 0,
+              f"temperature must be a number >= 0, got {self.temperature!r}")
+        check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        check(isinstance(self.top_k, int) and self.top_k >= 0,
+              f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
+        check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
+              f"seed must be None or an integer in [0, 2**32), got {self.seed!r}")
+        check(self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+              f"max_tokens must be None or an integer >= 1, got {self.max_tokens!r}")
+        check(isinstance(self.min_tokens, int) and self.min_tokens >= 0,
+              f"min_tokens must be an integer >= 0, got {self.min_tokens!r}")
+        check(self.max_tokens is None or self.min_tokens <= self.max_tokens,
+              f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
+        check(all(isinstance(s, str) and s for s in self.stop),
+              f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        check(self.min_tokens == 0 or len(self.stop_token_ids) < MAX_MIN_TOKENS_BANNED_IDS,
+              f"min_tokens with more than {MAX_MIN_TOKENS_BANNED_IDS - 1} stop_token_ids is not supported, "
+              f"got {len(self.stop_token_ids)}")
+        if self.n > 1:
+            raise NotImplementedError("n > 1 (parallel sampling with shared blocks) is not implemented yet")
+        if self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0:
+            raise NotImplementedError("presence/frequency/repetition penalties are not implemented yet")
+        if self.logprobs is not None or self.prompt_logprobs is not None:
+            raise NotImplementedError("logprobs and prompt_logprobs are not implemented yet")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value

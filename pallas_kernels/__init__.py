@@ -1,0 +1,11 @@
+"""Paged attention kernels and their plain `jax.numpy` references.
+
+This package imports nothing from the rest of the project: kernels are usable on their own.
+"""
+
+from pallas_kernels.reference import (
+    paged_attention_reference,
+    write_kv_to_cache,
+)
+
+__all__ = ["paged_attention_reference", "write_kv_to_cache"]
