@@ -1,0 +1,59 @@
+"""Tiny random Hugging Face checkpoints built with transformers + torch (test-only)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="torch is a test-only dependency, installed on Python 3.11 only")
+transformers = pytest.importorskip("transformers")
+
+from models.tiny import _train_tokenizer  # noqa: E402
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=256, rms_norm_eps=1e-6,
+              # A wide init keeps the top-2 logit gap large, so float32 summation order cannot flip a greedy pick.
+              initializer_range=0.3)
+
+# name -> (config class, extra config); chosen to cover GQA, MQA, tied embeddings, llama3 rope scaling,
+# Qwen2's qkv biases and Mistral's sliding window.
+SPECS = {
+    "llama-gqa": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False, rope_theta=10000.0)),
+    "llama3-mqa-tied": ("LlamaConfig", dict(
+        num_key_value_heads=1, tie_word_embeddings=True,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
+    "mistral-window": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=24, head_dim=16)),
+    "qwen2-tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+}
+
+
+def build_checkpoint(name: str, directory: str, dtype=None) -> str:
+    """Writes a seeded random checkpoint + tokenizer; returns the directory."""
+    if os.path.exists(os.path.join(directory, "config.json")):
+        return directory
+    config_name, extra = SPECS[name]
+    vocab = _train_tokenizer(directory, 512)
+    config = getattr(transformers, config_name)(vocab_size=vocab, bos_token_id=0, eos_token_id=1,
+                                                pad_token_id=0, **COMMON, **extra)
+    torch.manual_seed(0)
+    model = getattr(transformers, config_name.replace("Config", "ForCausalLM"))(config).eval()
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(directory)
+    return directory
+
+
+def hf_greedy(directory: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuation of each prompt by transformers, in float32, never stopping early."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_new_tokens, pad_token_id=0)
+            outputs.append(out[0, len(prompt):].tolist())
+    return outputs
