@@ -64,7 +64,18 @@ def prepare_inputs(batch: ScheduledBatch, block_manager: BlockManager, buckets: 
     s_pad = buckets.seqs(t_pad)
     num_seqs = len(batch.requests)
     assert num_tokens <= t_pad and num_seqs <= s_pad, (num_tokens, t_pad, num_seqs, s_pad)
+    return _fill(batch, block_manager, buckets, t_pad, s_pad)
 
+
+def padding_inputs(block_manager: BlockManager, buckets: Buckets, t_pad: int, p_pad: int) -> StepInputs:
+    """An all-padding step of shape (T, S, P): it touches only the sink block. Used to compile ahead."""
+    empty = ScheduledBatch([], [], [])
+    return _fill(empty, block_manager, buckets, t_pad, buckets.seqs(t_pad), p_pad)
+
+
+def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, t_pad: int, s_pad: int,
+          p_pad: int | None = None) -> StepInputs:
+    num_seqs = len(batch.requests)
     token_ids = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
     # Padded tokens write into the sink block and read as sequence 0 at position 0: harmless and NaN-free.
@@ -115,7 +126,7 @@ def prepare_inputs(batch: ScheduledBatch, block_manager: BlockManager, buckets: 
             banned_ids[i, :len(stop_ids)] = stop_ids
     query_start[num_seqs + 1:] = offset
 
-    p_pad = buckets.pages(max_pages)
+    p_pad = p_pad or buckets.pages(max_pages)
     page_tables = np.where(has_row[:, None], block_manager.page_table[rows, :p_pad], SINK_BLOCK).astype(np.int32)
     return StepInputs(
         token_ids=token_ids,

@@ -37,6 +37,15 @@ class IncrementalDetokenizer:
             return delta
         return ""
 
+    def flush(self) -> str:
+        """Text still held back (an unfinished UTF-8 sequence at the end); called when the output ends."""
+        prefix_text = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full_text = self._decode(self.token_ids[self.prefix_offset:])
+        delta = full_text[len(prefix_text):]
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        self.text += delta
+        return delta
+
 
 def find_stop_string(text: str, delta_len: int, stops: list[str]) -> tuple[str, int] | None:
     """Finds the earliest stop string that the last `delta_len` characters completed.

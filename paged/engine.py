@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from models import get_attention_backend, load_model
-from paged.batch import Buckets, prepare_inputs
+from paged.batch import Buckets, padding_inputs, prepare_inputs
 from paged.block_manager import BlockManager
 from paged.config import EngineConfig
 from paged.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -131,6 +131,8 @@ class LLMEngine:
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk: its sample is not a real next token
             self._append_token(request, int(sampled[i]))
+            if request.finished and request.detokenizer is not None and not isinstance(request.stop_reason, str):
+                request.text += request.detokenizer.flush()
             outputs.append(self.output_of(request))
             if request.finished:
                 self.requests.pop(request.request_id, None)
@@ -165,6 +167,13 @@ class LLMEngine:
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, outputs=[completion],
                              finished=request.finished, num_cached_tokens=0)
+
+    def precompile(self, show_progress: bool = False) -> None:
+        """Compiles every (tokens, seqs, pages) bucket ahead of traffic by running all-padding steps."""
+        from tqdm.auto import tqdm
+        shapes = self.buckets.all_shapes()
+        for t_pad, _, p_pad in tqdm(shapes, desc="Compiling", disable=not show_progress):
+            self.runner.run(padding_inputs(self.block_manager, self.buckets, t_pad, p_pad))
 
     # ---- introspection --------------------------------------------------------------------------------
 

@@ -1,0 +1,128 @@
+"""Engine-level behaviour: continuous batching, static shapes, preemption, no leaks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged import LLM, SamplingParams
+from paged.request import RequestStatus
+
+
+def _all_blocks_free(engine) -> bool:
+    bm = engine.block_manager
+    return (bm.num_free_blocks == bm.num_usable_blocks and not bm.ref_counts.any()
+            and len(bm.free_rows) == bm.page_table.shape[0] and not bm.page_table.any())
+
+
+def _ids(n, seed=0, vocab=400):
+    return np.random.default_rng(seed).integers(2, vocab, size=n).tolist()
+
+
+def test_request_added_while_others_decode_is_served_next_step(tiny_llm):
+    engine = tiny_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    first = engine.make_request("join-a", None, _ids(10), params)
+    engine.add_request(first)
+    engine.step()  # prefill
+    engine.step()  # decode
+    assert first.num_output_tokens == 2
+    second = engine.make_request("join-b", None, _ids(12, seed=1), params)
+    engine.add_request(second)
+    outputs = engine.step()
+    produced = {o.request_id for o in outputs}
+    assert produced == {"join-a", "join-b"}, "the new request must be prefilled in the very next step"
+    assert second.num_computed_tokens == 12 and second.num_output_tokens == 1
+    assert first.num_output_tokens == 3, "running requests keep decoding while the newcomer prefills"
+    for request_id in ("join-a", "join-b"):
+        engine.abort_request(request_id)
+    assert not engine.has_unfinished_requests()
+    assert _all_blocks_free(engine)
+
+
+def test_long_prompt_is_chunked_without_stalling_decode(tiny_model_dir):
+    llm = LLM(tiny_model_dir, block_size=8, max_num_batched_tokens=32, max_model_len=256, show_progress=False)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    short = engine.make_request("short", None, _ids(4), params)
+    engine.add_request(short)
+    engine.step()
+    long = engine.make_request("long", None, _ids(100, seed=2), params)
+    engine.add_request(long)
+    for _ in range(4):  # 100 prompt tokens at <= 31 per step (one slot goes to the decode)
+        before = short.num_output_tokens
+        engine.step()
+        assert short.num_output_tokens == before + 1
+    assert long.num_computed_tokens == 100 and long.num_output_tokens == 1
+    # Chunked prefill gives the same tokens as prefilling in one go.
+    whole = LLM(tiny_model_dir, block_size=8, max_num_batched_tokens=256, max_model_len=256,
+                enable_chunked_prefill=False, show_progress=False)
+    expected = whole.generate({"prompt_token_ids": long.prompt_token_ids}, params, use_tqdm=False)[0]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert long.output_token_ids == expected.outputs[0].token_ids
+    assert _all_blocks_free(engine)
+
+
+def test_no_compilation_after_warmup(tiny_model_dir):
+    llm = LLM(tiny_model_dir, block_size=8, max_num_seqs=16, max_num_batched_tokens=64, max_model_len=128,
+              show_progress=False)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, ignore_eos=True, seed=1)
+    rng = np.random.default_rng(0)
+
+    def traffic(batch_sizes):
+        for n in batch_sizes:
+            prompts = [{"prompt_token_ids": _ids(int(rng.integers(1, 60)), seed=int(rng.integers(1 << 30)))}
+                       for _ in range(n)]
+            llm.generate(prompts, params, use_tqdm=False)
+
+    llm.engine.precompile()
+    warm = llm.engine.num_compilations
+    assert warm == len(llm.engine.buckets.all_shapes())
+    traffic([1, 3, 16, 7, 2, 11, 16, 5])
+    assert llm.engine.num_compilations == warm, "steady traffic must not trigger compilation"
+    assert _all_blocks_free(llm.engine)
+
+
+def test_preemption_recomputes_and_matches_unconstrained_run(tiny_model_dir):
+    prompts = [{"prompt_token_ids": _ids(n, seed=n)} for n in (5, 17, 30, 9, 24, 12)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    roomy = LLM(tiny_model_dir, block_size=8, max_model_len=96, show_progress=False)
+    expected = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    tight = LLM(tiny_model_dir, block_size=8, num_kv_blocks=14, max_model_len=96, show_progress=False)
+    got = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.engine.num_preemptions > 0
+    assert got == expected
+    assert _all_blocks_free(tight.engine)
+
+
+def test_seeded_sampling_survives_preemption(tiny_model_dir):
+    prompts = [{"prompt_token_ids": _ids(n, seed=n)} for n in (5, 17, 30, 9, 24, 12)]
+    params = [SamplingParams(temperature=1.0, top_k=50, max_tokens=40, ignore_eos=True, seed=i) for i in range(6)]
+    roomy = LLM(tiny_model_dir, block_size=8, max_model_len=96, show_progress=False)
+    tight = LLM(tiny_model_dir, block_size=8, num_kv_blocks=14, max_model_len=96, show_progress=False)
+    a = [o.outputs[0].token_ids for o in roomy.generate(prompts, params, use_tqdm=False)]
+    b = [o.outputs[0].token_ids for o in tight.generate(prompts, params, use_tqdm=False)]
+    assert tight.engine.num_preemptions > 0
+    assert a == b
+
+
+def test_abort_frees_blocks_of_running_and_waiting_requests(tiny_llm):
+    engine = tiny_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
+    requests = [engine.make_request(f"abort-{i}", None, _ids(20, seed=i), params) for i in range(20)]
+    for r in requests:
+        engine.add_request(r)
+    engine.step()
+    assert any(r.status is RequestStatus.RUNNING for r in requests)
+    assert any(r.status is RequestStatus.WAITING for r in requests)
+    for r in requests:
+        engine.abort_request(r.request_id)
+    assert all(r.finish_reason == "abort" for r in requests)
+    assert not engine.has_unfinished_requests()
+    assert _all_blocks_free(engine)
+
+
+def test_pool_too_small_for_one_sequence_is_rejected(tiny_model_dir):
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(tiny_model_dir, block_size=8, num_kv_blocks=4, max_model_len=256, show_progress=False)
