@@ -1,0 +1,27 @@
+# make demo  - install into .venv and generate text with the built-in tiny model (offline)
+# make test  - install the pinned test environments and run the suite on Python 3.11 and, where present,
+#              on Python >= 3.12 with the newest jax
+SHELL := /bin/bash
+PYTHON ?= python3
+PY312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3 2>/dev/null | tail -n 1)
+export JAX_PLATFORMS ?= cpu
+
+.PHONY: demo test test311 test312 install
+
+install:
+	test -x .venv/bin/python || $(PYTHON) -m venv .venv
+	.venv/bin/pip install -q -r requirements/test-py311.txt -e .
+
+demo: install
+	.venv/bin/paged generate "Paged attention keeps the cache in" "Hello world"
+
+test311: install
+	.venv/bin/python -m pytest -q -ra
+
+test312:
+	@if [ -z "$(PY312)" ]; then echo "no Python >= 3.12 on this machine: skipping the newest-jax run"; exit 0; fi; \
+	set -e; test -x .venv312/bin/python || $(PY312) -m venv .venv312; \
+	.venv312/bin/pip install -q -r requirements/test-py312.txt -e .; \
+	.venv312/bin/python -m pytest -q -ra
+
+test: test311 test312

@@ -1,0 +1,95 @@
+"""`paged` command line: `paged generate --model PATH "prompt" [sampling flags]`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from models.tiny import TINY_MODEL_NAME
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=TINY_MODEL_NAME,
+                        help=f"HF checkpoint directory or hub id (default: {TINY_MODEL_NAME}, a tiny random Llama "
+                             "built offline)")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--dtype", default="auto", help="auto, float32/float, bfloat16, float16/half")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--no-chunked-prefill", action="store_true")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default here)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--min-tokens", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--stop-token-ids", type=int, nargs="*", default=None)
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from paged import LLM, SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=args.sampling_seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+                            stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+    start = time.perf_counter()
+    llm = LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed, block_size=args.block_size,
+              num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=args.max_model_len, attention_backend=args.attention_backend,
+              enable_chunked_prefill=not args.no_chunked_prefill)
+    loaded = time.perf_counter()
+    outputs = llm.generate(args.prompts, params, use_tqdm=not args.json)
+    done = time.perf_counter()
+    if args.json:
+        print(json.dumps([{"prompt": o.prompt, "text": o.outputs[0].text, "token_ids": o.outputs[0].token_ids,
+                           "finish_reason": o.outputs[0].finish_reason, "stop_reason": o.outputs[0].stop_reason}
+                          for o in outputs], indent=2))
+        return 0
+    for output in outputs:
+        completion = output.outputs[0]
+        print(f"--- prompt: {output.prompt!r}")
+        print(f"{completion.text!r}  [{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]")
+    num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"load {loaded - start:.1f}s, generate {done - loaded:.1f}s (incl. compilation: "
+          f"{llm.engine.num_compilations} shapes), {num_tokens} tokens", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="paged", description="paged: paged-attention LLM inference in JAX")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
+    gen.add_argument("prompts", nargs="+", help="prompt text (several prompts are batched together)")
+    gen.add_argument("--json", action="store_true", help="print results as JSON")
+    _add_engine_args(gen)
+    _add_sampling_args(gen)
+    gen.set_defaults(func=_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, NotImplementedError) as exc:
+        print(f"paged: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Checkpoint loading: config spellings, sharded safetensors, dtypes, errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from models import load_model, model_config_from_hf, resolve_dtype
+from paged import LLM, SamplingParams
+
+BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=100, hidden_size=64,
+            intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_transformers4_and_5_rope_spellings_agree():
+    v4 = model_config_from_hf({**BASE, "rope_theta": 500000.0, "rope_scaling": {
+        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192}, "torch_dtype": "bfloat16"})
+    v5 = model_config_from_hf({**BASE, "rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, "dtype": "bfloat16"})
+    assert v4 == v5
+    assert v4.rope.rope_type == "llama3" and v4.rope.theta == 500000.0 and v4.checkpoint_dtype == "bfloat16"
+    # Scaling leaves the highest frequencies alone and divides the lowest by `factor`.
+    plain = model_config_from_hf({**BASE, "rope_theta": 500000.0}).rope.inv_freq(16)
+    scaled = v4.rope.inv_freq(16)
+    assert scaled[0] == plain[0] and np.isclose(scaled[-1], plain[-1] / 8.0)
+
+
+def test_unsupported_rope_scaling_is_a_clear_error():
+    with pytest.raises(NotImplementedError, match="yarn"):
+        model_config_from_hf({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_sharded_checkpoint_loads_like_single_file(tiny_model_dir, tmp_path):
+    sharded = tmp_path / "sharded"
+    shutil.copytree(tiny_model_dir, sharded)
+    os.remove(sharded / "model.safetensors")
+    tensors = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, group in halves.items():
+        save_file({n: tensors[n] for n in group}, sharded / file)
+        weight_map.update({n: file for n in group})
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    *_, single, _ = load_model(tiny_model_dir, show_progress=False)
+    *_, split, _ = load_model(str(sharded), show_progress=False)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), single, split)
+
+
+@pytest.mark.parametrize("spelling, expected", [
+    ("auto", np.float32), ("float", np.float32), ("float32", np.float32), ("half", np.float16),
+    ("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16)])
+def test_dtype_spellings(tiny_model_dir, spelling, expected):
+    *_, params, dtype = load_model(tiny_model_dir, dtype=spelling, show_progress=False)
+    assert dtype == np.dtype(expected)
+    assert all(leaf.dtype == np.dtype(expected) for leaf in jax.tree.leaves(params))
+
+
+def test_bfloat16_generation_tracks_float32(tiny_model_dir):
+    params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    prompts = ["Hello world", "The quick brown fox", "Paged attention", "JAX compiles"]
+    runs = []
+    for dtype in ("float32", "bfloat16"):
+        llm = LLM(tiny_model_dir, dtype=dtype, block_size=8, max_model_len=64, show_progress=False)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        assert llm.engine.runner.kv_cache[0].dtype == np.dtype(dtype)
+    assert runs[0] == runs[1]
+
+
+def test_missing_tensor_and_bad_shapes_are_reported(tiny_model_dir, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_model_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ValueError, match="layers.mlp.up_proj.kernel"):
+        load_model(str(broken), show_progress=False)
+    tensors = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    tensors["model.norm.weight"] = np.ones(3, np.float32)
+    save_file(tensors, broken / "model.safetensors")
+    with pytest.raises(ValueError, match="model.norm.weight has shape"):
+        load_model(str(broken), show_progress=False)
+
+
+def test_unknown_dtype_and_unreachable_hub_id(monkeypatch):
+    cfg = model_config_from_hf(BASE)
+    with pytest.raises(ValueError, match="int4"):
+        resolve_dtype("int4", cfg)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="could not be fetched"):
+        load_model("some-org/not-a-real-model", show_progress=False)
