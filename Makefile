@@ -3,7 +3,9 @@
 #              on Python >= 3.12 with the newest jax
 SHELL := /bin/bash
 PYTHON ?= python3
-PY312 ?= $(shell command -v python3.12 2>/dev/null || ls -d $$HOME/.pyenv/versions/3.12*/bin/python3 2>/dev/null | tail -n 1)
+# The first interpreter >= 3.12 that actually runs (a pyenv shim may exist for a version that is not active).
+PY312 ?= $(shell for p in $$(ls -d $$HOME/.pyenv/versions/3.12*/bin/python3 2>/dev/null) $$(command -v python3.12); do \
+	"$$p" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo "$$p" && break; done)
 export JAX_PLATFORMS ?= cpu
 
 .PHONY: demo test test311 test312 install

@@ -46,16 +46,21 @@ def _train_tokenizer(directory: str, vocab_size: int) -> int:
 
 def create_tiny_llama(directory: str, *, vocab_size: int = 512, hidden_size: int = 64,
                       intermediate_size: int = 128, num_layers: int = 2, num_heads: int = 4,
-                      num_kv_heads: int = 2, seed: int = 0) -> str:
-    """Writes config.json, model.safetensors and a trained byte-level BPE tokenizer into `directory`."""
+                      num_kv_heads: int = 2, seed: int = 0, model_vocab_size: int | None = None,
+                      max_position_embeddings: int = 1024) -> str:
+    """Writes config.json, model.safetensors and a trained byte-level BPE tokenizer into `directory`.
+
+    The tokenizer's vocabulary is at most `vocab_size` (the corpus is small); `model_vocab_size` sets a larger
+    embedding table when a benchmark needs realistic LM-head costs (the extra ids have no text).
+    """
     os.makedirs(directory, exist_ok=True)
-    real_vocab = _train_tokenizer(directory, vocab_size)
+    real_vocab = max(_train_tokenizer(directory, vocab_size), model_vocab_size or 0)
     head_dim = hidden_size // num_heads
     config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": real_vocab,
         "hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
-        "max_position_embeddings": 1024, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
         "torch_dtype": "float32",
     }
