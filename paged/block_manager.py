@@ -1,12 +1,16 @@
-"""Host-side KV block bookkeeping: a free list, reference counts and the page table.
+"""Host-side KV block bookkeeping: free queue, reference counts, prefix cache and the page table.
 
 Block 0 is never handed out: it is the sink that padded tokens write to and padded page-table entries
 point at, which keeps the device-side scatter and gather branch-free.
+
+Prefix caching: a full block is keyed by a hash chained from its predecessor's hash and its own token ids,
+so a key names the whole prefix up to that block. Blocks whose last holder lets go stay in the cache, in
+the free queue in least-recently-used order, until allocation needs them; a hit takes a block back out.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
 
 import numpy as np
 
@@ -15,62 +19,161 @@ from paged.request import Request
 SINK_BLOCK = 0
 
 
+def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
+    return hash((parent, token_ids))
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int):
+    def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int,
+                 enable_prefix_caching: bool = False):
         if num_blocks < 2:
             raise ValueError(f"num_kv_blocks must be at least 2 (one is the reserved sink), got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.free_blocks: deque[int] = deque(range(1, num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
+        # Free blocks, oldest first; allocation takes from the front (evicting a cached block if needed).
+        self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.ref_counts = np.zeros(num_blocks, np.int32)
+        self.block_hash: dict[int, int] = {}  # block -> its chain hash, for blocks in the cache
+        self.block_tokens: dict[int, tuple[int, ...]] = {}  # re-checked on a hit: hashes can collide
+        self.cached: dict[int, int] = {}  # chain hash -> block
         # [max_num_seqs, max_blocks_per_seq]: a running request owns one row while it holds blocks; rows are
         # updated only when a block is added or freed, so preparing a step copies rows instead of rebuilding.
         self.page_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
         self.free_rows: list[int] = list(range(max_num_seqs - 1, -1, -1))
+        self.prefix_queries = 0  # full blocks looked up
+        self.prefix_hits = 0  # full blocks found
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        return len(self.free_queue)
 
     @property
     def num_usable_blocks(self) -> int:
         return self.num_blocks - 1
 
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_usable_blocks - self.num_free_blocks
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
+
+    # ---- allocation -----------------------------------------------------------------------------------
+
+    def _take_free_block(self) -> int:
+        block, _ = self.free_queue.popitem(last=False)
+        if block in self.block_hash:  # evict the least recently used cached block
+            del self.cached[self.block_hash.pop(block)]
+            del self.block_tokens[block]
+        self.ref_counts[block] = 1
+        return block
+
+    def _append_block(self, request: Request, block: int) -> None:
+        if request.page_row is None:
+            request.page_row = self.free_rows.pop()
+        self.page_table[request.page_row, len(request.block_ids)] = block
+        request.block_ids.append(block)
 
     def allocate(self, request: Request, num_tokens: int) -> bool:
         """Grows `request` to hold `num_tokens` tokens of K/V. All or nothing; False when blocks run out."""
         needed = self.blocks_for(num_tokens) - len(request.block_ids)
         if needed <= 0:
             return True
-        if needed > len(self.free_blocks):
+        if needed > len(self.free_queue):
             return False
-        if request.page_row is None:
-            request.page_row = self.free_rows.pop()
-        row = self.page_table[request.page_row]
         for _ in range(needed):
-            block = self.free_blocks.popleft()
-            self.ref_counts[block] += 1
-            row[len(request.block_ids)] = block
-            request.block_ids.append(block)
+            self._append_block(request, self._take_free_block())
         return True
 
+    def share(self, request: Request, blocks: list[int]) -> None:
+        """Appends already-computed blocks to `request` (a prefix hit or a parallel-sampling fork)."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_queue[block]
+            self.ref_counts[block] += 1
+            self._append_block(request, block)
+
     def free(self, request: Request) -> None:
-        """Releases every block of `request` (shared blocks stay until their last holder lets go)."""
-        for block in request.block_ids:
+        """Releases every block of `request`; shared blocks stay until their last holder lets go.
+
+        Blocks go back in reverse order, so a sequence's tail is evicted before the prefix others may share.
+        """
+        for block in reversed(request.block_ids):
             self.ref_counts[block] -= 1
             if self.ref_counts[block] == 0:
-                self.free_blocks.append(block)
+                if block in self.block_hash:
+                    self.free_queue[block] = None
+                else:  # nothing worth keeping: reuse it first
+                    self.free_queue[block] = None
+                    self.free_queue.move_to_end(block, last=False)
         request.block_ids = []
+        request.num_registered_blocks = 0
         if request.page_row is not None:
             self.page_table[request.page_row] = SINK_BLOCK
             self.free_rows.append(request.page_row)
             request.page_row = None
+
+    # ---- prefix caching -------------------------------------------------------------------------------
+
+    def _hashes(self, request: Request, num_full_blocks: int) -> list[int]:
+        """Chain hashes of the request's first `num_full_blocks` blocks (memoised on the request)."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_full_blocks:
+            i = len(hashes)
+            hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(request.token_ids[i * bs:(i + 1) * bs])))
+        return hashes[:num_full_blocks]
+
+    def match_prefix(self, request: Request) -> int:
+        """Shares the longest cached prefix of a request that holds no blocks; returns tokens covered.
+
+        At least one token is always left to compute: the step needs it to produce logits.
+        """
+        if not self.enable_prefix_caching or request.block_ids:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits = []
+        bs = self.block_size
+        for i, h in enumerate(self._hashes(request, max_blocks)):
+            block = self.cached.get(h)
+            if block is None or self.block_tokens[block] != tuple(request.token_ids[i * bs:(i + 1) * bs]):
+                break
+            hits.append(block)
+        self.share(request, hits)
+        return len(hits) * bs
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Registers the request's computed, full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        bs = self.block_size
+        hashes = self._hashes(request, num_full)
+        for i in range(request.num_registered_blocks, num_full):
+            block, h = request.block_ids[i], hashes[i]
+            if block in self.block_hash or h in self.cached:
+                continue  # already cached, or the same content lives in another block
+            self.block_hash[block] = h
+            self.block_tokens[block] = tuple(request.token_ids[i * bs:(i + 1) * bs])
+            self.cached[h] = block
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
+
+    # ---- device addressing ----------------------------------------------------------------------------
 
     def slots(self, request: Request, start: int, stop: int) -> np.ndarray:
         """int32 [stop - start]: pool slots (block * block_size + offset) of token positions start..stop-1."""
         positions = np.arange(start, stop)
         blocks = self.page_table[request.page_row, positions // self.block_size]
         return (blocks * self.block_size + positions % self.block_size).astype(np.int32)
+
+    def live_token_slots(self, requests: list[Request]) -> int:
+        """Token slots holding computed K/V across `requests`, counting a shared block once."""
+        filled: dict[int, int] = {}
+        bs = self.block_size
+        for request in requests:
+            for i, block in enumerate(request.block_ids):
+                n = min(bs, max(0, request.num_computed_tokens - i * bs))
+                filled[block] = max(filled.get(block, 0), n)
+        return sum(filled.values())

@@ -20,7 +20,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     max_model_len: int | None = None
     enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = False
+    enable_prefix_caching: bool = True
+    preemption_mode: str = "recompute"
+    swap_space: float = 4.0  # GiB of host memory for swapped-out K/V (preemption_mode="swap")
     attention_backend: str = "auto"
     seed: int = 0
 
@@ -42,8 +44,10 @@ class EngineConfig:
               f"max_num_batched_tokens must be None or an integer >= 1, got {self.max_num_batched_tokens!r}")
         check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
               f"max_model_len must be None or an integer >= 1, got {self.max_model_len!r}")
-        if self.enable_prefix_caching:
-            raise NotImplementedError("enable_prefix_caching=True is not implemented yet (KV memory issue)")
+        check(self.preemption_mode in ("recompute", "swap"),
+              f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        check(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
+              f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
 
     def resolved(self, model_max_len: int) -> "EngineConfig":
         """Fills max_model_len and max_num_batched_tokens from the model and each other."""

@@ -14,8 +14,8 @@ from paged.block_manager import BlockManager
 from paged.config import EngineConfig
 from paged.detokenizer import IncrementalDetokenizer, find_stop_string
 from paged.outputs import CompletionOutput, RequestOutput
-from paged.request import Request, RequestStatus
-from paged.runner import ModelRunner, kv_block_bytes, kv_budget_bytes
+from paged.request import ParentRequest, Request
+from paged.runner import BlockMover, ModelRunner, kv_block_bytes, kv_budget_bytes
 from paged.sampling_params import SamplingParams
 from paged.scheduler import ScheduledBatch, Scheduler
 
@@ -47,12 +47,17 @@ class LLMEngine:
 
         max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         num_blocks = self._num_blocks(config, max_blocks_per_seq)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.max_num_seqs, max_blocks_per_seq)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.max_num_seqs, max_blocks_per_seq,
+                                          config.enable_prefix_caching)
         self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq)
         self.runner = ModelRunner(self.model, params, attention, num_blocks, config.block_size, self.dtype)
-        self.requests: dict[str, Request] = {}
+        block_bytes = kv_block_bytes(self.model_config, config.block_size, self.dtype)
+        swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
+        self.mover = BlockMover(self.runner, self.block_manager, swap_blocks)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.enable_chunked_prefill, self.mover if swap_blocks else None)
+        self.requests: dict[str, ParentRequest] = {}
+        self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model (not cache hits)
         self._seed_rng = np.random.default_rng(config.seed)
 
     def _num_blocks(self, config: EngineConfig, max_blocks_per_seq: int) -> int:
@@ -73,7 +78,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                     params: SamplingParams) -> Request:
+                     params: SamplingParams) -> ParentRequest:
         """Tokenizes and validates one request without touching engine state (raises ValueError)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -95,20 +100,31 @@ class LLMEngine:
                              f"within max_model_len={self.config.max_model_len}")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids {params.stop_token_ids} include ids outside the vocabulary [0, {vocab})")
-        seed = params.seed if params.seed is not None else int(self._seed_rng.integers(2**32))
-        detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
-                       if self.tokenizer is not None else None)
-        return Request(request_id, prompt, [int(t) for t in prompt_token_ids], params, seed, detokenizer,
-                       self.eos_token_ids)
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        children = []
+        for index in range(params.n):
+            # Each sample gets its own stream: seed + index when seeded (as vLLM does), else a fresh draw.
+            seed = (params.seed + index) % 2**32 if params.seed is not None else int(self._seed_rng.integers(2**32))
+            detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+                           if self.tokenizer is not None else None)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            children.append(Request(child_id, prompt, [int(t) for t in prompt_token_ids], params, seed,
+                                    detokenizer, self.eos_token_ids, index=index))
+        return ParentRequest(request_id, children)
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: ParentRequest) -> None:
         self.requests[request.request_id] = request
-        self.scheduler.add(request)
+        self.scheduler.add(request.leader)
 
     def abort_request(self, request_id: str) -> None:
-        request = self.requests.pop(request_id, None)
-        if request is not None and not request.finished:
-            self.scheduler.finish(request, "abort")
+        parent = self.requests.pop(request_id, None)
+        if parent is None:
+            return
+        parent.pending_forks = []
+        for child in parent.children:
+            if not child.finished:
+                self.scheduler.finish(child, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -120,23 +136,44 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        self.num_computed_prompt_tokens += sum(
+            max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens)) for r, n in zip(batch.requests, batch.num_new_tokens))
         inputs = prepare_inputs(batch, self.block_manager, self.buckets)
         sampled = self.runner.run(inputs)
         return self._postprocess(batch, sampled)
 
     def _postprocess(self, batch: ScheduledBatch, sampled: np.ndarray) -> list[RequestOutput]:
-        outputs = []
+        touched: dict[str, ParentRequest] = {}
+        copies = []
         for i, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             request.num_computed_tokens += num_new
+            self.block_manager.cache_full_blocks(request)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk: its sample is not a real next token
+            parent = request.parent
+            if parent.pending_forks and request is parent.leader:
+                copies += self._fork(parent)
             self._append_token(request, int(sampled[i]))
             if request.finished and request.detokenizer is not None and not isinstance(request.stop_reason, str):
                 request.text += request.detokenizer.flush()
-            outputs.append(self.output_of(request))
-            if request.finished:
-                self.requests.pop(request.request_id, None)
+            touched[parent.request_id] = parent
+        # Copy-on-write before anything can reuse a source block (a finished leader frees its blocks).
+        self.mover.copy(copies)
+        outputs = []
+        for parent in touched.values():
+            outputs.append(self.output_of(parent))
+            if parent.finished:
+                self.requests.pop(parent.request_id, None)
         return outputs
+
+    def _fork(self, parent: ParentRequest) -> list[tuple[int, int]]:
+        copies = []
+        for child in parent.pending_forks:
+            pair = self.scheduler.fork(parent.leader, child)
+            if pair is not None:
+                copies.append(pair)
+        parent.pending_forks = []
+        return copies
 
     def _append_token(self, request: Request, token: int) -> None:
         params = request.params
@@ -161,12 +198,14 @@ class LLMEngine:
         if request.num_tokens >= self.config.max_model_len:
             return self.scheduler.finish(request, "length")
 
-    def output_of(self, request: Request) -> RequestOutput:
-        completion = CompletionOutput(index=0, text=request.text, token_ids=list(request.output_token_ids),
-                                      finish_reason=request.finish_reason, stop_reason=request.stop_reason)
-        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=request.prompt_token_ids, outputs=[completion],
-                             finished=request.finished, num_cached_tokens=0)
+    def output_of(self, parent: ParentRequest) -> RequestOutput:
+        completions = [CompletionOutput(index=c.index, text=c.text, token_ids=list(c.output_token_ids),
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                       for c in parent.children]
+        leader = parent.leader
+        return RequestOutput(request_id=parent.request_id, prompt=leader.prompt,
+                             prompt_token_ids=leader.prompt_token_ids, outputs=completions,
+                             finished=parent.finished, num_cached_tokens=leader.num_cached_tokens or 0)
 
     def precompile(self, show_progress: bool = False) -> None:
         """Compiles every (tokens, seqs, pages) bucket ahead of traffic by running all-padding steps."""
@@ -188,6 +227,30 @@ class LLMEngine:
     @property
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
+
+    def kv_stats(self) -> dict:
+        """Memory accounting for metrics and benchmarks.
+
+        kv_utilization: token slots holding live K/V / token slots in the blocks that running requests hold
+        (waste is the unfilled tail of each sequence's last block). kv_cache_usage: used / usable blocks.
+        """
+        bm = self.block_manager
+        running = self.scheduler.running
+        held = {b for r in running for b in r.block_ids}
+        live = bm.live_token_slots(running)
+        return {
+            "num_blocks": bm.num_usable_blocks,
+            "num_used_blocks": bm.num_used_blocks,
+            "num_held_blocks": len(held),
+            "kv_cache_usage": bm.num_used_blocks / bm.num_usable_blocks,
+            "kv_utilization": live / (len(held) * bm.block_size) if held else 1.0,
+            "num_running": len(running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_swaps": self.scheduler.num_swaps,
+            "prefix_cache_queries": bm.prefix_queries,
+            "prefix_cache_hits": bm.prefix_hits,
+        }
 
 
 def _load_tokenizer(path: str):

@@ -24,7 +24,8 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
                  max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto",
-                 enable_prefix_caching: bool = False, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
+                 preemption_mode: str = "recompute", swap_space: float = 4.0,
                  tensor_parallel_size: int = 1, quantization: str | None = None, show_progress: bool = True):
         self.engine = LLMEngine(
             model, tokenizer=tokenizer, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
@@ -32,7 +33,8 @@ class LLM:
             num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, attention_backend=attention_backend,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill)
+            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
+            preemption_mode=preemption_mode, swap_space=swap_space)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -18,28 +18,34 @@ class RequestStatus(enum.Enum):
 
 
 class Request:
-    """Token ids (prompt then output), progress, and the KV blocks a request holds.
+    """One sequence: token ids (prompt then output), progress, and the KV blocks it holds.
 
     `num_computed_tokens` counts tokens whose K/V are in the cache. The scheduler computes tokens until it
-    catches up with `len(token_ids)`; that one rule covers prefill, chunked prefill and decode.
+    catches up with `len(token_ids)`; that one rule covers prefill, chunked prefill, prefix hits and decode.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, detokenizer: IncrementalDetokenizer | None,
-                 eos_token_ids: tuple[int, ...] = ()):
+                 eos_token_ids: tuple[int, ...] = (), index: int = 0, parent: "ParentRequest | None" = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
         self.seed = seed
+        self.index = index  # position among the n samples of its parent
+        self.parent = parent
         self.arrival = next(_arrival_counter)
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache, once admitted
         self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []  # chain hashes of full blocks, memoised for the prefix cache
+        self.num_registered_blocks = 0  # leading full blocks already offered to the prefix cache
         self.page_row: int | None = None  # this request's row of the page table while it holds blocks
+        self.swapped_kv = None  # host copy of the K/V while swapped out
         self.num_preemptions = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
@@ -68,3 +74,26 @@ class Request:
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed_tokens}, blocks={len(self.block_ids)})")
+
+
+class ParentRequest:
+    """What the user submitted: one prompt, `n` sampled sequences.
+
+    Sequence 0 (the leader) prefills the prompt; the others wait in `pending_forks` and, once the prompt's
+    K/V exist, fork from it: they share its full blocks and get a private copy of the block they will write.
+    """
+
+    def __init__(self, request_id: str, children: list[Request]):
+        self.request_id = request_id
+        self.children = children
+        self.pending_forks: list[Request] = children[1:]
+        for child in children:
+            child.parent = self
+
+    @property
+    def leader(self) -> Request:
+        return self.children[0]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.children)

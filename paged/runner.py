@@ -53,3 +53,78 @@ class ModelRunner:
         """Runs one step; returns the sampled token ids int32 [S] on the host."""
         self.kv_cache, tokens = self._step(self.params, self.kv_cache, inputs)
         return np.asarray(tokens)
+
+
+def _blocks_bucket(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@jax.jit
+def _gather_blocks(kv_cache, block_ids):
+    return tuple(cache[:, :, block_ids] for cache in kv_cache)
+
+
+def _scatter_blocks_impl(kv_cache, block_ids, data):
+    return tuple(cache.at[:, :, block_ids].set(d) for cache, d in zip(kv_cache, data))
+
+
+def _copy_blocks_impl(kv_cache, src, dst):
+    return tuple(cache.at[:, :, dst].set(cache[:, :, src]) for cache in kv_cache)
+
+
+_scatter_blocks = jax.jit(_scatter_blocks_impl, donate_argnums=(0,))
+_copy_blocks = jax.jit(_copy_blocks_impl, donate_argnums=(0,))
+
+
+class BlockMover:
+    """Block copies on device (copy-on-write) and to/from host memory (swap), with bucketed sizes.
+
+    Padding entries copy the sink block onto itself, so every call compiles for a power-of-two count.
+    """
+
+    def __init__(self, runner: "ModelRunner", block_manager, swap_blocks: int):
+        self.runner = runner
+        self.block_manager = block_manager
+        self.swap_blocks = swap_blocks  # capacity of the host swap space, in blocks
+        self.swapped_blocks = 0
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        size = _blocks_bucket(len(pairs))
+        src = np.zeros(size, np.int32)
+        dst = np.zeros(size, np.int32)
+        src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
+        self.runner.kv_cache = _copy_blocks(self.runner.kv_cache, src, dst)
+
+    def swap_out(self, request) -> bool:
+        """Copies the request's computed blocks to host memory, if the swap space has room."""
+        num = self.block_manager.blocks_for(request.num_computed_tokens)
+        if num == 0 or self.swapped_blocks + num > self.swap_blocks:
+            return False
+        ids = np.zeros(_blocks_bucket(num), np.int32)
+        ids[:num] = request.block_ids[:num]
+        k, v = _gather_blocks(self.runner.kv_cache, ids)
+        request.swapped_kv = (np.asarray(k)[:, :, :num], np.asarray(v)[:, :, :num])
+        self.swapped_blocks += num
+        return True
+
+    def swap_in(self, request) -> None:
+        """Writes a swapped request's K/V into its freshly allocated blocks; frees the host copy."""
+        k, v = request.swapped_kv
+        num = k.shape[2]
+        size = _blocks_bucket(num)
+        ids = np.zeros(size, np.int32)
+        ids[:num] = request.block_ids[:num]
+        pad = [(0, 0), (0, 0), (0, size - num), (0, 0), (0, 0)]
+        data = (np.pad(k, pad), np.pad(v, pad))
+        # Padding rows write zeros into the sink block, which is never read unmasked.
+        self.runner.kv_cache = _scatter_blocks(self.runner.kv_cache, ids, data)
+        request.swapped_kv = None
+        self.swapped_blocks -= num
+
+    def release(self, request) -> None:
+        """Drops a swapped request's host copy (it finished or was aborted while swapped out)."""
+        if request.swapped_kv is not None:
+            self.swapped_blocks -= request.swapped_kv[0].shape[2]
+            request.swapped_kv = None

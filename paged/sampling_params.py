@@ -74,8 +74,6 @@ class SamplingParams:
         check(self.min_tokens == 0 or len(self.stop_token_ids) < MAX_MIN_TOKENS_BANNED_IDS,
               f"min_tokens with more than {MAX_MIN_TOKENS_BANNED_IDS - 1} stop_token_ids is not supported, "
               f"got {len(self.stop_token_ids)}")
-        if self.n > 1:
-            raise NotImplementedError("n > 1 (parallel sampling with shared blocks) is not implemented yet")
         if self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0:
             raise NotImplementedError("presence/frequency/repetition penalties are not implemented yet")
         if self.logprobs is not None or self.prompt_logprobs is not None:

@@ -1,8 +1,15 @@
-"""Continuous-batching scheduler: FCFS admission, token budget, recompute preemption.
+"""Continuous-batching scheduler: FCFS admission, token budget, preemption by recompute or swap.
 
 Each step it decides how many tokens each request computes: running requests first (oldest first), then
 waiting ones. A request computes tokens until `num_computed_tokens` catches up with its token list, so a
-fresh prompt, a chunk of one, a resumed (preempted) request and a decode step are the same case.
+fresh prompt, a chunk of one, a prefix-cache hit, a resumed request and a decode step are the same case.
+
+Preemption policy (when a running request needs a block and none is free): the newest running request is
+preempted. With `preemption_mode="swap"` its K/V are copied to host memory while the swap space has room, and
+copied back when it resumes; otherwise (the default, "recompute") its blocks are dropped and it prefills its
+prompt and output so far again (prefix-cache hits make that cheap). Recompute is the default because on one
+device a prefill of a few hundred tokens costs about as much as moving their K/V twice over PCIe, and it needs
+no host memory; swap pays off for long contexts on slow-compute devices.
 """
 
 from __future__ import annotations
@@ -30,14 +37,18 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool):
+                 enable_chunked_prefill: bool, swapper=None):
+        """`swapper` (optional) moves a request's K/V to host and back: swap_out(request) -> bool,
+        swap_in(request) after its blocks are allocated."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
+        self.swapper = swapper
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_swaps = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -63,13 +74,9 @@ class Scheduler:
         # Admitting new work in a step that had to preempt would only thrash.
         while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            num_new = request.num_tokens - request.num_computed_tokens
-            if num_new > budget:
-                if not self.enable_chunked_prefill:
-                    break  # FCFS: the head waits for a step with room rather than being overtaken
-                num_new = budget
-            if not self.block_manager.allocate(request, request.num_computed_tokens + num_new):
-                break
+            num_new = self._admit(request, budget)
+            if num_new == 0:
+                break  # FCFS: the head waits for room rather than being overtaken
             self.waiting.popleft()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -77,6 +84,32 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         return batch
+
+    def _admit(self, request: Request, budget: int) -> int:
+        """Gives a waiting request its blocks; returns the tokens it computes now (0: it cannot start)."""
+        bm = self.block_manager
+        if request.swapped_kv is not None:
+            num_new = request.num_tokens - request.num_computed_tokens
+            if num_new > budget or not bm.allocate(request, request.num_tokens):
+                bm.free(request)
+                return 0
+            self.swapper.swap_in(request)
+            return num_new
+        cached = bm.match_prefix(request)
+        request.num_computed_tokens = cached
+        num_new = request.num_tokens - cached
+        if num_new > budget:
+            num_new = budget if self.enable_chunked_prefill else 0
+        if num_new == 0 or not bm.allocate(request, cached + num_new):
+            bm.free(request)
+            request.num_computed_tokens = 0
+            return 0
+        if request.num_cached_tokens is None:
+            request.num_cached_tokens = cached
+        if bm.enable_prefix_caching:
+            bm.prefix_queries += (request.num_tokens - 1) // bm.block_size
+            bm.prefix_hits += cached // bm.block_size
+        return num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
         """Finds blocks for `request`, preempting the newest running requests as needed."""
@@ -89,21 +122,47 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        # Recompute preemption: drop the K/V, keep the tokens; resuming prefills prompt + output so far.
+        if self.swapper is not None and self.swapper.swap_out(request):
+            self.num_swaps += 1  # K/V now on the host; num_computed_tokens stays
+        else:
+            request.num_computed_tokens = 0  # recompute: drop the K/V, keep the tokens
         self.block_manager.free(request)
-        request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    def fork(self, leader: Request, child: Request) -> tuple[int, int] | None:
+        """Starts `child` from `leader`'s computed prompt (parallel sampling).
+
+        The child shares every full block before the one holding the last prompt token, and gets a private
+        copy of that block: it recomputes the last prompt token (to draw its own first sample) and writes its
+        own tokens there. Returns the (source, destination) block copy to make, or None when it cannot fork
+        now (then it waits and prefills like any request, through the prefix cache when enabled).
+        """
+        bm = self.block_manager
+        last = leader.num_prompt_tokens - 1
+        shared = last // bm.block_size
+        if len(self.running) >= self.max_num_seqs or bm.num_free_blocks == 0:
+            self.waiting.append(child)
+            return None
+        bm.share(child, leader.block_ids[:shared])
+        bm.allocate(child, (shared + 1) * bm.block_size)
+        child.num_computed_tokens = last
+        child.num_cached_tokens = leader.num_cached_tokens
+        child.status = RequestStatus.RUNNING
+        self.running.append(child)
+        return leader.block_ids[shared], child.block_ids[shared]
+
     def finish(self, request: Request, reason: str, stop_reason: int | str | None = None) -> None:
         """Marks `request` finished and frees its blocks at once (running or waiting)."""
         if request.status is RequestStatus.RUNNING:
             self.running.remove(request)
-        elif request.status is RequestStatus.WAITING:
+        elif request.status is RequestStatus.WAITING and request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request)
+        if self.swapper is not None:
+            self.swapper.release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason

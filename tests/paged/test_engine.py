@@ -19,16 +19,21 @@ def _ids(n, seed=0, vocab=400):
     return np.random.default_rng(seed).integers(2, vocab, size=n).tolist()
 
 
+def _add(engine, request_id, token_ids, params):
+    """Submits a request; returns its (only) sequence."""
+    parent = engine.make_request(request_id, None, token_ids, params)
+    engine.add_request(parent)
+    return parent.leader
+
+
 def test_request_added_while_others_decode_is_served_next_step(tiny_llm):
     engine = tiny_llm.engine
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    first = engine.make_request("join-a", None, _ids(10), params)
-    engine.add_request(first)
+    first = _add(engine, "join-a", _ids(10), params)
     engine.step()  # prefill
     engine.step()  # decode
     assert first.num_output_tokens == 2
-    second = engine.make_request("join-b", None, _ids(12, seed=1), params)
-    engine.add_request(second)
+    second = _add(engine, "join-b", _ids(12, seed=1), params)
     outputs = engine.step()
     produced = {o.request_id for o in outputs}
     assert produced == {"join-a", "join-b"}, "the new request must be prefilled in the very next step"
@@ -44,11 +49,9 @@ def test_long_prompt_is_chunked_without_stalling_decode(tiny_model_dir):
     llm = LLM(tiny_model_dir, block_size=8, max_num_batched_tokens=32, max_model_len=256, show_progress=False)
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    short = engine.make_request("short", None, _ids(4), params)
-    engine.add_request(short)
+    short = _add(engine, "short", _ids(4), params)
     engine.step()
-    long = engine.make_request("long", None, _ids(100, seed=2), params)
-    engine.add_request(long)
+    long = _add(engine, "long", _ids(100, seed=2), params)
     for _ in range(4):  # 100 prompt tokens at <= 31 per step (one slot goes to the decode)
         before = short.num_output_tokens
         engine.step()
@@ -110,9 +113,7 @@ def test_seeded_sampling_survives_preemption(tiny_model_dir):
 def test_abort_frees_blocks_of_running_and_waiting_requests(tiny_llm):
     engine = tiny_llm.engine
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    requests = [engine.make_request(f"abort-{i}", None, _ids(20, seed=i), params) for i in range(20)]
-    for r in requests:
-        engine.add_request(r)
+    requests = [_add(engine, f"abort-{i}", _ids(20, seed=i), params) for i in range(20)]
     engine.step()
     assert any(r.status is RequestStatus.RUNNING for r in requests)
     assert any(r.status is RequestStatus.WAITING for r in requests)
