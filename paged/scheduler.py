@@ -90,8 +90,9 @@ class Scheduler:
         bm = self.block_manager
         if request.swapped_kv is not None:
             num_new = request.num_tokens - request.num_computed_tokens
-            if num_new > budget or not bm.allocate(request, request.num_tokens):
-                bm.free(request)
+            if num_new > budget:
+                num_new = budget if self.enable_chunked_prefill else 0
+            if num_new == 0 or not bm.allocate(request, request.num_computed_tokens + num_new):
                 return 0
             self.swapper.swap_in(request)
             return num_new
