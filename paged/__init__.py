@@ -2,9 +2,9 @@
 
 from paged.engine import LLMEngine
 from paged.llm import LLM
-from paged.outputs import CompletionOutput, RequestOutput
+from paged.outputs import CompletionOutput, Logprob, RequestOutput
 from paged.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]

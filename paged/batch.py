@@ -94,6 +94,11 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     seeds = np.zeros(s_pad, np.uint32)
     output_index = np.zeros(s_pad, np.int32)
     banned_ids = np.full((s_pad, MAX_MIN_TOKENS_BANNED_IDS), -1, np.int32)
+    presence = np.zeros(s_pad, np.float32)
+    frequency = np.zeros(s_pad, np.float32)
+    repetition = np.ones(s_pad, np.float32)
+    wants_logprobs = np.zeros(s_pad, bool)
+    penalty_rows: list[tuple[int, np.ndarray, np.ndarray]] = []
 
     offset = 0
     max_pages = 1
@@ -124,9 +129,21 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
                 stop_ids += list(request.eos_token_ids)
             stop_ids = stop_ids[:MAX_MIN_TOKENS_BANNED_IDS]
             banned_ids[i, :len(stop_ids)] = stop_ids
+        wants_logprobs[i] = params.logprobs is not None
+        if params.has_penalties:
+            presence[i], frequency[i] = params.presence_penalty, params.frequency_penalty
+            repetition[i] = params.repetition_penalty
+            penalty_rows.append((i, *_penalty_tokens(request)))
     query_start[num_seqs + 1:] = offset
 
     p_pad = p_pad or buckets.pages(max_pages)
+    # Penalised rows list their distinct tokens; the width is a power-of-two bucket (1 when none).
+    width = _next_power_of_two(max((len(ids) for _, ids, _ in penalty_rows), default=1), 1, 1 << 30)
+    penalty_ids = np.full((s_pad, width), -1, np.int32)
+    penalty_counts = np.zeros((s_pad, width), np.int32)
+    for i, ids, counts in penalty_rows:
+        penalty_ids[i, :len(ids)] = ids
+        penalty_counts[i, :len(ids)] = counts
     page_tables = np.where(has_row[:, None], block_manager.page_table[rows, :p_pad], SINK_BLOCK).astype(np.int32)
     return StepInputs(
         token_ids=token_ids,
@@ -134,5 +151,17 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
                                     page_tables=page_tables, query_start=query_start, seq_lens=seq_lens),
         logits_indices=logits_indices,
         sampling=SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
-                                  output_index=output_index, banned_ids=banned_ids),
+                                  output_index=output_index, banned_ids=banned_ids,
+                                  presence_penalty=presence, frequency_penalty=frequency,
+                                  repetition_penalty=repetition, penalty_ids=penalty_ids,
+                                  penalty_counts=penalty_counts, wants_logprobs=wants_logprobs),
     )
+
+
+def _penalty_tokens(request) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct token ids of prompt + output, and each one's count in the output."""
+    out_ids, out_counts = np.unique(np.asarray(request.output_token_ids, np.int64), return_counts=True)
+    ids = np.union1d(np.asarray(request.prompt_token_ids, np.int64), out_ids)
+    counts = np.zeros(len(ids), np.int32)
+    counts[np.searchsorted(ids, out_ids)] = out_counts
+    return ids.astype(np.int32), counts

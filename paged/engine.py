@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import jax
@@ -13,9 +14,10 @@ from paged.batch import Buckets, padding_inputs, prepare_inputs
 from paged.block_manager import BlockManager
 from paged.config import EngineConfig
 from paged.detokenizer import IncrementalDetokenizer, find_stop_string
-from paged.outputs import CompletionOutput, RequestOutput
+from paged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged.request import ParentRequest, Request
 from paged.runner import BlockMover, ModelRunner, kv_block_bytes, kv_budget_bytes
+from paged.sampler import SamplerOutput
 from paged.sampling_params import SamplingParams
 from paged.scheduler import ScheduledBatch, Scheduler
 
@@ -142,7 +144,7 @@ class LLMEngine:
         sampled = self.runner.run(inputs)
         return self._postprocess(batch, sampled)
 
-    def _postprocess(self, batch: ScheduledBatch, sampled: np.ndarray) -> list[RequestOutput]:
+    def _postprocess(self, batch: ScheduledBatch, sampled: SamplerOutput) -> list[RequestOutput]:
         touched: dict[str, ParentRequest] = {}
         copies = []
         for i, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
@@ -153,7 +155,9 @@ class LLMEngine:
             parent = request.parent
             if parent.pending_forks and request is parent.leader:
                 copies += self._fork(parent)
-            self._append_token(request, int(sampled[i]))
+            if request.logprobs is not None:
+                self._record_logprobs(request, sampled, i)
+            self._append_token(request, int(sampled.tokens[i]))
             if request.finished and request.detokenizer is not None and not isinstance(request.stop_reason, str):
                 request.text += request.detokenizer.flush()
             touched[parent.request_id] = parent
@@ -165,6 +169,19 @@ class LLMEngine:
             if parent.finished:
                 self.requests.pop(parent.request_id, None)
         return outputs
+
+    def _record_logprobs(self, request: Request, sampled: SamplerOutput, row: int) -> None:
+        token = int(sampled.tokens[row])
+        logprob = float(sampled.token_logprobs[row])
+        entry = {token: Logprob(logprob, int(sampled.token_ranks[row]), self._decode_one(token))}
+        for rank, (tid, lp) in enumerate(zip(sampled.top_ids[row, :request.params.logprobs],
+                                             sampled.top_logprobs[row, :request.params.logprobs]), start=1):
+            entry.setdefault(int(tid), Logprob(float(lp), rank, self._decode_one(int(tid))))
+        request.logprobs.append(entry)
+        request.cumulative_logprob += logprob
+
+    def _decode_one(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
 
     def _fork(self, parent: ParentRequest) -> list[tuple[int, int]]:
         copies = []
@@ -178,6 +195,8 @@ class LLMEngine:
     def _append_token(self, request: Request, token: int) -> None:
         params = request.params
         request.token_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
         delta = request.detokenizer.add(token) if request.detokenizer is not None else ""
         request.text += delta
         num_out = request.num_output_tokens
@@ -200,12 +219,17 @@ class LLMEngine:
 
     def output_of(self, parent: ParentRequest) -> RequestOutput:
         completions = [CompletionOutput(index=c.index, text=c.text, token_ids=list(c.output_token_ids),
-                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                                        finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                        cumulative_logprob=c.cumulative_logprob,
+                                        logprobs=list(c.logprobs) if c.logprobs is not None else None)
                        for c in parent.children]
         leader = parent.leader
+        finished = parent.finished
+        metrics = RequestMetrics(leader.arrival_time, leader.first_scheduled_time, leader.first_token_time,
+                                 time.monotonic() if finished else None)
         return RequestOutput(request_id=parent.request_id, prompt=leader.prompt,
                              prompt_token_ids=leader.prompt_token_ids, outputs=completions,
-                             finished=parent.finished, num_cached_tokens=leader.num_cached_tokens or 0)
+                             finished=finished, num_cached_tokens=leader.num_cached_tokens or 0, metrics=metrics)
 
     def precompile(self, show_progress: bool = False) -> None:
         """Compiles every (tokens, seqs, pages) bucket ahead of traffic by running all-padding steps."""

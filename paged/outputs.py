@@ -6,6 +6,15 @@ import dataclasses
 
 
 @dataclasses.dataclass
+class Logprob:
+    """Log-probability of one token under the model's raw distribution, its rank (1 = most likely)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclasses.dataclass
 class CompletionOutput:
     index: int
     text: str
@@ -13,10 +22,20 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     cumulative_logprob: float | None = None
-    logprobs: list | None = None
+    logprobs: list[dict[int, Logprob]] | None = None  # per token: the sampled token and the top-k
 
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclasses.dataclass
+class RequestMetrics:
+    """Timestamps (time.monotonic()) of a request's life; for n > 1, of its first sequence."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
 
 
 @dataclasses.dataclass
@@ -27,3 +46,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None

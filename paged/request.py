@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import time
 
 from paged.detokenizer import IncrementalDetokenizer
 from paged.sampling_params import SamplingParams
@@ -36,6 +37,10 @@ class Request:
         self.index = index  # position among the n samples of its parent
         self.parent = parent
         self.arrival = next(_arrival_counter)
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
         self.detokenizer = detokenizer
         self.eos_token_ids = eos_token_ids
         self.status = RequestStatus.WAITING
@@ -50,6 +55,8 @@ class Request:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.text = ""
+        self.logprobs: list | None = [] if params.logprobs is not None else None
+        self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
 
     @property
     def num_prompt_tokens(self) -> int:

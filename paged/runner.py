@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged.batch import StepInputs
-from paged.sampler import sample
+from paged.sampler import SamplerOutput, sample
 
 
 def kv_block_bytes(model_config, block_size: int, dtype) -> int:
@@ -49,10 +49,10 @@ class ModelRunner:
                                               inputs.logits_indices, self.attention)
         return kv_cache, sample(logits, inputs.sampling)
 
-    def run(self, inputs: StepInputs) -> np.ndarray:
-        """Runs one step; returns the sampled token ids int32 [S] on the host."""
-        self.kv_cache, tokens = self._step(self.params, self.kv_cache, inputs)
-        return np.asarray(tokens)
+    def run(self, inputs: StepInputs) -> SamplerOutput:
+        """Runs one step; returns the sampler's output as host numpy arrays."""
+        self.kv_cache, out = self._step(self.params, self.kv_cache, inputs)
+        return jax.tree.map(np.asarray, out)
 
 
 def _blocks_bucket(n: int) -> int:

@@ -1,8 +1,12 @@
-"""Token sampling on device, fused into the jitted step so only token ids return to the host.
+"""Token sampling on device, fused into the jitted step so only token ids (and requested logprobs) return.
 
-Each row carries its own temperature, filters and seed; a row's random key is its seed folded with the
-number of tokens it has generated, so its samples do not depend on what else shares the batch (or on
-preemption, which recomputes but does not re-sample).
+Each row carries its own temperature, filters, penalties and seed; a row's random key is its seed folded
+with the number of tokens it has generated, so its samples do not depend on what else shares the batch (or
+on preemption, which recomputes but does not re-sample).
+
+Order of operations on a row's logits: penalties (repetition, then frequency and presence), banned ids
+(min_tokens), then greedy argmax or temperature -> min_p -> top_k -> top_p -> draw. Logprobs report the
+model's raw distribution (log-softmax of the logits before any of that), as vLLM does by default.
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from paged.sampling_params import MAX_LOGPROBS  # top logprobs per token the step can return
 
 
 @jax.tree_util.register_dataclass
@@ -26,6 +32,10 @@ class SamplingMetadata:
       seeds: uint32 [S]; the request's seed.
       output_index: int32 [S]; how many tokens the request has generated (folded into its key).
       banned_ids: int32 [S, B]; token ids that must not be sampled (min_tokens), -1 = unused.
+      presence_penalty, frequency_penalty, repetition_penalty: float32 [S] (0, 0, 1 disable).
+      penalty_ids: int32 [S, W]; distinct tokens of the row's prompt and output, -1 = unused.
+      penalty_counts: int32 [S, W]; how often each of them occurs in the output so far.
+      wants_logprobs: bool [S]; whether the row asked for logprobs.
     """
 
     temperature: jax.Array
@@ -35,6 +45,41 @@ class SamplingMetadata:
     seeds: jax.Array
     output_index: jax.Array
     banned_ids: jax.Array
+    presence_penalty: jax.Array
+    frequency_penalty: jax.Array
+    repetition_penalty: jax.Array
+    penalty_ids: jax.Array
+    penalty_counts: jax.Array
+    wants_logprobs: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """tokens int32 [S]; token_logprobs float32 [S] and token_ranks int32 [S] of the sampled tokens;
+    top_ids int32 [S, MAX_LOGPROBS] and top_logprobs float32 [S, MAX_LOGPROBS] (zeros unless requested)."""
+
+    tokens: jax.Array
+    token_logprobs: jax.Array
+    token_ranks: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
+    """OpenAI/vLLM semantics: repetition divides positive (multiplies negative) logits of tokens seen in the
+    prompt or output; frequency subtracts count x penalty and presence subtracts the penalty once, for tokens
+    in the output."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    valid = meta.penalty_ids >= 0
+    ids = jnp.where(valid, meta.penalty_ids, 0)
+    seen = logits[rows, ids]
+    rep = meta.repetition_penalty[:, None]
+    penalised = jnp.where(seen > 0, seen / rep, seen * rep)
+    counts = meta.penalty_counts.astype(jnp.float32)
+    penalised -= counts * meta.frequency_penalty[:, None] + (counts > 0) * meta.presence_penalty[:, None]
+    drop = jnp.where(valid, ids, logits.shape[-1])  # out of range -> dropped
+    return logits.at[rows, drop].set(penalised, mode="drop")
 
 
 def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
@@ -66,8 +111,22 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     return jax.lax.cond(needs_filter, apply_filters, lambda s: s, scaled)
 
 
-def sample(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """Picks one token per row. logits float32 [S, V] -> int32 [S]."""
+def _logprobs(raw_logits: jax.Array, tokens: jax.Array):
+    logp = jax.nn.log_softmax(raw_logits, axis=-1)
+    token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
+    ranks = jnp.sum(logp > token_logp[:, None], axis=-1).astype(jnp.int32) + 1
+    k = min(MAX_LOGPROBS, logp.shape[-1])
+    top_logp, top_ids = jax.lax.top_k(logp, k)
+    pad = ((0, 0), (0, MAX_LOGPROBS - k))
+    return token_logp, ranks, jnp.pad(top_ids.astype(jnp.int32), pad), jnp.pad(top_logp, pad)
+
+
+def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
+    """Picks one token per row from float32 logits [S, V]."""
+    raw_logits = logits
+    needs_penalty = jnp.any((meta.presence_penalty != 0) | (meta.frequency_penalty != 0)
+                            | (meta.repetition_penalty != 1))
+    logits = jax.lax.cond(needs_penalty, lambda l: apply_penalties(l, meta), lambda l: l, logits)
     rows = jnp.arange(logits.shape[0])[:, None]
     banned = jnp.where(meta.banned_ids >= 0, meta.banned_ids, logits.shape[-1])  # out of range -> dropped
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
@@ -80,4 +139,10 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
         sampled = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filtered)
         return jnp.where(meta.temperature > 0, sampled.astype(jnp.int32), greedy_tokens)
 
-    return jax.lax.cond(jnp.any(meta.temperature > 0), random_tokens, lambda _: greedy_tokens, logits)
+    tokens = jax.lax.cond(jnp.any(meta.temperature > 0), random_tokens, lambda _: greedy_tokens, logits)
+    num_rows = logits.shape[0]
+    no_logprobs = (jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32),
+                   jnp.zeros((num_rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32))
+    token_logp, ranks, top_ids, top_logp = jax.lax.cond(
+        jnp.any(meta.wants_logprobs), _logprobs, lambda *_: no_logprobs, raw_logits, tokens)
+    return SamplerOutput(tokens, token_logp, ranks, top_ids, top_logp)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 
+# Must match paged.sampler.MAX_LOGPROBS (kept here so validating params does not import jax).
+MAX_LOGPROBS = 20
+
 # Stop ids that `min_tokens` must keep out of the sample are passed to the device as a fixed-width row,
 # so the step's shapes never depend on a request's stop list.
 MAX_MIN_TOKENS_BANNED_IDS = 16
@@ -74,14 +77,24 @@ class SamplingParams:
         check(self.min_tokens == 0 or len(self.stop_token_ids) < MAX_MIN_TOKENS_BANNED_IDS,
               f"min_tokens with more than {MAX_MIN_TOKENS_BANNED_IDS - 1} stop_token_ids is not supported, "
               f"got {len(self.stop_token_ids)}")
-        if self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0:
-            raise NotImplementedError("presence/frequency/repetition penalties are not implemented yet")
-        if self.logprobs is not None or self.prompt_logprobs is not None:
-            raise NotImplementedError("logprobs and prompt_logprobs are not implemented yet")
+        check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
+        check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+              f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
+        check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+              f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
+              f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None:
+            raise NotImplementedError("prompt_logprobs is not implemented yet")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
 
 def _is_number(value) -> bool:

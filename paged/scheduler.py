@@ -15,6 +15,7 @@ no host memory; swap pays off for long contexts on slow-compute devices.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 
 from paged.block_manager import BlockManager
@@ -78,6 +79,8 @@ class Scheduler:
             if num_new == 0:
                 break  # FCFS: the head waits for room rather than being overtaken
             self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             batch.requests.append(request)

@@ -70,6 +70,38 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    import logging
+
+    import uvicorn
+
+    from paged import LLMEngine
+    from serving.async_engine import AsyncEngine
+    from serving.metrics import EngineMetrics
+    from serving.openai_server import build_app
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine = LLMEngine(args.model, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed,
+                       block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+                       gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                       attention_backend=args.attention_backend, enable_chunked_prefill=not args.no_chunked_prefill,
+                       enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
+                       swap_space=args.swap_space)
+    if args.precompile:
+        engine.precompile(show_progress=True)
+    name = args.served_model_name or args.model
+    metrics = EngineMetrics(name)
+    async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
+                               batching_delay_ms=args.batching_delay_ms, observer=metrics)
+    app = build_app(async_engine, name, metrics, api_key=args.api_key, model_path=args.model)
+    # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to the grace period,
+    # then the app's shutdown aborts whatever is left.
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
+                timeout_graceful_shutdown=args.shutdown_grace_s)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paged", description="paged: paged-attention LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -79,6 +111,24 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health")
+    serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    serve.add_argument("--no-prefix-caching", action="store_true")
+    serve.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
+    serve.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swap preemption")
+    serve.add_argument("--max-waiting-requests", type=int, default=1024,
+                       help="beyond this many waiting requests, new ones get HTTP 503")
+    serve.add_argument("--batching-delay-ms", type=float, default=0.0,
+                       help="wait up to this long for more arrivals before a step while the batch is small")
+    serve.add_argument("--precompile", action="store_true", help="compile every shape bucket before serving")
+    serve.add_argument("--shutdown-grace-s", type=int, default=30)
+    serve.add_argument("--log-level", default="info")
+    serve.set_defaults(func=_serve)
     return parser
 
 

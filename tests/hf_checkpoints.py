@@ -45,15 +45,27 @@ def build_checkpoint(name: str, directory: str, dtype=None) -> str:
     return directory
 
 
-def hf_greedy(directory: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-    """Greedy continuation of each prompt by transformers, in float32, never stopping early."""
+def hf_model(directory: str):
     model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
+    return model
+
+
+def hf_greedy(directory: str, prompts: list[list[int]], max_new_tokens: int, **generate_kwargs) -> list[list[int]]:
+    """Greedy continuation of each prompt by transformers, in float32, never stopping early."""
+    model = hf_model(directory)
     outputs = []
     with torch.no_grad():
         for prompt in prompts:
             ids = torch.tensor([prompt])
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                 max_new_tokens=max_new_tokens, pad_token_id=0)
+                                 max_new_tokens=max_new_tokens, pad_token_id=0, **generate_kwargs)
             outputs.append(out[0, len(prompt):].tolist())
     return outputs
+
+
+def hf_log_softmax(directory: str, token_ids: list[int]):
+    """float64 log-probabilities [len, vocab] of the next token at every position."""
+    with torch.no_grad():
+        logits = hf_model(directory)(torch.tensor([token_ids])).logits[0].double()
+    return torch.log_softmax(logits, -1).numpy()

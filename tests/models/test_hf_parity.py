@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.hf_checkpoints import SPECS, build_checkpoint, hf_greedy
+from tests.hf_checkpoints import SPECS, build_checkpoint, hf_greedy, hf_log_softmax
 
 from paged import LLM, SamplingParams
 
@@ -52,3 +52,36 @@ def test_greedy_matches_transformers_under_preemption(checkpoint):
     assert llm.engine.num_preemptions > 0
     assert got == expected
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_usable_blocks
+
+
+@pytest.mark.torch
+def test_repetition_penalty_matches_transformers(tmp_path_factory):
+    directory = build_checkpoint("llama-gqa", str(tmp_path_factory.mktemp("rep")))
+    prompts = _prompts(400)[:4]
+    expected = hf_greedy(directory, prompts, MAX_NEW, repetition_penalty=1.8)
+    llm = LLM(directory, dtype="float32", block_size=8, show_progress=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, repetition_penalty=1.8)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                        use_tqdm=False)]
+    assert got == expected
+    assert got != [o for o in hf_greedy(directory, prompts, MAX_NEW)], "the penalty must change something"
+
+
+@pytest.mark.torch
+def test_logprobs_match_transformers(tmp_path_factory):
+    directory = build_checkpoint("qwen2-tied", str(tmp_path_factory.mktemp("logprobs")))
+    prompt = _prompts(400)[4]
+    llm = LLM(directory, dtype="float32", block_size=8, show_progress=False)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True, logprobs=5)
+    out = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)[0].outputs[0]
+    reference = hf_log_softmax(directory, prompt + out.token_ids)
+    total = 0.0
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        want = reference[len(prompt) - 1 + step]
+        top5 = np.argsort(-want)[:5]
+        assert set(top5) | {token} == set(entry), f"step {step}: top-5 ids differ"
+        for tid, logprob in entry.items():
+            assert abs(logprob.logprob - want[tid]) < 1e-4
+            assert logprob.rank == int((want > want[tid]).sum()) + 1
+        total += want[token]
+    assert abs(out.cumulative_logprob - total) < 1e-3

@@ -54,20 +54,27 @@ def test_filtered_distribution_matches_float64_reference(seed):
         np.testing.assert_allclose(got[row], want, rtol=1e-5, atol=1e-7, err_msg=str(case))
 
 
-def _meta(n, temperature, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_index=None, banned=None):
+def _meta(n, temperature, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_index=None, banned=None,
+          presence=0.0, frequency=0.0, repetition=1.0, penalty_ids=None, penalty_counts=None, logprobs=False):
     full = lambda v, dtype: jnp.full((n,), v, dtype)
     return SamplingMetadata(
         temperature=full(temperature, jnp.float32), top_k=full(top_k, jnp.int32), top_p=full(top_p, jnp.float32),
         min_p=full(min_p, jnp.float32),
         seeds=jnp.asarray(seeds if seeds is not None else np.arange(n), jnp.uint32),
         output_index=jnp.asarray(output_index if output_index is not None else np.zeros(n), jnp.int32),
-        banned_ids=jnp.asarray(banned if banned is not None else -np.ones((n, 4)), jnp.int32))
+        banned_ids=jnp.asarray(banned if banned is not None else -np.ones((n, 4)), jnp.int32),
+        presence_penalty=jnp.asarray(np.broadcast_to(presence, (n,)), jnp.float32),
+        frequency_penalty=jnp.asarray(np.broadcast_to(frequency, (n,)), jnp.float32),
+        repetition_penalty=jnp.asarray(np.broadcast_to(repetition, (n,)), jnp.float32),
+        penalty_ids=jnp.asarray(penalty_ids if penalty_ids is not None else -np.ones((n, 1)), jnp.int32),
+        penalty_counts=jnp.asarray(penalty_counts if penalty_counts is not None else np.zeros((n, 1)), jnp.int32),
+        wants_logprobs=full(logprobs, bool))
 
 
 def test_top_k_one_equals_greedy():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(16, 100)), jnp.float32)
-    greedy = sample(logits, _meta(16, 0.0))
-    top1 = sample(logits, _meta(16, 1.5, top_k=1))
+    greedy = sample(logits, _meta(16, 0.0)).tokens
+    top1 = sample(logits, _meta(16, 1.5, top_k=1)).tokens
     np.testing.assert_array_equal(np.asarray(greedy), np.argmax(np.asarray(logits), -1))
     np.testing.assert_array_equal(np.asarray(top1), np.asarray(greedy))
 
@@ -78,7 +85,7 @@ def test_samples_follow_the_distribution():
     row = rng.normal(size=8).astype(np.float32)
     n = 4000
     logits = jnp.asarray(np.tile(row, (n, 1)))
-    tokens = np.asarray(sample(logits, _meta(n, 1.0, seeds=np.full(n, 7), output_index=np.arange(n))))
+    tokens = np.asarray(sample(logits, _meta(n, 1.0, seeds=np.full(n, 7), output_index=np.arange(n))).tokens)
     freq = np.bincount(tokens, minlength=8) / n
     probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
     assert np.abs(freq - probs).max() < 0.03, (freq, probs)
@@ -88,13 +95,13 @@ def test_row_key_depends_only_on_its_seed_and_index():
     rng = np.random.default_rng(4)
     logits = rng.normal(size=(8, 50)).astype(np.float32)
     seeds = rng.integers(0, 2**32, size=8)
-    a = np.asarray(sample(jnp.asarray(logits), _meta(8, 1.0, seeds=seeds)))
+    a = np.asarray(sample(jnp.asarray(logits), _meta(8, 1.0, seeds=seeds)).tokens)
     # Same row 3 in a different batch (other rows changed, different position): same token.
     other = rng.normal(size=(4, 50)).astype(np.float32)
     other[1] = logits[3]
     other_seeds = rng.integers(0, 2**32, size=4)
     other_seeds[1] = seeds[3]
-    b = np.asarray(sample(jnp.asarray(other), _meta(4, 1.0, seeds=other_seeds)))
+    b = np.asarray(sample(jnp.asarray(other), _meta(4, 1.0, seeds=other_seeds)).tokens)
     assert a[3] == b[1]
 
 
@@ -103,5 +110,46 @@ def test_banned_ids_are_never_sampled():
     logits[:, 4] = 50.0  # overwhelmingly likely, and the greedy pick
     banned = np.array([[4, -1, -1, -1], [-1, -1, -1, -1]])
     for temperature in (0.0, 1.0):
-        tokens = np.asarray(sample(jnp.asarray(logits), _meta(2, temperature, banned=banned)))
+        tokens = np.asarray(sample(jnp.asarray(logits), _meta(2, temperature, banned=banned)).tokens)
         assert tokens[0] != 4 and tokens[1] == 4
+
+
+def test_penalties_match_numpy_reference():
+    from paged.sampler import apply_penalties
+    rng = np.random.default_rng(5)
+    n, vocab = 3, 30
+    logits = rng.normal(scale=2.0, size=(n, vocab)).astype(np.float32)
+    prompt = [[1, 2, 3], [4, 4, 5], [6]]
+    output = [[2, 2, 7], [], [6, 6, 6, 9]]
+    presence, frequency, repetition = np.array([0.5, 0.0, -0.3]), np.array([0.2, 1.0, 0.4]), np.array([1.3, 1.0, 0.8])
+    ids = -np.ones((n, 8), np.int32)
+    counts = np.zeros((n, 8), np.int32)
+    want = logits.astype(np.float64).copy()
+    for r in range(n):
+        distinct = sorted(set(prompt[r]) | set(output[r]))
+        ids[r, :len(distinct)] = distinct
+        counts[r, :len(distinct)] = [output[r].count(t) for t in distinct]
+        for t in distinct:
+            x = want[r, t]
+            x = x / repetition[r] if x > 0 else x * repetition[r]
+            c = output[r].count(t)
+            want[r, t] = x - c * frequency[r] - (c > 0) * presence[r]
+    got = apply_penalties(jnp.asarray(logits), _meta(n, 1.0, presence=presence, frequency=frequency,
+                                                       repetition=repetition, penalty_ids=ids, penalty_counts=counts))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
+
+
+def test_logprobs_are_the_raw_log_softmax():
+    rng = np.random.default_rng(6)
+    logits = rng.normal(scale=2.0, size=(4, 50)).astype(np.float32)
+    out = sample(jnp.asarray(logits), _meta(4, 0.7, logprobs=True, repetition=1.5,
+                                             penalty_ids=np.tile(np.arange(8), (4, 1)),
+                                             penalty_counts=np.ones((4, 8))))
+    x = logits.astype(np.float64)
+    logp = x - x.max(-1, keepdims=True) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    tokens = np.asarray(out.tokens)
+    np.testing.assert_allclose(np.asarray(out.token_logprobs), logp[np.arange(4), tokens], atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(out.token_ranks), (logp > logp[np.arange(4), tokens][:, None]).sum(-1) + 1)
+    order = np.argsort(-logp, axis=-1)[:, :20]
+    np.testing.assert_array_equal(np.asarray(out.top_ids), order)
+    np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(logp, order, -1), atol=1e-5)

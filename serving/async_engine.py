@@ -1,0 +1,240 @@
+"""Runs an LLMEngine on its own thread and gives each request an async stream of outputs.
+
+The engine is single-threaded by design: every engine call (validation, add, abort, step) happens on the
+engine thread, which takes commands from a queue between steps. Async callers get results through futures
+and asyncio queues resolved with `call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from typing import AsyncIterator
+
+from paged import LLMEngine, RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting; the client should retry later (HTTP 503)."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped; no request can be served (HTTP 503)."""
+
+
+class _Stream:
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class RequestStream:
+    """Async iterator over one request's cumulative outputs; `close()` aborts it if unfinished."""
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, stream: _Stream):
+        self.engine = engine
+        self.request_id = request_id
+        self._stream = stream
+        self.finished = False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self._stream.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        if not self.finished:
+            self.finished = True
+            self.engine.abort(self.request_id)
+
+
+def _resolve(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:
+    def set_it():
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+    future.get_loop().call_soon_threadsafe(set_it)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024, batching_delay_ms: float = 0.0,
+                 observer=None):
+        """`observer` (optional) gets `on_step(engine, outputs, step_start, step_end)` on the engine thread."""
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.batching_delay = batching_delay_ms / 1000.0
+        self.observer = observer
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="paged-engine", daemon=True)
+        self.error: BaseException | None = None
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Aborts what is still in flight and joins the engine thread."""
+        self._stopping.set()
+        self._commands.put(("wake", None))
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
+    # ---- the async API --------------------------------------------------------------------------------
+
+    async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                     params: SamplingParams) -> "RequestStream":
+        """Validates and queues one request; raises ValueError (bad input), QueueFullError or EngineDeadError.
+
+        Returns its stream of cumulative RequestOutputs. Closing the stream early (a client disconnect)
+        aborts the request and frees its blocks.
+        """
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        stream = _Stream(loop)
+        accepted = loop.create_future()
+        self._commands.put(("add", (request_id, prompt, prompt_token_ids, params, stream, accepted)))
+        await accepted
+        return RequestStream(self, request_id, stream)
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        stream = await self.submit(request_id, prompt, prompt_token_ids, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    async def call(self, fn):
+        """Runs fn(engine) on the engine thread (e.g. to read stats consistently); returns its result."""
+        future = asyncio.get_running_loop().create_future()
+        self._commands.put(("call", (fn, future)))
+        return await future
+
+    # ---- the engine thread ----------------------------------------------------------------------------
+
+    def _handle(self, kind: str, payload) -> None:
+        engine = self.engine
+        if kind == "add":
+            request_id, prompt, token_ids, params, stream, accepted = payload
+            try:
+                if len(engine.scheduler.waiting) >= self.max_waiting_requests:
+                    raise QueueFullError(f"the server is at capacity ({self.max_waiting_requests} requests "
+                                         "waiting); retry later")
+                parent = engine.make_request(request_id, prompt, token_ids, params)
+            except (ValueError, QueueFullError) as exc:
+                _resolve(accepted, error=exc)
+                return
+            engine.add_request(parent)
+            self._streams[request_id] = stream
+            _resolve(accepted, True)
+        elif kind == "abort":
+            self._streams.pop(payload, None)
+            engine.abort_request(payload)
+            if self.observer is not None:
+                self.observer.forget(payload)
+        elif kind == "call":
+            fn, future = payload
+            try:
+                _resolve(future, fn(engine))
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
+                _resolve(future, error=exc)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=0.1) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*item)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _wait_for_more_arrivals(self) -> None:
+        # Trade up to `batching_delay` of latency for a fuller first step when the batch is small.
+        engine = self.engine
+        if self.batching_delay <= 0 or not engine.scheduler.waiting:
+            return
+        if len(engine.scheduler.running) >= engine.config.max_num_seqs // 2:
+            return
+        deadline = time.monotonic() + self.batching_delay
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                self._handle(*self._commands.get(timeout=remaining))
+            except queue.Empty:
+                return
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while not self._stopping.is_set():
+                self._drain(block=not engine.has_unfinished_requests())
+                if not engine.has_unfinished_requests():
+                    continue
+                self._wait_for_more_arrivals()
+                start = time.monotonic()
+                outputs = engine.step()
+                end = time.monotonic()
+                if self.observer is not None:
+                    self.observer.on_step(engine, outputs, start, end)
+                for output in outputs:
+                    stream = self._streams.get(output.request_id)
+                    if stream is not None:
+                        stream.put(output)
+                    if output.finished:
+                        self._streams.pop(output.request_id, None)
+        except BaseException as exc:  # noqa: BLE001 - an engine bug: fail every stream, keep the message
+            logger.exception("engine thread crashed")
+            self.error = exc
+        finally:
+            error = EngineDeadError(f"the engine stopped: {self.error!r}" if self.error else "the server is "
+                                    "shutting down")
+            for request_id, stream in list(self._streams.items()):
+                engine.abort_request(request_id)
+                stream.put(error)
+            self._streams.clear()
+            self._stopping.set()
+            while True:  # answer commands that raced with the stop
+                try:
+                    kind, payload = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if kind == "add":
+                    _resolve(payload[-1], error=error)
+                elif kind == "call":
+                    _resolve(payload[1], error=error)

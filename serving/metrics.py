@@ -1,0 +1,90 @@
+"""Prometheus metrics, named like vLLM's with a `paged:` prefix. Updated on the engine thread."""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+
+
+class EngineMetrics:
+    """Owns a registry of its own, so several servers (or tests) in one process never collide."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.running = Gauge("paged:num_requests_running", "Requests in the running batch", labels, registry=r)
+        self.waiting = Gauge("paged:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
+        self.kv_usage = Gauge("paged:kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full)", labels,
+                              registry=r)
+        self.prefix_queries = Counter("paged:prefix_cache_queries", "Prefix-cache lookups, in blocks", labels,
+                                      registry=r)
+        self.prefix_hits = Counter("paged:prefix_cache_hits", "Prefix-cache hits, in blocks", labels, registry=r)
+        self.prompt_tokens = Counter("paged:prompt_tokens", "Prompt tokens of finished requests", labels,
+                                     registry=r)
+        self.generation_tokens = Counter("paged:generation_tokens", "Generated tokens", labels, registry=r)
+        self.preemptions = Counter("paged:num_preemptions", "Preemptions (recompute or swap)", labels, registry=r)
+        self.success = Counter("paged:request_success", "Finished requests by finish reason",
+                               labels + ["finished_reason"], registry=r)
+        hist = lambda name, doc: Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = hist("paged:time_to_first_token_seconds", "Time to first token")
+        self.itl = hist("paged:inter_token_latency_seconds", "Time between consecutive output tokens")
+        self.e2e = hist("paged:e2e_request_latency_seconds", "Arrival to finish")
+        self.queue_time = hist("paged:request_queue_time_seconds", "Arrival to first scheduled")
+        self.model_name = model_name
+        self._seen_preemptions = 0
+        self._seen_queries = 0
+        self._seen_hits = 0
+        self._tokens_seen: dict[str, int] = {}
+        self._last_token_time: dict[str, float] = {}
+
+    def update_gauges(self, engine) -> None:
+        """Reads the engine's state (call on the engine thread); also done after every step."""
+        m = self.model_name
+        stats = engine.kv_stats()
+        self.running.labels(m).set(stats["num_running"])
+        self.waiting.labels(m).set(stats["num_waiting"])
+        self.kv_usage.labels(m).set(stats["kv_cache_usage"])
+        self.preemptions.labels(m).inc(stats["num_preemptions"] - self._seen_preemptions)
+        self._seen_preemptions = stats["num_preemptions"]
+        self.prefix_queries.labels(m).inc(stats["prefix_cache_queries"] - self._seen_queries)
+        self.prefix_hits.labels(m).inc(stats["prefix_cache_hits"] - self._seen_hits)
+        self._seen_queries, self._seen_hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+
+    def on_step(self, engine, outputs, step_start: float, step_end: float) -> None:
+        self.update_gauges(engine)
+        m = self.model_name
+        now = time.monotonic()
+        for output in outputs:
+            key = output.request_id
+            total = sum(len(c.token_ids) for c in output.outputs)
+            new = total - self._tokens_seen.get(key, 0)
+            self._tokens_seen[key] = total
+            self.generation_tokens.labels(m).inc(new)
+            times = output.metrics
+            if key not in self._last_token_time:
+                self.ttft.labels(m).observe(now - times.arrival_time)
+                if times.first_scheduled_time is not None:
+                    self.queue_time.labels(m).observe(times.first_scheduled_time - times.arrival_time)
+            elif new:
+                self.itl.labels(m).observe((now - self._last_token_time[key]) / new)
+            self._last_token_time[key] = now
+            if output.finished:
+                self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
+                for completion in output.outputs:
+                    self.success.labels(m, completion.finish_reason or "unknown").inc()
+                self.e2e.labels(m).observe(now - times.arrival_time)
+                self._tokens_seen.pop(key, None)
+                self._last_token_time.pop(key, None)
+
+    def forget(self, request_id: str) -> None:
+        """Drops per-request state of an aborted request."""
+        self._tokens_seen.pop(request_id, None)
+        self._last_token_time.pop(request_id, None)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
