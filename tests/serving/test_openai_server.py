@@ -249,3 +249,16 @@ def test_backpressure_and_graceful_shutdown(tiny_model_dir):
             assert "Application shutdown complete" in log.read()
     finally:
         srv.stop()
+
+
+def test_echo_and_penalties_reach_the_sampler(client):
+    base = dict(model="tiny", prompt="Hello world", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(**base).choices[0].text
+    echoed = client.completions.create(echo=True, **base).choices[0].text
+    assert echoed == "Hello world" + plain
+    streamed = "".join(c.choices[0].text for c in client.completions.create(echo=True, stream=True, **base))
+    assert streamed == echoed
+    penalised = client.completions.create(frequency_penalty=2.0, presence_penalty=2.0,
+                                          **{**base, "max_tokens": 40}).choices[0].text
+    repeated = client.completions.create(**{**base, "max_tokens": 40}).choices[0].text
+    assert penalised != repeated
