@@ -60,6 +60,8 @@ class LLMEngine:
                                    config.enable_chunked_prefill, self.mover if swap_blocks else None)
         self.requests: dict[str, ParentRequest] = {}
         self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model (not cache hits)
+        # Wall time per phase of step(), summed; "device" includes the wait for the jitted step's result.
+        self.step_timings = dict.fromkeys(("schedule", "prepare", "device", "postprocess", "steps"), 0.0)
         self._seed_rng = np.random.default_rng(config.seed)
 
     def _num_blocks(self, config: EngineConfig, max_blocks_per_seq: int) -> int:
@@ -135,14 +137,26 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns outputs of the requests that produced a token in it."""
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if not batch:
             return []
         self.num_computed_prompt_tokens += sum(
             max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens)) for r, n in zip(batch.requests, batch.num_new_tokens))
+        t1 = time.perf_counter()
         inputs = prepare_inputs(batch, self.block_manager, self.buckets)
-        sampled = self.runner.run(inputs)
-        return self._postprocess(batch, sampled)
+        t2 = time.perf_counter()
+        sampled = self.runner.run(inputs)  # waits for the device: only token ids come back
+        t3 = time.perf_counter()
+        outputs = self._postprocess(batch, sampled)
+        t4 = time.perf_counter()
+        timings = self.step_timings
+        timings["schedule"] += t1 - t0
+        timings["prepare"] += t2 - t1
+        timings["device"] += t3 - t2
+        timings["postprocess"] += t4 - t3
+        timings["steps"] += 1
+        return outputs
 
     def _postprocess(self, batch: ScheduledBatch, sampled: SamplerOutput) -> list[RequestOutput]:
         touched: dict[str, ParentRequest] = {}

@@ -102,6 +102,12 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench(args: argparse.Namespace) -> int:
+    import importlib
+    module = importlib.import_module(f"benchmarks.{args.kind}")
+    return module.main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paged", description="paged: paged-attention LLM inference in JAX")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -129,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-grace-s", type=int, default=30)
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
+
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, memory (flags after the kind)")
+    bench.add_argument("kind", choices=["throughput", "serve", "memory"])
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help of each)")
+    bench.set_defaults(func=_bench)
     return parser
 
 

@@ -1,0 +1,94 @@
+"""Shared pieces of the benchmarks: the default model, workloads, the machine's matmul rate, FLOP counts."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+import numpy as np
+
+# The default benchmark model: a random-weight Llama of about 30M parameters, float32 (see docs/performance.md).
+DEFAULT_MODEL = dict(model_vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
+                     num_kv_heads=2, max_position_embeddings=2048)
+
+
+def default_model_dir() -> str:
+    from models.tiny import create_tiny_llama
+    root = os.environ.get("PAGED_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "paged"))
+    directory = os.path.join(root, "bench-llama-30m")
+    if not os.path.exists(os.path.join(directory, "model.safetensors")):
+        create_tiny_llama(directory, **DEFAULT_MODEL)
+    return directory
+
+
+@dataclasses.dataclass
+class Workload:
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def prompt_lens(self) -> list[int]:
+        return [len(p) for p in self.prompts]
+
+    def describe(self) -> dict:
+        return {"requests": len(self.prompts), "prompt_tokens": int(sum(self.prompt_lens)),
+                "output_tokens": int(sum(self.output_lens)),
+                "prompt_len": [min(self.prompt_lens), max(self.prompt_lens)],
+                "output_len": [min(self.output_lens), max(self.output_lens)]}
+
+
+def random_workload(num_requests: int, input_range: tuple[int, int], output_range: tuple[int, int], vocab: int,
+                    seed: int = 0) -> Workload:
+    """Lengths uniform in the inclusive ranges (like vLLM's random dataset); token ids uniform over the vocab."""
+    rng = np.random.default_rng(seed)
+    in_lens = rng.integers(input_range[0], input_range[1] + 1, num_requests)
+    out_lens = rng.integers(output_range[0], output_range[1] + 1, num_requests)
+    prompts = [rng.integers(10, vocab, n).tolist() for n in in_lens]
+    return Workload(prompts, [int(o) for o in out_lens])
+
+
+def jsonl_workload(path: str, tokenizer) -> Workload:
+    """Lines of {"prompt": str, "output_len": int} (or "prompt_token_ids")."""
+    prompts, outs = [], []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                item = json.loads(line)
+                ids = item.get("prompt_token_ids") or tokenizer.encode(item["prompt"])
+                prompts.append(list(ids))
+                outs.append(int(item["output_len"]))
+    return Workload(prompts, outs)
+
+
+def matmul_rate(dtype="float32", size: int = 1024, repeats: int = 20) -> float:
+    """FLOP/s of a square jax matmul on the default device (best of `repeats`): the machine's compute roof."""
+    import jax
+    import jax.numpy as jnp
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype)
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def workload_flops(config, workload: Workload) -> float:
+    """Model FLOPs to prefill every prompt and decode every output token once (no recomputation counted).
+
+    Per token: 2 x (parameters touched: all layers' matrices plus the LM head; the embedding is a lookup) plus
+    attention, 4 x context x heads x head_dim per layer (scores and weighted sum).
+    """
+    c = config
+    per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    dense = 2 * (c.num_layers * per_layer + c.hidden_size * c.vocab_size)
+    total = 0.0
+    for p, o in zip(workload.prompt_lens, workload.output_lens):
+        tokens = p + o - 1  # the last sampled token is never fed back
+        total += tokens * dense
+        total += 4 * c.num_layers * c.num_heads * c.head_dim * tokens * (tokens + 1) / 2
+    return total

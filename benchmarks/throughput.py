@@ -1,0 +1,221 @@
+"""Offline throughput: this engine against Hugging Face transformers on the same model and requests.
+
+    python -m benchmarks.throughput [--num-requests 48] [--input-len 16 256] [--output-len 16 256]
+        [--model PATH] [--hf-batch-sizes 16 all] [--no-hf-continuous] [--json out.json] [--png out.png]
+
+Systems, one process, one after another on the same requests (greedy, every request runs exactly its
+output_len tokens):
+  - paged: this engine (LLM.generate);
+  - hf-static-bN: transformers `generate` on left-padded static batches of N requests in arrival order, each
+    batch running until its longest output is done (the approach continuous batching replaced);
+  - hf-continuous: transformers' own continuous batching (init_continuous_batching), when available.
+Warm-up and compilation are excluded from every system's timing and reported separately. MFU is model FLOPs
+(prompt + output tokens, see benchmarks/common.py) over time, against a matmul rate measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from benchmarks.common import default_model_dir, jsonl_workload, matmul_rate, random_workload, workload_flops
+
+
+def _result(name: str, workload, seconds: float, warmup: float, flops: float, rate: float, **extra) -> dict:
+    out_tokens = sum(workload.output_lens)
+    total = out_tokens + sum(workload.prompt_lens)
+    return {"system": name, "seconds": seconds, "warmup_seconds": warmup,
+            "requests_per_s": len(workload.prompts) / seconds, "output_tokens_per_s": out_tokens / seconds,
+            "total_tokens_per_s": total / seconds, "mfu": flops / seconds / rate, **extra}
+
+
+def run_paged(model_dir: str, workload, engine_args: dict) -> tuple[float, float, dict]:
+    from paged import LLM, SamplingParams
+    start = time.perf_counter()
+    llm = LLM(model_dir, show_progress=False, **engine_args)
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in workload.output_lens]
+    prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    llm.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every shape this workload produces
+    warmup = time.perf_counter() - start
+    engine = llm.engine
+    compiles = engine.num_compilations
+    engine.step_timings = dict.fromkeys(engine.step_timings, 0.0)
+    start = time.perf_counter()
+    llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    split = {k: v for k, v in engine.step_timings.items()}
+    extra = {"compilations_in_timed_run": engine.num_compilations - compiles, "shapes_compiled": compiles,
+             "steps": int(split.pop("steps")), "step_time_split_s": split,
+             "preemptions": engine.num_preemptions}
+    return seconds, warmup, extra
+
+
+def _hf_model(model_dir: str):
+    import torch
+    import transformers
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def run_hf_static(model_dir: str, workload, batch_size: int) -> tuple[float, float, dict]:
+    import torch
+    start = time.perf_counter()
+    model = _hf_model(model_dir)
+
+    def generate(prompts, max_new):
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        with torch.no_grad():
+            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
+                           min_new_tokens=max_new)
+
+    generate(workload.prompts[:2], 4)
+    warmup = time.perf_counter() - start
+    start = time.perf_counter()
+    generated = 0
+    for i in range(0, len(workload.prompts), batch_size):
+        chunk = workload.prompts[i:i + batch_size]
+        longest = max(workload.output_lens[i:i + batch_size])
+        generate(chunk, longest)
+        generated += longest * len(chunk)
+    seconds = time.perf_counter() - start
+    return seconds, warmup, {"batch_size": batch_size, "tokens_generated_incl_padding": generated}
+
+
+def run_hf_continuous(model_dir: str, workload) -> tuple[float, float, dict] | None:
+    import transformers
+    model = _hf_model(model_dir)
+    if not hasattr(model, "init_continuous_batching"):
+        return None
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens),
+                                           eos_token_id=-1, pad_token_id=0)
+
+    def run(prompts, output_lens):
+        manager = model.init_continuous_batching(generation_config=config)
+        manager.start()
+        try:
+            for i, (p, o) in enumerate(zip(prompts, output_lens)):
+                manager.add_request(p, request_id=f"r{i}", max_new_tokens=o, eos_token_id=-1)
+            done = 0
+            while done < len(prompts):
+                result = manager.get_result(timeout=5)
+                if result is not None and result.is_finished():
+                    done += 1
+        finally:
+            manager.stop(block=True)
+
+    start = time.perf_counter()
+    run(workload.prompts[:2], [4, 4])
+    warmup = time.perf_counter() - start
+    start = time.perf_counter()
+    run(workload.prompts, workload.output_lens)
+    return time.perf_counter() - start, warmup, {}
+
+
+def plot(results: list[dict], path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart written", file=sys.stderr)
+        return False
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = [r["system"] for r in results]
+    values = [r["output_tokens_per_s"] for r in results]
+    bars = ax.barh(names, values, color=["#2b6cb0" if n == "paged" else "#a0aec0" for n in names])
+    for bar, r in zip(bars, results):
+        ax.text(bar.get_width(), bar.get_y() + bar.get_height() / 2, f" {r['output_tokens_per_s']:.0f} "
+                f"({r['mfu']:.0%} MFU)", va="center", fontsize=8)
+    ax.set_xlabel("output tokens / s (higher is better)")
+    ax.invert_yaxis()
+    ax.set_xlim(0, max(values) * 1.35)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="HF checkpoint directory (default: the 30M benchmark Llama)")
+    parser.add_argument("--num-requests", type=int, default=48)
+    parser.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
+    parser.add_argument("--dataset", default=None, help="JSONL of {prompt, output_len} instead of random")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hf-batch-sizes", nargs="*", default=["16", "all"], help="static batch sizes ('all')")
+    parser.add_argument("--no-hf-continuous", action="store_true")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--png", default=None)
+    args = parser.parse_args(argv)
+
+    from models import load_model_config
+    model_dir = args.model or default_model_dir()
+    config = load_model_config(model_dir)
+    if args.dataset:
+        from transformers import AutoTokenizer
+        workload = jsonl_workload(args.dataset, AutoTokenizer.from_pretrained(model_dir))
+    else:
+        workload = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len),
+                                   config.vocab_size, args.seed)
+    max_len = max(p + o for p, o in zip(workload.prompt_lens, workload.output_lens))
+    engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       block_size=args.block_size, max_model_len=args.max_model_len or max_len,
+                       enable_prefix_caching=False)
+    rate = matmul_rate()
+    flops = workload_flops(config, workload)
+    print(f"workload {workload.describe()}; model FLOPs {flops / 1e9:.1f} G; matmul rate {rate / 1e9:.1f} GFLOP/s; "
+          f"compute floor {sum(workload.output_lens) * rate / flops:.0f} output tokens/s", file=sys.stderr)
+
+    results = []
+    seconds, warmup, extra = run_paged(model_dir, workload, engine_args)
+    results.append(_result("paged", workload, seconds, warmup, flops, rate, **extra))
+    try:
+        import torch
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+        have_torch = True
+    except ImportError:
+        have_torch = False
+        print("torch is not installed: Hugging Face baselines skipped", file=sys.stderr)
+    if have_torch:
+        for size in args.hf_batch_sizes:
+            n = len(workload.prompts) if size == "all" else int(size)
+            seconds, warmup, extra = run_hf_static(model_dir, workload, n)
+            results.append(_result(f"hf-static-b{n}", workload, seconds, warmup, flops, rate, **extra))
+        if not args.no_hf_continuous:
+            measured = run_hf_continuous(model_dir, workload)
+            if measured is not None:
+                results.append(_result("hf-continuous", workload, measured[0], measured[1], flops, rate,
+                                       **measured[2]))
+    paged = results[0]["output_tokens_per_s"]
+    for r in results:
+        r["paged_speedup"] = paged / r["output_tokens_per_s"]
+    report = {"workload": workload.describe(), "model": model_dir, "model_flops": flops, "matmul_flops_per_s": rate,
+              "compute_floor_output_tokens_per_s": sum(workload.output_lens) * rate / flops, "engine": engine_args,
+              "results": results}
+    print(f"{'system':<16}{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}{'MFU':>7}{'paged x':>9}{'warm-up s':>11}")
+    for r in results:
+        print(f"{r['system']:<16}{r['requests_per_s']:>8.2f}{r['output_tokens_per_s']:>11.1f}"
+              f"{r['total_tokens_per_s']:>11.1f}{r['mfu']:>7.1%}{r['paged_speedup']:>9.2f}{r['warmup_seconds']:>11.1f}")
+    split = results[0]["step_time_split_s"]
+    total = sum(split.values())
+    print("paged step time split: " + ", ".join(f"{k} {v / total:.0%}" for k, v in split.items()))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.png:
+        plot(results, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
