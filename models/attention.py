@@ -10,7 +10,7 @@ import dataclasses
 
 import jax
 
-from pallas_kernels import paged_attention_reference, write_kv_to_cache
+from pallas_kernels import paged_attention_chunked, paged_attention_reference, write_kv_to_cache
 
 
 @jax.tree_util.register_dataclass
@@ -49,14 +49,25 @@ class ReferenceAttention:
             scale=scale, sliding_window=sliding_window)
 
 
-_BACKENDS = {"reference": ReferenceAttention}
+class XlaAttention(ReferenceAttention):
+    """XLA paged attention with an online softmax over chunks of pages: the fast path on CPU."""
+
+    name = "xla"
+
+    def attend(self, q, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None):
+        return paged_attention_chunked(
+            q, k_cache, v_cache, layer, meta.page_tables, meta.token_seq_ids, meta.positions,
+            scale=scale, sliding_window=sliding_window)
+
+
+_BACKENDS = {"reference": ReferenceAttention, "xla": XlaAttention}
 
 
 def get_attention_backend(name: str, platform: str):
-    """Resolves `attention_backend=` ("auto", "reference", later "pallas") for a platform."""
+    """Resolves `attention_backend=` ("auto", "xla", "reference", later "pallas") for a platform."""
     if name == "auto":
-        # The Pallas kernels will take over on GPU once they land; the reference serves everywhere.
-        name = "reference"
+        # The Pallas kernels will take over on GPU once they land; the chunked XLA path serves everywhere.
+        name = "xla"
     if name == "pallas":
         raise NotImplementedError(
             "attention_backend='pallas' arrives with the Pallas kernels issue; use 'reference' or 'auto'")

@@ -1,8 +1,10 @@
 """Turns a scheduled batch into padded, bucketed host arrays for the jitted step.
 
-Shapes the step sees: T tokens (a power of two from 8, capped at max_num_batched_tokens), S sequences
-(min(T, max_num_seqs): a step has at most one sequence per token, and tying S to T halves the number of
-shapes to compile), and P pages per sequence (a power of two, capped at max_blocks_per_seq).
+Shapes the step sees: T tokens (8, 16, 24, 32, 48, 64, 96, ...: powers of two and the midpoints between them,
+so padding wastes at most a third; capped at max_num_batched_tokens) and S sequences (min(T, max_num_seqs): a
+step has at most one sequence per token, and tying S to T keeps one shape per token bucket). Page tables are
+always their full width: the attention walks only the pages that exist, so the width costs no time and
+needs no bucket.
 """
 
 from __future__ import annotations
@@ -33,20 +35,24 @@ class Buckets:
     max_blocks_per_seq: int
     min_tokens: int = 8
 
+    def token_sizes(self) -> list[int]:
+        sizes, size = [], self.min_tokens
+        while size < self.max_num_batched_tokens:
+            sizes.append(size)
+            if size >= 16:
+                sizes.append(size * 3 // 2)
+            size *= 2
+        return sorted({s for s in sizes if s < self.max_num_batched_tokens} | {self.max_num_batched_tokens})
+
     def tokens(self, n: int) -> int:
-        return _next_power_of_two(n, self.min_tokens, self.max_num_batched_tokens)
+        return next(size for size in self.token_sizes() if size >= n)
 
     def seqs(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_num_seqs)
 
-    def pages(self, n: int) -> int:
-        return _next_power_of_two(n, 1, self.max_blocks_per_seq)
-
-    def all_shapes(self) -> list[tuple[int, int, int]]:
-        """Every (T, S, P) the engine can produce; what a full warm-up compiles."""
-        token_sizes = sorted({self.tokens(n) for n in range(1, self.max_num_batched_tokens + 1)})
-        page_sizes = sorted({self.pages(n) for n in range(1, self.max_blocks_per_seq + 1)})
-        return [(t, self.seqs(t), p) for t in token_sizes for p in page_sizes]
+    def all_shapes(self) -> list[tuple[int, int]]:
+        """Every (T, S) the engine can produce; what a full warm-up compiles."""
+        return [(t, self.seqs(t)) for t in self.token_sizes()]
 
 
 @jax.tree_util.register_dataclass
@@ -67,14 +73,14 @@ def prepare_inputs(batch: ScheduledBatch, block_manager: BlockManager, buckets: 
     return _fill(batch, block_manager, buckets, t_pad, s_pad)
 
 
-def padding_inputs(block_manager: BlockManager, buckets: Buckets, t_pad: int, p_pad: int) -> StepInputs:
-    """An all-padding step of shape (T, S, P): it touches only the sink block. Used to compile ahead."""
+def padding_inputs(block_manager: BlockManager, buckets: Buckets, t_pad: int) -> StepInputs:
+    """An all-padding step of shape (T, S): it touches only the sink block. Used to compile ahead."""
     empty = ScheduledBatch([], [], [])
-    return _fill(empty, block_manager, buckets, t_pad, buckets.seqs(t_pad), p_pad)
+    return _fill(empty, block_manager, buckets, t_pad, buckets.seqs(t_pad))
 
 
-def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, t_pad: int, s_pad: int,
-          p_pad: int | None = None) -> StepInputs:
+def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, t_pad: int,
+          s_pad: int) -> StepInputs:
     num_seqs = len(batch.requests)
     token_ids = np.zeros(t_pad, np.int32)
     positions = np.zeros(t_pad, np.int32)
@@ -101,7 +107,6 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     penalty_rows: list[tuple[int, np.ndarray, np.ndarray]] = []
 
     offset = 0
-    max_pages = 1
     for i, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
         start, stop = request.num_computed_tokens, request.num_computed_tokens + num_new
         token_ids[offset:offset + num_new] = request.token_ids[start:stop]
@@ -114,7 +119,6 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         logits_indices[i] = offset - 1
         rows[i] = request.page_row
         has_row[i] = True
-        max_pages = max(max_pages, block_manager.blocks_for(stop))
 
         params = request.params
         temperature[i] = params.temperature
@@ -136,7 +140,6 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
             penalty_rows.append((i, *_penalty_tokens(request)))
     query_start[num_seqs + 1:] = offset
 
-    p_pad = p_pad or buckets.pages(max_pages)
     # Penalised rows list their distinct tokens; the width is a power-of-two bucket (1 when none).
     width = _next_power_of_two(max((len(ids) for _, ids, _ in penalty_rows), default=1), 1, 1 << 30)
     penalty_ids = np.full((s_pad, width), -1, np.int32)
@@ -144,7 +147,7 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     for i, ids, counts in penalty_rows:
         penalty_ids[i, :len(ids)] = ids
         penalty_counts[i, :len(ids)] = counts
-    page_tables = np.where(has_row[:, None], block_manager.page_table[rows, :p_pad], SINK_BLOCK).astype(np.int32)
+    page_tables = np.where(has_row[:, None], block_manager.page_table[rows], SINK_BLOCK).astype(np.int32)
     return StepInputs(
         token_ids=token_ids,
         attention=AttentionMetadata(slot_mapping=slot_mapping, positions=positions, token_seq_ids=token_seq_ids,

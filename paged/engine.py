@@ -246,11 +246,11 @@ class LLMEngine:
                              finished=finished, num_cached_tokens=leader.num_cached_tokens or 0, metrics=metrics)
 
     def precompile(self, show_progress: bool = False) -> None:
-        """Compiles every (tokens, seqs, pages) bucket ahead of traffic by running all-padding steps."""
+        """Compiles every (tokens, seqs) bucket ahead of traffic by running all-padding steps."""
         from tqdm.auto import tqdm
         shapes = self.buckets.all_shapes()
-        for t_pad, _, p_pad in tqdm(shapes, desc="Compiling", disable=not show_progress):
-            self.runner.run(padding_inputs(self.block_manager, self.buckets, t_pad, p_pad))
+        for t_pad, _ in tqdm(shapes, desc="Compiling", disable=not show_progress):
+            self.runner.run(padding_inputs(self.block_manager, self.buckets, t_pad))
 
     # ---- introspection --------------------------------------------------------------------------------
 

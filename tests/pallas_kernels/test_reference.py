@@ -1,4 +1,4 @@
-"""The jnp reference paged attention against a float64 numpy loop over plain (unpaged) K/V."""
+"""The XLA paged attentions (reference and chunked) against a float64 numpy loop over plain (unpaged) K/V."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import paged_attention_reference, write_kv_to_cache
+from pallas_kernels import paged_attention_chunked, paged_attention_reference, write_kv_to_cache
+
+IMPLEMENTATIONS = pytest.mark.parametrize("attention", [paged_attention_reference, paged_attention_chunked],
+                                          ids=["reference", "chunked"])
 
 
 def numpy_attention(q, k, v, scale, window=None):
@@ -23,13 +26,15 @@ def numpy_attention(q, k, v, scale, window=None):
     return out
 
 
+@IMPLEMENTATIONS
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 4), (4, 2), (8, 2), (8, 1)])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_matches_float64_on_random_pages(block_size, num_q_heads, num_kv_heads, head_dim):
+def test_matches_float64_on_random_pages(attention, block_size, num_q_heads, num_kv_heads, head_dim):
     rng = np.random.default_rng(block_size * 100 + num_q_heads * 10 + num_kv_heads + head_dim)
-    num_layers, num_blocks, pages_per_seq = 2, 40, 6
-    lengths = [1, block_size, 2 * block_size + 3, pages_per_seq * block_size]  # incl. a full table
+    num_layers, num_blocks, pages_per_seq = 2, 40, 9
+    # Lengths 1, one page, a partial page, and the full table; the table is wider than most need.
+    lengths = [1, block_size, 2 * block_size + 3, pages_per_seq * block_size]
     pool = [rng.normal(size=(num_layers, num_kv_heads, num_blocks, block_size, head_dim)).astype(np.float32)
             for _ in range(2)]
     k_cache, v_cache = jnp.asarray(pool[0]), jnp.asarray(pool[1])
@@ -49,7 +54,7 @@ def test_matches_float64_on_random_pages(block_size, num_q_heads, num_kv_heads, 
     k_cache, v_cache = write_kv_to_cache(k_cache, v_cache, layer, jnp.asarray(np.concatenate(ks)),
                                          jnp.asarray(np.concatenate(vs)), jnp.asarray(slots, jnp.int32))
     scale = head_dim ** -0.5
-    out = np.asarray(paged_attention_reference(
+    out = np.asarray(attention(
         jnp.asarray(np.concatenate(qs)), k_cache, v_cache, layer, jnp.asarray(tables),
         jnp.asarray(seq_ids, jnp.int32), jnp.asarray(positions, jnp.int32), scale=scale))
     want = np.concatenate([numpy_attention(q, k, v, scale) for q, k, v in zip(qs, ks, vs)])
@@ -60,7 +65,8 @@ def test_matches_float64_on_random_pages(block_size, num_q_heads, num_kv_heads, 
     np.testing.assert_array_equal(np.asarray(k_cache[0]), pool[0][0])
 
 
-def test_sliding_window_and_bfloat16():
+@IMPLEMENTATIONS
+def test_sliding_window_and_bfloat16(attention):
     rng = np.random.default_rng(0)
     n, hq, hkv, d, bs, window = 40, 4, 2, 64, 8, 13
     k = rng.normal(size=(n, hkv, d)).astype(np.float32)
@@ -71,7 +77,7 @@ def test_sliding_window_and_bfloat16():
     for dtype, tol in ((jnp.float32, 1e-4), (jnp.bfloat16, 5e-2)):
         cache = jnp.zeros((1, hkv, 10, bs, d), dtype)
         kc, vc = write_kv_to_cache(cache, cache, 0, jnp.asarray(k, dtype), jnp.asarray(v, dtype), slots)
-        out = paged_attention_reference(jnp.asarray(q, dtype), kc, vc, 0, jnp.asarray(pages[None]),
+        out = attention(jnp.asarray(q, dtype), kc, vc, 0, jnp.asarray(pages[None]),
                                         jnp.zeros(n, jnp.int32), jnp.arange(n, dtype=jnp.int32),
                                         scale=d ** -0.5, sliding_window=window)
         # bf16 inputs carry 8 mantissa bits (rel. error ~4e-3 per element); outputs are convex mixes of
