@@ -10,7 +10,10 @@ import dataclasses
 
 import jax
 
-from pallas_kernels import paged_attention_chunked, paged_attention_reference, write_kv_to_cache
+import jax.numpy as jnp
+
+from pallas_kernels import (packed_causal_attention, paged_attention_chunked, paged_attention_reference,
+                            write_kv_to_cache)
 
 
 @jax.tree_util.register_dataclass
@@ -25,6 +28,10 @@ class AttentionMetadata:
       page_tables: int32 [S, P]; block ids of each scheduled sequence (0 = sink block).
       query_start: int32 [S + 1]; packed offsets of each sequence's new tokens.
       seq_lens: int32 [S]; context length of each sequence after this step (0 for padded rows).
+      tail_split: bool scalar; tokens packed at index >= S may attend among the new tokens (plus the cached
+        prefix of at most one sequence, `tail_prefix_seq`) instead of going through the pages one by one.
+      tail_prefix_seq: int32 scalar; that sequence's row in `page_tables` (-1: none).
+      tail_prefix_len: int32 scalar; how many of its tokens were cached before this step.
     """
 
     slot_mapping: jax.Array
@@ -33,6 +40,9 @@ class AttentionMetadata:
     page_tables: jax.Array
     query_start: jax.Array
     seq_lens: jax.Array
+    tail_split: jax.Array
+    tail_prefix_seq: jax.Array
+    tail_prefix_len: jax.Array
 
 
 class ReferenceAttention:
@@ -43,21 +53,42 @@ class ReferenceAttention:
     def write_kv(self, k_cache, v_cache, layer, k, v, meta: AttentionMetadata):
         return write_kv_to_cache(k_cache, v_cache, layer, k, v, meta.slot_mapping)
 
-    def attend(self, q, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None):
+    def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None):
+        """q [T, Hq, D]; k, v [T, Hkv, D] are the step's new keys and values (already in the pool)."""
         return paged_attention_reference(
             q, k_cache, v_cache, layer, meta.page_tables, meta.token_seq_ids, meta.positions,
             scale=scale, sliding_window=sliding_window)
 
 
 class XlaAttention(ReferenceAttention):
-    """XLA paged attention with an online softmax over chunks of pages: the fast path on CPU."""
+    """XLA attention, the fast path on CPU.
+
+    Paged attention with an online softmax over chunks of pages; and when the step allows it (`tail_split`),
+    only the first S token slots (one per sequence: the decode tokens come first) go through the pages, while
+    the rest, prompt chunks, attend among the new tokens with one dense causal matrix plus, for at most one
+    continuing prompt, its cached prefix read once for all its tokens: no per-token page gathers.
+    """
 
     name = "xla"
 
-    def attend(self, q, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None):
-        return paged_attention_chunked(
-            q, k_cache, v_cache, layer, meta.page_tables, meta.token_seq_ids, meta.positions,
+    def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None):
+        num_rows = meta.seq_lens.shape[0]
+        paged = lambda rows: paged_attention_chunked(
+            q[:rows], k_cache, v_cache, layer, meta.page_tables, meta.token_seq_ids[:rows], meta.positions[:rows],
             scale=scale, sliding_window=sliding_window)
+        if num_rows == q.shape[0]:
+            return paged(num_rows)
+
+        def split(_):
+            prefix_row = meta.page_tables[jnp.maximum(meta.tail_prefix_seq, 0)]
+            dense = packed_causal_attention(
+                q, k, v, meta.token_seq_ids, meta.positions, scale=scale, sliding_window=sliding_window,
+                k_cache=k_cache, v_cache=v_cache, layer=layer, prefix_page_row=prefix_row,
+                prefix_seq_id=meta.tail_prefix_seq, prefix_len=meta.tail_prefix_len,
+                num_real_tokens=meta.query_start[-1])
+            return jnp.concatenate([paged(num_rows), dense[num_rows:]], axis=0)
+
+        return jax.lax.cond(meta.tail_split, split, lambda _: paged(q.shape[0]), None)
 
 
 _BACKENDS = {"reference": ReferenceAttention, "xla": XlaAttention}

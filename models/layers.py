@@ -93,7 +93,7 @@ class PagedSelfAttention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         k_cache, v_cache = attention.write_kv(k_cache, v_cache, layer, k, v, meta)
-        out = attention.attend(q, k_cache, v_cache, layer, meta, scale=cfg.head_dim ** -0.5,
+        out = attention.attend(q, k, v, k_cache, v_cache, layer, meta, scale=cfg.head_dim ** -0.5,
                                sliding_window=cfg.sliding_window)
         out = dense(cfg.hidden_size, "o_proj", cfg.o_proj_bias)(out.reshape(num_tokens, cfg.q_size))
         return out, k_cache, v_cache

@@ -7,6 +7,6 @@ from pallas_kernels.reference import (
     paged_attention_reference,
     write_kv_to_cache,
 )
-from pallas_kernels.xla import paged_attention_chunked
+from pallas_kernels.xla import packed_causal_attention, paged_attention_chunked
 
-__all__ = ["paged_attention_chunked", "paged_attention_reference", "write_kv_to_cache"]
+__all__ = ["packed_causal_attention", "paged_attention_chunked", "paged_attention_reference", "write_kv_to_cache"]

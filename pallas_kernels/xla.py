@@ -76,3 +76,128 @@ def paged_attention_chunked(
     _, l, acc = jax.lax.fori_loop(0, num_chunks, body, (m, l, acc))
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def _finish(m, l, acc, shape, dtype):
+    del m
+    return (acc / jnp.where(l > 0, l, 1.0)[..., None]).reshape(shape).astype(dtype)
+
+
+def _merge(a, b):
+    """Combines two partial softmax states (running max m, sum l, unnormalised output acc)."""
+    (m1, l1, acc1), (m2, l2, acc2) = a, b
+    m = jnp.maximum(m1, m2)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    c1, c2 = jnp.exp(m1 - m_safe), jnp.exp(m2 - m_safe)
+    return m, l1 * c1 + l2 * c2, acc1 * c1[..., None] + acc2 * c2[..., None]
+
+
+def _packed_causal_state(q, k, v, token_seq_ids, positions, num_real_tokens, scale, sliding_window, soft_cap):
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    group = num_q_heads // num_kv_heads
+    # Head-major matmuls ([Hkv, T*G, D] x [Hkv, D, T]) with an additive mask run about 2.5x faster on CPU
+    # than the equivalent einsum with a where-mask.
+    qh = q.reshape(num_tokens, num_kv_heads, group, head_dim).transpose(1, 0, 2, 3).astype(jnp.float32)
+    qh = qh.reshape(num_kv_heads, num_tokens * group, head_dim)
+    s = jnp.matmul(qh, k.astype(jnp.float32).transpose(1, 2, 0), preferred_element_type=jnp.float32) * scale
+    s = s.reshape(num_kv_heads, num_tokens, group, num_tokens)
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    visible = (token_seq_ids[:, None] == token_seq_ids[None, :]) & (positions[None, :] <= positions[:, None])
+    visible &= (jnp.arange(num_tokens) < num_real_tokens)[None, :]  # padding is nobody's key
+    if sliding_window is not None:
+        visible &= positions[None, :] > positions[:, None] - sliding_window
+    visible |= jnp.eye(num_tokens, dtype=bool)  # every row keeps one finite score (padding rows included)
+    s = s + jnp.where(visible, 0.0, -jnp.inf)[None, :, None, :]
+    m = s.max(-1)  # the diagonal is always visible: finite
+    p = jnp.exp(s - m[..., None])
+    acc = jnp.matmul(p.reshape(num_kv_heads, num_tokens * group, num_tokens), v.astype(jnp.float32).transpose(1, 0, 2),
+                     preferred_element_type=jnp.float32).reshape(num_kv_heads, num_tokens, group, head_dim)
+    return m.transpose(1, 0, 2), p.sum(-1).transpose(1, 0, 2), acc.transpose(1, 0, 2, 3)
+
+
+def _one_sequence_prefix_state(q, k_cache, v_cache, layer, page_row, seq_id, cached_len, token_seq_ids,
+                               positions, scale, sliding_window, soft_cap):
+    """Tokens of sequence `seq_id` attend to its first `cached_len` cached keys; other tokens see nothing.
+
+    Every token shares one page-table row, so each chunk of pages is gathered once, not once per token.
+    """
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, num_kv_heads, _, block_size, _ = k_cache.shape
+    group = num_q_heads // num_kv_heads
+    pages_per_chunk = max(1, CHUNK_KEYS // block_size)
+    chunk = pages_per_chunk * block_size
+    row = jnp.pad(page_row, (0, (-page_row.shape[0]) % pages_per_chunk))
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
+    mine = token_seq_ids == seq_id
+
+    def body(c, carry):
+        pages = jax.lax.dynamic_slice_in_dim(row, c * pages_per_chunk, pages_per_chunk)
+        # Advanced indices around a slice come first: [pages, Hkv, bs, D] -> [Hkv, chunk, D].
+        k = k_cache[layer, :, pages].transpose(1, 0, 2, 3).reshape(num_kv_heads, chunk, head_dim)
+        v = v_cache[layer, :, pages].transpose(1, 0, 2, 3).reshape(num_kv_heads, chunk, head_dim)
+        k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+        s = jnp.einsum("tkgd,kcd->tkgc", qg, k, preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]
+        visible = mine[:, None] & (key_pos < cached_len)
+        if sliding_window is not None:
+            visible &= key_pos > positions[:, None] - sliding_window
+        s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
+        m_c = s.max(-1)
+        m_safe = jnp.where(jnp.isfinite(m_c), m_c, 0.0)
+        p = jnp.exp(s - m_safe[..., None])
+        state = (m_c, p.sum(-1), jnp.einsum("tkgc,kcd->tkgd", p, v, preferred_element_type=jnp.float32))
+        return _merge(carry, state)
+
+    init = (jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32),
+            jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32))
+    num_chunks = (cached_len + chunk - 1) // chunk
+    return jax.lax.fori_loop(0, num_chunks, body, init)
+
+
+def packed_causal_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    token_seq_ids: jax.Array,
+    positions: jax.Array,
+    *,
+    scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    k_cache: jax.Array | None = None,
+    v_cache: jax.Array | None = None,
+    layer: jax.Array | int = 0,
+    prefix_page_row: jax.Array | None = None,
+    prefix_seq_id: jax.Array | int = -1,
+    prefix_len: jax.Array | int = 0,
+    num_real_tokens: jax.Array | int | None = None,
+) -> jax.Array:
+    """Attention for prompt chunks without per-token page gathers.
+
+    Each token attends to the step's new tokens of its own sequence (block-diagonal, causal: one dense
+    [T, T] score matrix per head) and, for at most one sequence `prefix_seq_id`, also to its first
+    `prefix_len` cached keys (a prompt continuing from an earlier chunk or a prefix-cache hit), read once
+    from `prefix_page_row` in chunks. Exact for tokens of sequences with nothing else cached.
+
+    Args:
+      q: [T, num_q_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] (the new keys and values).
+      token_seq_ids, positions: int32 [T], as for the paged functions.
+      k_cache, v_cache, layer: the pool, when a prefix is read.
+      prefix_page_row: int32 [P]; the page-table row of `prefix_seq_id`.
+      num_real_tokens: tokens past this index are padding and serve as nobody's keys (default: none).
+    """
+    num_tokens = q.shape[0]
+    if num_real_tokens is None:
+        num_real_tokens = num_tokens
+    state = _packed_causal_state(q, k, v, token_seq_ids, positions, num_real_tokens, scale, sliding_window,
+                                 soft_cap)
+    if prefix_page_row is not None:
+        prefix = _one_sequence_prefix_state(q, k_cache, v_cache, layer, prefix_page_row, prefix_seq_id,
+                                            prefix_len, token_seq_ids, positions, scale, sliding_window, soft_cap)
+        state = _merge(state, prefix)
+    return _finish(*state, q.shape, q.dtype)

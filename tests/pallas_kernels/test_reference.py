@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import paged_attention_chunked, paged_attention_reference, write_kv_to_cache
+from pallas_kernels import (packed_causal_attention, paged_attention_chunked, paged_attention_reference,
+                            write_kv_to_cache)
 
 IMPLEMENTATIONS = pytest.mark.parametrize("attention", [paged_attention_reference, paged_attention_chunked],
                                           ids=["reference", "chunked"])
@@ -86,3 +87,36 @@ def test_sliding_window_and_bfloat16(attention):
                                np.asarray(jnp.asarray(k, dtype).astype(jnp.float32)),
                                np.asarray(jnp.asarray(v, dtype).astype(jnp.float32)), d ** -0.5, window)
         np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_packed_causal_attention_with_one_cached_prefix(window):
+    """Fresh prompt A and prompt B continuing after 21 cached tokens, packed together: float64 reference."""
+    rng = np.random.default_rng(7)
+    hq, hkv, d, bs = 4, 2, 16, 8
+    cached_b, new_a, new_b = 21, 9, 12
+    total_b = cached_b + new_b
+    ka, va = rng.normal(size=(2, new_a, hkv, d)).astype(np.float32)
+    kb, vb = rng.normal(size=(2, total_b, hkv, d)).astype(np.float32)
+    qa = rng.normal(size=(new_a, hq, d)).astype(np.float32)
+    qb = rng.normal(size=(new_b, hq, d)).astype(np.float32)
+    pages_b = np.array([6, 2, 9, 4, 0], np.int32)  # 33 tokens in 5 pages; the last entry is padding
+    cache = np.zeros((1, hkv, 12, bs, d), np.float32)
+    k_cache, v_cache = cache.copy(), cache.copy()
+    for i in range(cached_b):  # only B's prefix is in the pool; the new tokens come in as k, v
+        k_cache[0, :, pages_b[i // bs], i % bs] = kb[i]
+        v_cache[0, :, pages_b[i // bs], i % bs] = vb[i]
+    q = np.concatenate([qa, qb])
+    k = np.concatenate([ka, kb[cached_b:]])
+    v = np.concatenate([va, vb[cached_b:]])
+    seq = np.array([0] * new_a + [1] * new_b, np.int32)
+    pos = np.array(list(range(new_a)) + list(range(cached_b, total_b)), np.int32)
+    tables = np.stack([np.zeros(5, np.int32), pages_b])
+    out = np.asarray(packed_causal_attention(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(seq), jnp.asarray(pos), scale=d ** -0.5,
+        sliding_window=window, k_cache=jnp.asarray(k_cache), v_cache=jnp.asarray(v_cache), layer=0,
+        prefix_page_row=jnp.asarray(tables[1]), prefix_seq_id=1, prefix_len=cached_b))
+    want_a = numpy_attention(qa, ka, va, d ** -0.5, window)
+    want_b = numpy_attention(np.concatenate([np.zeros((cached_b, hq, d), np.float32), qb]), kb, vb, d ** -0.5,
+                             window)[cached_b:]
+    np.testing.assert_allclose(out, np.concatenate([want_a, want_b]), atol=1e-5, rtol=1e-5)
