@@ -92,3 +92,18 @@ def workload_flops(config, workload: Workload) -> float:
         total += tokens * dense
         total += 4 * c.num_layers * c.num_heads * c.head_dim * tokens * (tokens + 1) / 2
     return total
+
+
+def copy_bandwidth(megabytes: int = 256, repeats: int = 10) -> float:
+    """Bytes/s (read + written) of a large device-side copy: the machine's memory roof."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((megabytes * 2**20 // 4,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return 2 * x.nbytes / best

@@ -20,7 +20,8 @@ import json
 import sys
 import time
 
-from benchmarks.common import default_model_dir, jsonl_workload, matmul_rate, random_workload, workload_flops
+from benchmarks.common import (copy_bandwidth, default_model_dir, jsonl_workload, matmul_rate, random_workload,
+                               workload_flops)
 
 
 def _result(name: str, workload, seconds: float, warmup: float, flops: float, rate: float, **extra) -> dict:
@@ -46,8 +47,9 @@ def run_paged(model_dir: str, workload, engine_args: dict) -> tuple[float, float
     llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     split = {k: v for k, v in engine.step_timings.items()}
+    by_kind = {k: split.pop(k) for k in ("device_decode_only", "device_with_prefill")}
     extra = {"compilations_in_timed_run": engine.num_compilations - compiles, "shapes_compiled": compiles,
-             "steps": int(split.pop("steps")), "step_time_split_s": split,
+             "steps": int(split.pop("steps")), "step_time_split_s": split, "device_time_by_step_kind_s": by_kind,
              "preemptions": engine.num_preemptions}
     return seconds, warmup, extra
 
@@ -172,6 +174,7 @@ def main(argv=None) -> int:
                        block_size=args.block_size, max_model_len=args.max_model_len or max_len,
                        enable_prefix_caching=False)
     rate = matmul_rate()
+    bandwidth = copy_bandwidth()
     flops = workload_flops(config, workload)
     print(f"workload {workload.describe()}; model FLOPs {flops / 1e9:.1f} G; matmul rate {rate / 1e9:.1f} GFLOP/s; "
           f"compute floor {sum(workload.output_lens) * rate / flops:.0f} output tokens/s", file=sys.stderr)
@@ -200,6 +203,7 @@ def main(argv=None) -> int:
     for r in results:
         r["paged_speedup"] = paged / r["output_tokens_per_s"]
     report = {"workload": workload.describe(), "model": model_dir, "model_flops": flops, "matmul_flops_per_s": rate,
+              "copy_bytes_per_s": bandwidth,
               "compute_floor_output_tokens_per_s": sum(workload.output_lens) * rate / flops, "engine": engine_args,
               "results": results}
     print(f"{'system':<16}{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}{'MFU':>7}{'paged x':>9}{'warm-up s':>11}")
@@ -209,6 +213,9 @@ def main(argv=None) -> int:
     split = results[0]["step_time_split_s"]
     total = sum(split.values())
     print("paged step time split: " + ", ".join(f"{k} {v / total:.0%}" for k, v in split.items()))
+    kinds = results[0]["device_time_by_step_kind_s"]
+    print("paged device time: " + ", ".join(f"{k} {v:.2f} s" for k, v in kinds.items())
+          + f"; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

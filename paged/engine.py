@@ -61,7 +61,8 @@ class LLMEngine:
         self.requests: dict[str, ParentRequest] = {}
         self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model (not cache hits)
         # Wall time per phase of step(), summed; "device" includes the wait for the jitted step's result.
-        self.step_timings = dict.fromkeys(("schedule", "prepare", "device", "postprocess", "steps"), 0.0)
+        self.step_timings = dict.fromkeys(("schedule", "prepare", "device", "postprocess", "steps",
+                                           "device_decode_only", "device_with_prefill"), 0.0)
         self._seed_rng = np.random.default_rng(config.seed)
 
     def _num_blocks(self, config: EngineConfig, max_blocks_per_seq: int) -> int:
@@ -154,6 +155,10 @@ class LLMEngine:
         timings["schedule"] += t1 - t0
         timings["prepare"] += t2 - t1
         timings["device"] += t3 - t2
+        # Decode-only steps (every sequence computes one token) are bound by reading the weights and the
+        # K/V; steps carrying prompt chunks by compute. Keeping them apart shows which one limits a run.
+        kind = "device_decode_only" if batch.total_tokens == len(batch.requests) else "device_with_prefill"
+        timings[kind] += t3 - t2
         timings["postprocess"] += t4 - t3
         timings["steps"] += 1
         return outputs

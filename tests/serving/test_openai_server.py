@@ -262,3 +262,13 @@ def test_echo_and_penalties_reach_the_sampler(client):
                                           **{**base, "max_tokens": 40}).choices[0].text
     repeated = client.completions.create(**{**base, "max_tokens": 40}).choices[0].text
     assert penalised != repeated
+
+
+def test_serving_benchmark_against_the_server(server, tmp_path):
+    from benchmarks.serve import main
+    out = tmp_path / "serve.json"
+    code = main(["--base-url", server.url, "--api-key", KEY, "--num-prompts", "6", "--request-rate", "20",
+                 "--input-len", "4", "16", "--output-len", "4", "12", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["completed"] == 6 and result["failed"] == 0
+    assert result["ttft_ms"]["median"] > 0 and result["output_token_throughput"] > 0
