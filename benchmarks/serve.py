@@ -34,7 +34,9 @@ async def _one(client, url: str, headers: dict, payload: dict) -> dict:
                 data = json.loads(line[6:])
                 if data.get("usage"):
                     usage = data["usage"]
-                if data.get("choices") and data["choices"][0].get("text"):
+                # Every chunk with a choice carries new tokens (their text may be empty: a partial UTF-8
+                # sequence, or ids a tokenizer cannot spell), so each one counts as progress.
+                if data.get("choices"):
                     chunks.append(time.perf_counter())
     except Exception as exc:  # noqa: BLE001 - a failed request is a data point
         error = f"{type(exc).__name__}: {exc}"
