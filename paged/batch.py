@@ -32,7 +32,6 @@ def _next_power_of_two(n: int, minimum: int, maximum: int) -> int:
 class Buckets:
     max_num_batched_tokens: int
     max_num_seqs: int
-    max_blocks_per_seq: int
     min_tokens: int = 8
 
     def token_sizes(self) -> list[int]:

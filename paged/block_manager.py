@@ -118,13 +118,13 @@ class BlockManager:
     # ---- prefix caching -------------------------------------------------------------------------------
 
     def _hashes(self, request: Request, num_full_blocks: int) -> list[int]:
-        """Chain hashes of the request's first `num_full_blocks` blocks (memoised on the request)."""
+        """The request's memoised chain hashes, extended to cover at least `num_full_blocks` blocks."""
         hashes = request.block_hashes
         bs = self.block_size
         while len(hashes) < num_full_blocks:
             i = len(hashes)
             hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(request.token_ids[i * bs:(i + 1) * bs])))
-        return hashes[:num_full_blocks]
+        return hashes
 
     def match_prefix(self, request: Request) -> int:
         """Shares the longest cached prefix of a request that holds no blocks; returns tokens covered.
@@ -136,8 +136,9 @@ class BlockManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
         bs = self.block_size
-        for i, h in enumerate(self._hashes(request, max_blocks)):
-            block = self.cached.get(h)
+        hashes = self._hashes(request, max_blocks)
+        for i in range(max_blocks):
+            block = self.cached.get(hashes[i])
             if block is None or self.block_tokens[block] != tuple(request.token_ids[i * bs:(i + 1) * bs]):
                 break
             hits.append(block)

@@ -51,7 +51,7 @@ class LLMEngine:
         num_blocks = self._num_blocks(config, max_blocks_per_seq)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.max_num_seqs, max_blocks_per_seq,
                                           config.enable_prefix_caching)
-        self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs, max_blocks_per_seq)
+        self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.model, params, attention, num_blocks, config.block_size, self.dtype)
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.dtype)
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
@@ -271,22 +271,19 @@ class LLMEngine:
     def num_free_blocks(self) -> int:
         return self.block_manager.num_free_blocks
 
-    def kv_stats(self) -> dict:
+    def kv_stats(self, include_utilization: bool = True) -> dict:
         """Memory accounting for metrics and benchmarks.
 
-        kv_utilization: token slots holding live K/V / token slots in the blocks that running requests hold
-        (waste is the unfilled tail of each sequence's last block). kv_cache_usage: used / usable blocks.
+        kv_cache_usage: used / usable blocks. With include_utilization (O(blocks held), so off for per-step
+        metrics): kv_utilization, token slots holding live K/V / token slots in the blocks that running
+        requests hold (waste is the unfilled tail of each sequence's last block).
         """
         bm = self.block_manager
         running = self.scheduler.running
-        held = {b for r in running for b in r.block_ids}
-        live = bm.live_token_slots(running)
-        return {
+        stats = {
             "num_blocks": bm.num_usable_blocks,
             "num_used_blocks": bm.num_used_blocks,
-            "num_held_blocks": len(held),
             "kv_cache_usage": bm.num_used_blocks / bm.num_usable_blocks,
-            "kv_utilization": live / (len(held) * bm.block_size) if held else 1.0,
             "num_running": len(running),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
@@ -294,6 +291,12 @@ class LLMEngine:
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
         }
+        if include_utilization:
+            held = {b for r in running for b in r.block_ids}
+            live = bm.live_token_slots(running)
+            stats["num_held_blocks"] = len(held)
+            stats["kv_utilization"] = live / (len(held) * bm.block_size) if held else 1.0
+        return stats
 
 
 def _load_tokenizer(path: str):

@@ -45,7 +45,7 @@ class EngineMetrics:
     def update_gauges(self, engine) -> None:
         """Reads the engine's state (call on the engine thread); also done after every step."""
         m = self.model_name
-        stats = engine.kv_stats()
+        stats = engine.kv_stats(include_utilization=False)
         self.running.labels(m).set(stats["num_running"])
         self.waiting.labels(m).set(stats["num_waiting"])
         self.kv_usage.labels(m).set(stats["kv_cache_usage"])
