@@ -67,6 +67,7 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     o_proj_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before rotary (Qwen3)
     mlp_bias: bool = False
     hidden_act: str = "silu"
     sliding_window: int | None = None
@@ -116,10 +117,10 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
 
 def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
     window = raw.get("sliding_window")
-    if model_type == "qwen2":
-        # Qwen2 only slides when asked to, and then per layer (issue: more model families).
+    if model_type in ("qwen2", "qwen3"):
+        # Qwen2/3 only slide when asked to, and then per layer (issue: more model families).
         if raw.get("use_sliding_window", False):
-            raise NotImplementedError("Qwen2 with use_sliding_window=True is not supported yet")
+            raise NotImplementedError(f"{model_type} with use_sliding_window=True is not supported yet")
         return None
     layer_types = raw.get("layer_types")
     if layer_types and len(set(layer_types)) > 1:
@@ -138,6 +139,8 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
     hidden = int(raw["hidden_size"])
     head_dim = raw.get("head_dim") or hidden // num_heads
     model_type = raw.get("model_type", "")
+    if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise NotImplementedError("partial rotary embeddings (partial_rotary_factor < 1) are not supported yet")
     eos = _as_id_tuple(raw.get("eos_token_id"))
     if generation_config:
         eos = tuple(dict.fromkeys(eos + _as_id_tuple(generation_config.get("eos_token_id"))))
@@ -160,6 +163,7 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
         attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
         # Llama's `attention_bias` covers o_proj too; Qwen2's o_proj never has a bias.
         o_proj_bias=bool(raw.get("attention_bias", False)) and model_type == "llama",
+        qk_norm=model_type == "qwen3",
         mlp_bias=bool(raw.get("mlp_bias", False)),
         hidden_act=str(raw.get("hidden_act", "silu")),
         sliding_window=_sliding_window(raw, model_type),

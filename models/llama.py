@@ -1,4 +1,5 @@
-"""Flax Llama family: Llama 2/3, Mistral, Qwen2 (one decoder, differences live in ModelConfig).
+"""Flax Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3 (one decoder; differences live in ModelConfig
+and, for Phi-3's fused projections, in the loader).
 
 The parameter tree mirrors Hugging Face names, with the decoder layers stacked on a leading axis so the
 forward pass scans over layers (one layer is compiled instead of L: start-up time matters):
@@ -6,6 +7,7 @@ forward pass scans over layers (one layer is compiled instead of L: start-up tim
     embed_tokens/embedding            [V, H]
     layers/input_layernorm/scale      [L, H]
     layers/self_attn/{q,k,v,o}_proj/{kernel [L, in, out], bias [L, out]}
+    layers/self_attn/{q,k}_norm/scale [L, head_dim]   (Qwen3)
     layers/post_attention_layernorm/scale
     layers/mlp/{gate,up,down}_proj/kernel
     norm/scale                        [H]

@@ -99,9 +99,31 @@ def _target(name: str) -> tuple[tuple[str, ...], int | None, bool] | None:
         return None
     layer, module, kind = int(match.group(1)), match.group(2), match.group(3)
     parts = tuple(module.split("."))
-    if parts[-1].endswith("layernorm"):
+    if parts[-1].endswith("norm"):
         return ("layers", *parts, "scale"), layer, False
     return ("layers", *parts, "kernel" if kind == "weight" else "bias"), layer, kind == "weight"
+
+
+def _unfuse(name: str, f, config: ModelConfig):
+    """Yields (name, read) pairs, splitting fused projections (Phi-3's qkv_proj and gate_up_proj).
+
+    `read()` returns the tensor; unfused tensors are read only if the caller wants them.
+    """
+    if name.endswith(".self_attn.qkv_proj.weight"):
+        fused = f.get_tensor(name)
+        prefix = name[:-len("qkv_proj.weight")]
+        q, kv = config.q_size, config.kv_size
+        parts = (("q_proj", fused[:q]), ("k_proj", fused[q:q + kv]), ("v_proj", fused[q + kv:]))
+    elif name.endswith(".mlp.gate_up_proj.weight"):
+        fused = f.get_tensor(name)
+        prefix = name[:-len("gate_up_proj.weight")]
+        half = config.intermediate_size
+        parts = (("gate_proj", fused[:half]), ("up_proj", fused[half:]))
+    else:
+        yield name, lambda: f.get_tensor(name)
+        return
+    for part, tensor in parts:
+        yield f"{prefix}{part}.weight", lambda tensor=tensor: tensor
 
 
 def _expected_shapes(model, config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -128,30 +150,28 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
     with tqdm(desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
         for path in files:
             with safe_open(path, framework="np") as f:
-                for name in f.keys():
-                    target = _target(name)
-                    if target is None or target[0] not in expected:
-                        continue  # e.g. rotary inv_freq buffers, or lm_head when tied
-                    key, layer, transpose = target
-                    tensor = f.get_tensor(name)
-                    if transpose:
-                        tensor = tensor.T
-                    shape = expected[key]
-                    want = shape[1:] if layer is not None else shape
-                    if tensor.shape != want:
-                        raise ValueError(f"checkpoint tensor {name} has shape {tensor.shape} (after transpose: "
-                                         f"{transpose}); the config implies {want}")
-                    if key not in buffers:
-                        buffers[key] = np.empty(shape, dtype)
-                        filled[key] = 0
-                    if layer is None:
-                        buffers[key][...] = tensor
-                    else:
-                        buffers[key][layer] = tensor
-                    filled[key] += 1
-                    if filled[key] == (config.num_layers if layer is not None else 1):
-                        _put(params, key, jax.device_put(buffers.pop(key)))
-                    bar.update()
+                for stored_name in f.keys():
+                    for name, read in _unfuse(stored_name, f, config):
+                        target = _target(name)
+                        if target is None or target[0] not in expected:
+                            continue  # e.g. rotary inv_freq buffers, or lm_head when tied
+                        key, layer, transpose = target
+                        tensor = read().T if transpose else read()
+                        want = expected[key][1:] if layer is not None else expected[key]
+                        if tensor.shape != want:
+                            raise ValueError(f"checkpoint tensor {name} has shape {tensor.shape} (after transpose: "
+                                             f"{transpose}); the config implies {want}")
+                        if key not in buffers:
+                            buffers[key] = np.empty(expected[key], dtype)
+                            filled[key] = 0
+                        if layer is None:
+                            buffers[key][...] = tensor
+                        else:
+                            buffers[key][layer] = tensor
+                        filled[key] += 1
+                        if filled[key] == (config.num_layers if layer is not None else 1):
+                            _put(params, key, jax.device_put(buffers.pop(key)))
+                        bar.update()
     missing = [".".join(k) for k in expected if _get(params, k) is None]
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} lacks tensors for: {', '.join(missing)}")

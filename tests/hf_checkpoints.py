@@ -26,6 +26,8 @@ SPECS = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32})),
     "mistral-window": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=24, head_dim=16)),
     "qwen2-tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
+    "qwen3-qknorm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
+    "phi3-fused": ("Phi3Config", dict(num_key_value_heads=2, tie_word_embeddings=False)),
 }
 
 
