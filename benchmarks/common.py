@@ -84,7 +84,8 @@ def workload_flops(config, workload: Workload) -> float:
     attention, 4 x context x heads x head_dim per layer (scores and weighted sum).
     """
     c = config
-    per_layer = c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size + 3 * c.hidden_size * c.intermediate_size
+    per_layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
+                 + 3 * c.hidden_size * c.intermediate_size)
     dense = 2 * (c.num_layers * per_layer + c.hidden_size * c.vocab_size)
     total = 0.0
     for p, o in zip(workload.prompt_lens, workload.output_lens):

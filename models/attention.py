@@ -1,7 +1,8 @@
 """The attention-backend interface between the models and the kernels.
 
 A backend writes the step's new K/V into the paged pool and computes attention for the packed query
-tokens. Both calls take the whole stacked pool [L, Hkv, num_blocks, block_size, D] and a layer index. Backends are stateless objects selected by name; the model calls them inside the jitted step.
+tokens. Both calls take the whole stacked pool [L, Hkv, num_blocks, block_size, D] and a layer index.
+Backends are stateless objects selected by name; the model calls them inside the jitted step.
 """
 
 from __future__ import annotations

@@ -130,8 +130,25 @@ def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
     return int(window) if window else None
 
 
+def _gpt2_spelling(raw: dict[str, Any]) -> dict[str, Any]:
+    """GPT-2's config names -> the Llama-family names used below (LayerNorm eps goes in rms_norm_eps)."""
+    if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("reorder_and_upcast_attn"):
+        raise NotImplementedError("GPT-2 variants with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn "
+                                  "are not supported")
+    if not raw.get("scale_attn_weights", True):
+        raise NotImplementedError("GPT-2 with scale_attn_weights=False is not supported")
+    hidden = raw["n_embd"]
+    return {**raw, "hidden_size": hidden, "num_attention_heads": raw["n_head"], "num_key_value_heads": raw["n_head"],
+            "num_hidden_layers": raw["n_layer"], "max_position_embeddings": raw["n_positions"],
+            "intermediate_size": raw.get("n_inner") or 4 * hidden, "rms_norm_eps": raw.get("layer_norm_epsilon", 1e-5),
+            "hidden_act": raw.get("activation_function", "gelu_new"),
+            "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
+
+
 def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
     """Builds a ModelConfig from a parsed HF config.json (and optional generation_config.json)."""
+    if raw.get("model_type") == "gpt2":
+        raw = _gpt2_spelling(raw)
     architectures = raw.get("architectures") or []
     if not architectures:
         raise ValueError("config.json has no 'architectures' entry; cannot tell which model to build")

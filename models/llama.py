@@ -16,6 +16,7 @@ forward pass scans over layers (one layer is compiled instead of L: start-up tim
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import flax.linen as nn
@@ -56,6 +57,57 @@ class LlamaForCausalLM:
         self.layer = DecoderLayer(config, self.dtype)
         self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype)
         self.inv_freq = config.rope.inv_freq(config.head_dim)
+
+    # ---- checkpoint layout --------------------------------------------------------------------------
+
+    _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+    def global_param_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
+        cfg = self.config
+        shapes = {("embed_tokens", "embedding"): (cfg.vocab_size, cfg.hidden_size),
+                  ("norm", "scale"): (cfg.hidden_size,)}
+        if not cfg.tie_word_embeddings:
+            shapes[("lm_head", "kernel")] = (cfg.hidden_size, cfg.vocab_size)
+        return shapes
+
+    def checkpoint_target(self, name: str) -> tuple[tuple[str, ...], int | None, bool] | None:
+        """HF tensor name -> (path in our tree, layer index or None, transpose?). None = not ours to load."""
+        if name == "model.embed_tokens.weight":
+            return ("embed_tokens", "embedding"), None, False
+        if name == "model.norm.weight":
+            return ("norm", "scale"), None, False
+        if name == "lm_head.weight":
+            return ("lm_head", "kernel"), None, True
+        match = self._LAYER_RE.match(name)
+        if not match:
+            return None
+        layer, module, kind = int(match.group(1)), match.group(2), match.group(3)
+        parts = tuple(module.split("."))
+        if parts[-1].endswith("norm"):
+            return ("layers", *parts, "scale"), layer, False
+        return ("layers", *parts, "kernel" if kind == "weight" else "bias"), layer, kind == "weight"
+
+    def split_fused(self, name: str, f):
+        """Yields (name, read) pairs, splitting fused projections (Phi-3's qkv_proj and gate_up_proj).
+
+        `read()` returns the tensor; unfused tensors are read only if the loader wants them.
+        """
+        cfg = self.config
+        if name.endswith(".self_attn.qkv_proj.weight"):
+            fused = f.get_tensor(name)
+            prefix = name[:-len("qkv_proj.weight")]
+            q, kv = cfg.q_size, cfg.kv_size
+            parts = (("q_proj", fused[:q]), ("k_proj", fused[q:q + kv]), ("v_proj", fused[q + kv:]))
+        elif name.endswith(".mlp.gate_up_proj.weight"):
+            fused = f.get_tensor(name)
+            prefix = name[:-len("gate_up_proj.weight")]
+            half = cfg.intermediate_size
+            parts = (("gate_proj", fused[:half]), ("up_proj", fused[half:]))
+        else:
+            yield name, lambda: f.get_tensor(name)
+            return
+        for part, tensor in parts:
+            yield f"{prefix}{part}.weight", lambda tensor=tensor: tensor
 
     def layer_param_shapes(self) -> dict:
         """Shapes of one decoder layer's parameters, from Flax's own init (used to validate checkpoints)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Any
 
 import jax
@@ -83,66 +82,17 @@ def _safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
-_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-
-
-def _target(name: str) -> tuple[tuple[str, ...], int | None, bool] | None:
-    """HF tensor name -> (path in our tree, layer index or None, transpose?). None = not ours to load."""
-    if name == "model.embed_tokens.weight":
-        return ("embed_tokens", "embedding"), None, False
-    if name == "model.norm.weight":
-        return ("norm", "scale"), None, False
-    if name == "lm_head.weight":
-        return ("lm_head", "kernel"), None, True
-    match = _LAYER_RE.match(name)
-    if not match:
-        return None
-    layer, module, kind = int(match.group(1)), match.group(2), match.group(3)
-    parts = tuple(module.split("."))
-    if parts[-1].endswith("norm"):
-        return ("layers", *parts, "scale"), layer, False
-    return ("layers", *parts, "kernel" if kind == "weight" else "bias"), layer, kind == "weight"
-
-
-def _unfuse(name: str, f, config: ModelConfig):
-    """Yields (name, read) pairs, splitting fused projections (Phi-3's qkv_proj and gate_up_proj).
-
-    `read()` returns the tensor; unfused tensors are read only if the caller wants them.
-    """
-    if name.endswith(".self_attn.qkv_proj.weight"):
-        fused = f.get_tensor(name)
-        prefix = name[:-len("qkv_proj.weight")]
-        q, kv = config.q_size, config.kv_size
-        parts = (("q_proj", fused[:q]), ("k_proj", fused[q:q + kv]), ("v_proj", fused[q + kv:]))
-    elif name.endswith(".mlp.gate_up_proj.weight"):
-        fused = f.get_tensor(name)
-        prefix = name[:-len("gate_up_proj.weight")]
-        half = config.intermediate_size
-        parts = (("gate_proj", fused[:half]), ("up_proj", fused[half:]))
-    else:
-        yield name, lambda: f.get_tensor(name)
-        return
-    for part, tensor in parts:
-        yield f"{prefix}{part}.weight", lambda tensor=tensor: tensor
-
-
-def _expected_shapes(model, config: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
-    shapes: dict[tuple[str, ...], tuple[int, ...]] = {
-        ("embed_tokens", "embedding"): (config.vocab_size, config.hidden_size),
-        ("norm", "scale"): (config.hidden_size,),
-    }
-    if not config.tie_word_embeddings:
-        shapes[("lm_head", "kernel")] = (config.hidden_size, config.vocab_size)
-    layer_tree = model.layer_param_shapes()
-    for path, leaf in jax.tree_util.tree_flatten_with_path(layer_tree)[0]:
-        key = ("layers", *(p.key for p in path))
-        shapes[key] = (config.num_layers, *leaf.shape)
+def _expected_shapes(model) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Every parameter the model needs: its global ones and its decoder layer's, stacked over layers."""
+    shapes = dict(model.global_param_shapes())
+    for path, leaf in jax.tree_util.tree_flatten_with_path(model.layer_param_shapes())[0]:
+        shapes[("layers", *(p.key for p in path))] = (model.config.num_layers, *leaf.shape)
     return shapes
 
 
 def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, show_progress: bool = True):
     """Reads every tensor the model needs; returns the parameter tree on the default device."""
-    expected = _expected_shapes(model, config)
+    expected = _expected_shapes(model)
     buffers: dict[tuple[str, ...], np.ndarray] = {}
     filled: dict[tuple[str, ...], int] = {}
     params: dict = {}
@@ -151,8 +101,8 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
         for path in files:
             with safe_open(path, framework="np") as f:
                 for stored_name in f.keys():
-                    for name, read in _unfuse(stored_name, f, config):
-                        target = _target(name)
+                    for name, read in model.split_fused(stored_name, f):
+                        target = model.checkpoint_target(name)
                         if target is None or target[0] not in expected:
                             continue  # e.g. rotary inv_freq buffers, or lm_head when tied
                         key, layer, transpose = target

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from models.gpt2 import GPT2LMHeadModel
 from models.llama import LlamaForCausalLM
 
 _REGISTRY = {
@@ -10,6 +11,7 @@ _REGISTRY = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
+    "GPT2LMHeadModel": GPT2LMHeadModel,
 }
 
 

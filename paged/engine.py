@@ -142,8 +142,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
-        self.num_computed_prompt_tokens += sum(
-            max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens)) for r, n in zip(batch.requests, batch.num_new_tokens))
+        self.num_computed_prompt_tokens += sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
+                                               for r, n in zip(batch.requests, batch.num_new_tokens))
         t1 = time.perf_counter()
         inputs = prepare_inputs(batch, self.block_manager, self.buckets)
         t2 = time.perf_counter()

@@ -28,6 +28,7 @@ SPECS = {
     "qwen2-tied": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     "qwen3-qknorm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
     "phi3-fused": ("Phi3Config", dict(num_key_value_heads=2, tie_word_embeddings=False)),
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
 }
 
 
@@ -37,10 +38,16 @@ def build_checkpoint(name: str, directory: str, dtype=None) -> str:
         return directory
     config_name, extra = SPECS[name]
     vocab = _train_tokenizer(directory, 512)
+    common = {} if config_name == "GPT2Config" else COMMON
     config = getattr(transformers, config_name)(vocab_size=vocab, bos_token_id=0, eos_token_id=1,
-                                                pad_token_id=0, **COMMON, **extra)
+                                                pad_token_id=0, **common, **extra)
+    if config_name == "GPT2Config":
+        config.initializer_range = COMMON["initializer_range"]
+        model_class = transformers.GPT2LMHeadModel
+    else:
+        model_class = getattr(transformers, config_name.replace("Config", "ForCausalLM"))
     torch.manual_seed(0)
-    model = getattr(transformers, config_name.replace("Config", "ForCausalLM"))(config).eval()
+    model = model_class(config).eval()
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(directory)

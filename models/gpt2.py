@@ -1,0 +1,131 @@
+"""Flax GPT-2: learned positions, pre-LayerNorm blocks, fused qkv (Conv1D weights are already [in, out]).
+
+Parameter tree (layers stacked on a leading axis, as for the Llama family):
+
+    wte/embedding [V, H]   wpe/embedding [n_positions, H]   ln_f/{scale, bias}
+    layers/ln_1, layers/ln_2: {scale, bias} [L, H]
+    layers/attn/c_attn/{kernel [L, H, 3H], bias}   layers/attn/c_proj/{kernel [L, H, H], bias}
+    layers/mlp/c_fc/{kernel [L, H, I], bias}      layers/mlp/c_proj/{kernel [L, I, H], bias}
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from models.attention import AttentionMetadata, ReferenceAttention
+from models.config import ModelConfig
+from models.layers import activation
+
+
+class GPT2Block(nn.Module):
+    config: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, h, k_cache, v_cache, layer, meta, attention):
+        cfg = self.config
+        norm = lambda name: nn.LayerNorm(epsilon=cfg.rms_norm_eps, dtype=self.dtype, param_dtype=self.dtype,
+                                         name=name)
+        out, k_cache, v_cache = _Attention(cfg, self.dtype, name="attn")(norm("ln_1")(h), k_cache, v_cache, layer,
+                                                                         meta, attention)
+        h = h + out
+        h = h + _MLP(cfg, self.dtype, name="mlp")(norm("ln_2")(h))
+        return h, k_cache, v_cache
+
+
+class _Attention(nn.Module):
+    config: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x, k_cache, v_cache, layer, meta, attention):
+        cfg = self.config
+        num_tokens = x.shape[0]
+        qkv = nn.Dense(3 * cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="c_attn")(x)
+        q, k, v = (part.reshape(num_tokens, cfg.num_heads, cfg.head_dim) for part in jnp.split(qkv, 3, axis=-1))
+        k_cache, v_cache = attention.write_kv(k_cache, v_cache, layer, k, v, meta)
+        out = attention.attend(q, k, v, k_cache, v_cache, layer, meta, scale=cfg.head_dim ** -0.5)
+        out = nn.Dense(cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="c_proj")(
+            out.reshape(num_tokens, cfg.hidden_size))
+        return out, k_cache, v_cache
+
+
+class _MLP(nn.Module):
+    config: ModelConfig
+    dtype: Any
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        x = nn.Dense(cfg.intermediate_size, dtype=self.dtype, param_dtype=self.dtype, name="c_fc")(x)
+        return nn.Dense(cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="c_proj")(
+            activation(cfg.hidden_act)(x))
+
+
+class GPT2LMHeadModel:
+    """Functional GPT-2 over the paged KV cache; same interface as LlamaForCausalLM."""
+
+    _LAYER_RE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(.+)\.(weight|bias)$")
+
+    def __init__(self, config: ModelConfig, dtype: Any):
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        self.block = GPT2Block(config, self.dtype)
+        self.final_norm = nn.LayerNorm(epsilon=config.rms_norm_eps, dtype=self.dtype, param_dtype=self.dtype)
+
+    def global_param_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
+        c = self.config
+        return {("wte", "embedding"): (c.vocab_size, c.hidden_size),
+                ("wpe", "embedding"): (c.max_position_embeddings, c.hidden_size),
+                ("ln_f", "scale"): (c.hidden_size,), ("ln_f", "bias"): (c.hidden_size,)}
+
+    def checkpoint_target(self, name: str):
+        name = name.removeprefix("transformer.")
+        if name in ("wte.weight", "wpe.weight"):
+            return (name.split(".")[0], "embedding"), None, False
+        if name in ("ln_f.weight", "ln_f.bias"):
+            return ("ln_f", "scale" if name.endswith("weight") else "bias"), None, False
+        match = self._LAYER_RE.match(name)
+        if not match:
+            return None  # lm_head (tied to wte) and legacy attention-mask buffers
+        layer, module, kind = int(match.group(1)), match.group(2), match.group(3)
+        parts = tuple(module.split("."))
+        if parts[-1].startswith("ln_"):
+            return ("layers", *parts, "scale" if kind == "weight" else "bias"), layer, False
+        # Conv1D stores [in, out], which is already Dense's kernel layout.
+        return ("layers", *parts, "kernel" if kind == "weight" else "bias"), layer, False
+
+    def split_fused(self, name: str, f):
+        yield name, lambda: f.get_tensor(name)
+
+    def layer_param_shapes(self) -> dict:
+        cfg = self.config
+        h = jnp.zeros((1, cfg.hidden_size), self.dtype)
+        kv = jnp.zeros((1, cfg.num_kv_heads, 2, 1, cfg.head_dim), self.dtype)
+        meta = AttentionMetadata(*(jnp.zeros(s, jnp.int32) for s in [(1,), (1,), (1,), (1, 1), (2,), (1,)]),
+                                 tail_split=jnp.zeros((), bool), tail_prefix_seq=jnp.zeros((), jnp.int32),
+                                 tail_prefix_len=jnp.zeros((), jnp.int32))
+        shapes = jax.eval_shape(lambda: self.block.init(jax.random.key(0), h, kv, kv, 0, meta, ReferenceAttention()))
+        return shapes["params"]
+
+    def forward(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
+        """See LlamaForCausalLM.forward."""
+        wte = params["wte"]["embedding"]
+        h = (wte[token_ids] + params["wpe"]["embedding"][meta.positions]).astype(self.dtype)
+
+        def one_layer(carry, xs):
+            h, k_all, v_all = carry
+            layer_params, index = xs
+            h, k_all, v_all = self.block.apply({"params": layer_params}, h, k_all, v_all, index, meta, attention)
+            return (h, k_all, v_all), None
+
+        layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+        (h, k_all, v_all), _ = jax.lax.scan(one_layer, (h, *kv_cache), (params["layers"], layer_ids))
+        h = self.final_norm.apply({"params": params["ln_f"]}, h[logits_indices])
+        logits = jnp.einsum("sh,vh->sv", h, wte, preferred_element_type=jnp.float32)
+        return logits, (k_all, v_all)
