@@ -54,11 +54,12 @@ class ReferenceAttention:
     def write_kv(self, k_cache, v_cache, layer, k, v, meta: AttentionMetadata):
         return write_kv_to_cache(k_cache, v_cache, layer, k, v, meta.slot_mapping)
 
-    def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None):
+    def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None,
+               soft_cap=None):
         """q [T, Hq, D]; k, v [T, Hkv, D] are the step's new keys and values (already in the pool)."""
         return paged_attention_reference(
             q, k_cache, v_cache, layer, meta.page_tables, meta.token_seq_ids, meta.positions,
-            scale=scale, sliding_window=sliding_window)
+            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 class XlaAttention(ReferenceAttention):
@@ -72,11 +73,12 @@ class XlaAttention(ReferenceAttention):
 
     name = "xla"
 
-    def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None):
+    def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None,
+               soft_cap=None):
         num_rows = meta.seq_lens.shape[0]
         paged = lambda rows: paged_attention_chunked(
             q[:rows], k_cache, v_cache, layer, meta.page_tables, meta.token_seq_ids[:rows], meta.positions[:rows],
-            scale=scale, sliding_window=sliding_window)
+            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
         if num_rows == q.shape[0]:
             return paged(num_rows)
 
@@ -84,6 +86,7 @@ class XlaAttention(ReferenceAttention):
             prefix_row = meta.page_tables[jnp.maximum(meta.tail_prefix_seq, 0)]
             dense = packed_causal_attention(
                 q, k, v, meta.token_seq_ids, meta.positions, scale=scale, sliding_window=sliding_window,
+                soft_cap=soft_cap,
                 k_cache=k_cache, v_cache=v_cache, layer=layer, prefix_page_row=prefix_row,
                 prefix_seq_id=meta.tail_prefix_seq, prefix_len=meta.tail_prefix_len,
                 num_real_tokens=meta.query_start[-1])

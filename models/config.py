@@ -70,7 +70,16 @@ class ModelConfig:
     qk_norm: bool = False  # RMSNorm over head_dim on q and k before rotary (Qwen3)
     mlp_bias: bool = False
     hidden_act: str = "silu"
-    sliding_window: int | None = None
+    # Per-layer sliding windows (0 = full attention); empty when no layer slides.
+    layer_windows: tuple[int, ...] = ()
+    # Gemma 2 family: RMSNorm scales by (1 + weight); embeddings times sqrt(hidden); norms around attention and
+    # MLP outputs; scores scaled by query_pre_attn_scalar ** -0.5; tanh soft caps on scores and logits.
+    norm_plus_one: bool = False
+    embed_scale: bool = False
+    sandwich_norms: bool = False
+    query_pre_attn_scalar: float | None = None
+    attn_soft_cap: float | None = None
+    final_soft_cap: float | None = None
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     checkpoint_dtype: str = "float32"
@@ -115,19 +124,21 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     return (int(value),)
 
 
-def _sliding_window(raw: dict[str, Any], model_type: str) -> int | None:
-    window = raw.get("sliding_window")
-    if model_type in ("qwen2", "qwen3"):
-        # Qwen2/3 only slide when asked to, and then per layer (issue: more model families).
-        if raw.get("use_sliding_window", False):
-            raise NotImplementedError(f"{model_type} with use_sliding_window=True is not supported yet")
-        return None
+def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
+    window = int(raw.get("sliding_window") or 0)
+    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+        return ()  # Qwen2/3 only slide when asked to
     layer_types = raw.get("layer_types")
-    if layer_types and len(set(layer_types)) > 1:
-        raise NotImplementedError("models mixing sliding and full attention layers are not supported yet")
-    if layer_types and layer_types[0] == "full_attention":
-        return None
-    return int(window) if window else None
+    if model_type == "gemma2" and not layer_types:
+        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if layer_types:
+        windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
+    elif model_type in ("qwen2", "qwen3"):
+        first_sliding = int(raw.get("max_window_layers", num_layers))
+        windows = tuple(window if i >= first_sliding else 0 for i in range(num_layers))
+    else:
+        windows = (window,) * num_layers
+    return windows if any(windows) else ()
 
 
 def _gpt2_spelling(raw: dict[str, Any]) -> dict[str, Any]:
@@ -156,6 +167,9 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
     hidden = int(raw["hidden_size"])
     head_dim = raw.get("head_dim") or hidden // num_heads
     model_type = raw.get("model_type", "")
+    gemma = model_type == "gemma2"
+    if gemma:
+        raw = {"hidden_act": raw.get("hidden_activation", "gelu_pytorch_tanh"), **raw}
     if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
         raise NotImplementedError("partial rotary embeddings (partial_rotary_factor < 1) are not supported yet")
     eos = _as_id_tuple(raw.get("eos_token_id"))
@@ -183,7 +197,13 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
         qk_norm=model_type == "qwen3",
         mlp_bias=bool(raw.get("mlp_bias", False)),
         hidden_act=str(raw.get("hidden_act", "silu")),
-        sliding_window=_sliding_window(raw, model_type),
+        layer_windows=_layer_windows(raw, model_type, int(raw["num_hidden_layers"])),
+        norm_plus_one=gemma,
+        embed_scale=gemma,
+        sandwich_norms=gemma,
+        query_pre_attn_scalar=raw.get("query_pre_attn_scalar") if gemma else None,
+        attn_soft_cap=raw.get("attn_logit_softcapping") if gemma else None,
+        final_soft_cap=raw.get("final_logit_softcapping") if gemma else None,
         eos_token_ids=eos,
         bos_token_id=raw.get("bos_token_id"),
         checkpoint_dtype=str(dtype).replace("torch.", ""),

@@ -28,18 +28,26 @@ def activation(name: str) -> Callable[[jax.Array], jax.Array]:
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back, as transformers' Llama does."""
+    """RMSNorm computed in float32, as transformers does.
+
+    Llama casts the normalised value back before scaling by `weight`; Gemma (plus_one) scales by
+    (1 + weight) in float32 and casts last. The order matters for bf16 parity.
+    """
 
     eps: float
     dtype: Any
+    plus_one: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.dtype)
+        init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
+        scale = self.param("scale", init, (x.shape[-1],), self.dtype)
         x32 = x.astype(jnp.float32)
         variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
-        normed = (x32 * jax.lax.rsqrt(variance + self.eps)).astype(self.dtype)
-        return scale * normed
+        normed = x32 * jax.lax.rsqrt(variance + self.eps)
+        if self.plus_one:
+            return (normed * (1.0 + scale.astype(jnp.float32))).astype(self.dtype)
+        return scale * normed.astype(self.dtype)
 
 
 def rotary_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -82,7 +90,7 @@ class PagedSelfAttention(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, x, cos, sin, k_cache, v_cache, layer, meta, attention):
+    def __call__(self, x, cos, sin, k_cache, v_cache, layer, window, meta, attention):
         cfg = self.config
         num_tokens = x.shape[0]
         dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype,
@@ -96,7 +104,8 @@ class PagedSelfAttention(nn.Module):
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         k_cache, v_cache = attention.write_kv(k_cache, v_cache, layer, k, v, meta)
-        out = attention.attend(q, k, v, k_cache, v_cache, layer, meta, scale=cfg.head_dim ** -0.5,
-                               sliding_window=cfg.sliding_window)
+        scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        out = attention.attend(q, k, v, k_cache, v_cache, layer, meta, scale=scale,
+                               sliding_window=window if cfg.layer_windows else None, soft_cap=cfg.attn_soft_cap)
         out = dense(cfg.hidden_size, "o_proj", cfg.o_proj_bias)(out.reshape(num_tokens, cfg.q_size))
         return out, k_cache, v_cache

@@ -1,5 +1,5 @@
-"""Flax Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3 (one decoder; differences live in ModelConfig
-and, for Phi-3's fused projections, in the loader).
+"""Flax Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 (one decoder; differences live in
+ModelConfig and, for Phi-3's fused projections, in the checkpoint layout below).
 
 The parameter tree mirrors Hugging Face names, with the decoder layers stacked on a leading axis so the
 forward pass scans over layers (one layer is compiled instead of L: start-up time matters):
@@ -9,6 +9,7 @@ forward pass scans over layers (one layer is compiled instead of L: start-up tim
     layers/self_attn/{q,k,v,o}_proj/{kernel [L, in, out], bias [L, out]}
     layers/self_attn/{q,k}_norm/scale [L, head_dim]   (Qwen3)
     layers/post_attention_layernorm/scale
+    layers/{pre,post}_feedforward_layernorm/scale     (Gemma 2)
     layers/mlp/{gate,up,down}_proj/kernel
     norm/scale                        [H]
     lm_head/kernel                    [H, V]   (absent when embeddings are tied)
@@ -33,13 +34,19 @@ class DecoderLayer(nn.Module):
     dtype: Any
 
     @nn.compact
-    def __call__(self, h, cos, sin, k_cache, v_cache, layer, meta, attention):
+    def __call__(self, h, cos, sin, k_cache, v_cache, layer, window, meta, attention):
         cfg = self.config
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="input_layernorm")(h)
+        norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one, name=name)
+        x = norm("input_layernorm")(h)
         x, k_cache, v_cache = PagedSelfAttention(cfg, self.dtype, name="self_attn")(
-            x, cos, sin, k_cache, v_cache, layer, meta, attention)
+            x, cos, sin, k_cache, v_cache, layer, window, meta, attention)
+        if cfg.sandwich_norms:  # Gemma 2: normalise each block's output before the residual add
+            h = h + norm("post_attention_layernorm")(x)
+            h = h + norm("post_feedforward_layernorm")(GatedMLP(cfg, self.dtype, name="mlp")(
+                norm("pre_feedforward_layernorm")(h)))
+            return h, k_cache, v_cache
         h = h + x
-        x = RMSNorm(cfg.rms_norm_eps, self.dtype, name="post_attention_layernorm")(h)
+        x = norm("post_attention_layernorm")(h)
         h = h + GatedMLP(cfg, self.dtype, name="mlp")(x)
         return h, k_cache, v_cache
 
@@ -55,7 +62,7 @@ class LlamaForCausalLM:
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.layer = DecoderLayer(config, self.dtype)
-        self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype)
+        self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype, config.norm_plus_one)
         self.inv_freq = config.rope.inv_freq(config.head_dim)
 
     # ---- checkpoint layout --------------------------------------------------------------------------
@@ -119,7 +126,7 @@ class LlamaForCausalLM:
                                  tail_split=jnp.zeros((), bool), tail_prefix_seq=jnp.zeros((), jnp.int32),
                                  tail_prefix_len=jnp.zeros((), jnp.int32))
         from models.attention import ReferenceAttention
-        shapes = jax.eval_shape(lambda: self.layer.init(jax.random.key(0), h, cos, cos, kv, kv, 0, meta,
+        shapes = jax.eval_shape(lambda: self.layer.init(jax.random.key(0), h, cos, cos, kv, kv, 0, 0, meta,
                                                         ReferenceAttention()))
         return shapes["params"]
 
@@ -138,24 +145,29 @@ class LlamaForCausalLM:
         cfg = self.config
         embed = params["embed_tokens"]["embedding"]
         h = embed[token_ids].astype(self.dtype)
+        if cfg.embed_scale:  # Gemma: the normaliser is rounded to the model dtype first, as transformers does
+            h = h * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
         cos, sin = rotary_cos_sin(meta.positions, self.inv_freq)
         k_all, v_all = kv_cache
 
         def one_layer(carry, xs):
             h, k_all, v_all = carry
-            layer_params, index = xs
+            layer_params, index, window = xs
             # The whole pool rides in the scan carry and each layer scatters into it, so with the pool
             # donated the update happens in place (no per-layer copies).
             h, k_all, v_all = self.layer.apply({"params": layer_params}, h, cos, sin, k_all, v_all, index,
-                                               meta, attention)
+                                               window, meta, attention)
             return (h, k_all, v_all), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-        (h, k_all, v_all), _ = jax.lax.scan(one_layer, (h, k_all, v_all), (params["layers"], layer_ids))
+        windows = jnp.asarray(cfg.layer_windows or (0,) * cfg.num_layers, jnp.int32)
+        (h, k_all, v_all), _ = jax.lax.scan(one_layer, (h, k_all, v_all), (params["layers"], layer_ids, windows))
         h = h[logits_indices]
         h = self.final_norm.apply({"params": params["norm"]}, h)
         if cfg.tie_word_embeddings:
             logits = jnp.einsum("sh,vh->sv", h, embed, preferred_element_type=jnp.float32)
         else:
             logits = jnp.einsum("sh,hv->sv", h, params["lm_head"]["kernel"], preferred_element_type=jnp.float32)
+        if cfg.final_soft_cap:
+            logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
         return logits, (k_all, v_all)

@@ -12,6 +12,7 @@ _REGISTRY = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Phi3ForCausalLM": LlamaForCausalLM,
     "GPT2LMHeadModel": GPT2LMHeadModel,
+    "Gemma2ForCausalLM": LlamaForCausalLM,
 }
 
 

@@ -74,7 +74,9 @@ def paged_attention_reference(
       token_seq_ids: int32 [num_tokens]; the row of `page_tables` each token belongs to.
       positions: int32 [num_tokens]; each token's position in its sequence.
       scale: softmax scale, usually head_dim ** -0.5.
-      sliding_window: if set, a token at position p sees keys at positions > p - sliding_window.
+      sliding_window: if set (an int or an int32 scalar, which may be traced), a token at position p sees
+        keys at positions > p - sliding_window; a value <= 0 means no window (so one compiled layer body can
+        serve models that alternate sliding and global layers).
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
 
     Returns:
@@ -103,7 +105,7 @@ def paged_attention_reference(
     key_pos = jnp.arange(context, dtype=jnp.int32)[None, :]
     visible = key_pos <= positions[:, None]
     if sliding_window is not None:
-        visible &= key_pos > positions[:, None] - sliding_window
+        visible &= (key_pos > positions[:, None] - sliding_window) | (sliding_window <= 0)
     logits = jnp.where(visible[:, None, None, :], logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1).reshape(num_tokens, num_kv_heads, group, num_pages, block_size)
     out = jnp.einsum("tkgpb,tpkbd->tkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)

@@ -59,7 +59,7 @@ def paged_attention_chunked(
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]
         visible = key_pos <= positions[:, None]
         if sliding_window is not None:
-            visible &= key_pos > positions[:, None] - sliding_window
+            visible &= (key_pos > positions[:, None] - sliding_window) | (sliding_window <= 0)
         s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, s.max(-1))
         m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)  # a token may see nothing in this chunk
@@ -107,7 +107,7 @@ def _packed_causal_state(q, k, v, token_seq_ids, positions, num_real_tokens, sca
     visible = (token_seq_ids[:, None] == token_seq_ids[None, :]) & (positions[None, :] <= positions[:, None])
     visible &= (jnp.arange(num_tokens) < num_real_tokens)[None, :]  # padding is nobody's key
     if sliding_window is not None:
-        visible &= positions[None, :] > positions[:, None] - sliding_window
+        visible &= (positions[None, :] > positions[:, None] - sliding_window) | (sliding_window <= 0)
     visible |= jnp.eye(num_tokens, dtype=bool)  # every row keeps one finite score (padding rows included)
     s = s + jnp.where(visible, 0.0, -jnp.inf)[None, :, None, :]
     m = s.max(-1)  # the diagonal is always visible: finite
@@ -144,7 +144,7 @@ def _one_sequence_prefix_state(q, k_cache, v_cache, layer, page_row, seq_id, cac
         key_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)[None, :]
         visible = mine[:, None] & (key_pos < cached_len)
         if sliding_window is not None:
-            visible &= key_pos > positions[:, None] - sliding_window
+            visible &= (key_pos > positions[:, None] - sliding_window) | (sliding_window <= 0)
         s = jnp.where(visible[:, None, None, :], s, -jnp.inf)
         m_c = s.max(-1)
         m_safe = jnp.where(jnp.isfinite(m_c), m_c, 0.0)

@@ -29,6 +29,10 @@ SPECS = {
     "qwen3-qknorm": ("Qwen3Config", dict(num_key_value_heads=2, head_dim=32, tie_word_embeddings=False)),
     "phi3-fused": ("Phi3Config", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+    # Alternating sliding (window 12) and global layers, soft caps low enough to bite.
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=12,
+                                    query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
+                                    final_logit_softcapping=3.0)),
 }
 
 
@@ -40,7 +44,7 @@ def build_checkpoint(name: str, directory: str, dtype=None) -> str:
     vocab = _train_tokenizer(directory, 512)
     common = {} if config_name == "GPT2Config" else COMMON
     config = getattr(transformers, config_name)(vocab_size=vocab, bos_token_id=0, eos_token_id=1,
-                                                pad_token_id=0, **common, **extra)
+                                                pad_token_id=0, **{**common, **extra})
     if config_name == "GPT2Config":
         config.initializer_range = COMMON["initializer_range"]
         model_class = transformers.GPT2LMHeadModel
