@@ -45,6 +45,14 @@ class AttentionMetadata:
     tail_prefix_seq: jax.Array
     tail_prefix_len: jax.Array
 
+    @classmethod
+    def placeholder(cls) -> "AttentionMetadata":
+        """One token, one sequence, one page: enough to trace a layer (e.g. for its parameter shapes)."""
+        zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
+        return cls(slot_mapping=zeros(1), positions=zeros(1), token_seq_ids=zeros(1), page_tables=zeros(1, 1),
+                   query_start=zeros(2), seq_lens=zeros(1), tail_split=jnp.zeros((), bool),
+                   tail_prefix_seq=zeros(), tail_prefix_len=zeros())
+
 
 class ReferenceAttention:
     """`jax.numpy` paged attention: gathers each token's pages and masks by position."""

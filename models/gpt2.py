@@ -107,9 +107,7 @@ class GPT2LMHeadModel:
         cfg = self.config
         h = jnp.zeros((1, cfg.hidden_size), self.dtype)
         kv = jnp.zeros((1, cfg.num_kv_heads, 2, 1, cfg.head_dim), self.dtype)
-        meta = AttentionMetadata(*(jnp.zeros(s, jnp.int32) for s in [(1,), (1,), (1,), (1, 1), (2,), (1,)]),
-                                 tail_split=jnp.zeros((), bool), tail_prefix_seq=jnp.zeros((), jnp.int32),
-                                 tail_prefix_len=jnp.zeros((), jnp.int32))
+        meta = AttentionMetadata.placeholder()
         shapes = jax.eval_shape(lambda: self.block.init(jax.random.key(0), h, kv, kv, 0, meta, ReferenceAttention()))
         return shapes["params"]
 

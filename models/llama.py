@@ -24,7 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.attention import AttentionMetadata
+from models.attention import AttentionMetadata, ReferenceAttention
 from models.config import ModelConfig
 from models.layers import GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin
 
@@ -122,10 +122,7 @@ class LlamaForCausalLM:
         h = jnp.zeros((1, cfg.hidden_size), self.dtype)
         cos = jnp.zeros((1, cfg.head_dim), jnp.float32)
         kv = jnp.zeros((1, cfg.num_kv_heads, 2, 1, cfg.head_dim), self.dtype)
-        meta = AttentionMetadata(*(jnp.zeros(s, jnp.int32) for s in [(1,), (1,), (1,), (1, 1), (2,), (1,)]),
-                                 tail_split=jnp.zeros((), bool), tail_prefix_seq=jnp.zeros((), jnp.int32),
-                                 tail_prefix_len=jnp.zeros((), jnp.int32))
-        from models.attention import ReferenceAttention
+        meta = AttentionMetadata.placeholder()
         shapes = jax.eval_shape(lambda: self.layer.init(jax.random.key(0), h, cos, cos, kv, kv, 0, 0, meta,
                                                         ReferenceAttention()))
         return shapes["params"]

@@ -237,7 +237,7 @@ class LLMEngine:
             return self.scheduler.finish(request, "length")
 
     def output_of(self, parent: ParentRequest) -> RequestOutput:
-        completions = [CompletionOutput(index=c.index, text=c.text, token_ids=list(c.output_token_ids),
+        completions = [CompletionOutput(index=c.index, text=c.text, token_ids=c.output_token_ids,
                                         finish_reason=c.finish_reason, stop_reason=c.stop_reason,
                                         cumulative_logprob=c.cumulative_logprob,
                                         logprobs=list(c.logprobs) if c.logprobs is not None else None)

@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import enum
-import itertools
 import time
 
 from paged.detokenizer import IncrementalDetokenizer
 from paged.sampling_params import SamplingParams
-
-_arrival_counter = itertools.count()
 
 
 class RequestStatus(enum.Enum):
@@ -36,7 +33,6 @@ class Request:
         self.seed = seed
         self.index = index  # position among the n samples of its parent
         self.parent = parent
-        self.arrival = next(_arrival_counter)
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

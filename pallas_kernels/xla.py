@@ -73,9 +73,7 @@ def paged_attention_chunked(
     m = jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32)
     l = jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32)
     acc = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
-    _, l, acc = jax.lax.fori_loop(0, num_chunks, body, (m, l, acc))
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
-    return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+    return _finish(*jax.lax.fori_loop(0, num_chunks, body, (m, l, acc)), q.shape, q.dtype)
 
 
 def _finish(m, l, acc, shape, dtype):
