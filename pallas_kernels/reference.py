@@ -110,3 +110,31 @@ def paged_attention_reference(
     probs = jax.nn.softmax(logits, axis=-1).reshape(num_tokens, num_kv_heads, group, num_pages, block_size)
     out = jnp.einsum("tkgpb,tpkbd->tkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
+
+
+def paged_decode_reference(q, k_pages, v_pages, page_tables, lengths, layer=0, sliding_window=None, *, scale,
+                           soft_cap=None):
+    """`jax.numpy` twin of `paged_decode_attention` (same arguments): one query per sequence at
+    position lengths - 1; rows of length 0 give zeros."""
+    if k_pages.ndim == 4:
+        k_pages, v_pages = k_pages[None], v_pages[None]
+    rows = jnp.arange(q.shape[0], dtype=jnp.int32)
+    out = paged_attention_reference(q, k_pages, v_pages, layer, page_tables, rows, jnp.maximum(lengths - 1, 0),
+                                    scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    return jnp.where((lengths > 0)[:, None, None], out, 0).astype(q.dtype)
+
+
+def ragged_paged_attention_reference(q, k_pages, v_pages, page_tables, query_start, seq_lens, layer=0,
+                                     sliding_window=None, *, scale, soft_cap=None):
+    """`jax.numpy` twin of `ragged_paged_attention` (same arguments): each packed token's sequence and
+    position come from the offsets; padding tokens give zeros."""
+    if k_pages.ndim == 4:
+        k_pages, v_pages = k_pages[None], v_pages[None]
+    num_seqs = seq_lens.shape[0]
+    t = jnp.arange(q.shape[0], dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, num_seqs - 1).astype(jnp.int32)
+    q_lens = query_start[1:] - query_start[:-1]
+    positions = seq_lens[seq] - q_lens[seq] + (t - query_start[seq])
+    out = paged_attention_reference(q, k_pages, v_pages, layer, page_tables, seq, jnp.maximum(positions, 0),
+                                    scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    return jnp.where((t < query_start[-1])[:, None, None], out, 0).astype(q.dtype)

@@ -1,0 +1,221 @@
+"""Ragged paged attention as a portable Pallas kernel: prefill, chunked prefill and decode in one batch.
+
+The step's query tokens arrive packed ([num_tokens, ...], sequence after sequence, offsets in
+`query_start`). Their K/V are already written to the pool, so every query reads all its keys (the cached
+prefix and its own chunk alike) from the pages, causally: one rule serves fresh prompts, continuing chunks,
+prefix-cache hits and decode tokens.
+
+Work is cut into query blocks of `tokens_per_block` tokens that never straddle two sequences: a sequence
+with n new tokens gets ceil(n / tokens_per_block) blocks, so the grid has at most
+num_tokens / tokens_per_block + num_seqs blocks (static), and blocks past the last real one are idle. One
+program per (query block, KV head) holds the block's tokens times the GQA group as one tile of rows, so each
+page is read once for all of them. The wrapper gathers the packed queries into this block layout and the
+results back (cheap next to the K/V traffic), so the kernel's loads and stores are whole blocks.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.decode import GPU_MIN_ROWS, KEYS_PER_STEP, MASK_VALUE
+
+
+def _validate(q, k_pages, v_pages, page_tables, query_start, seq_lens):
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim]; got shape {q.shape}")
+    if k_pages.ndim != 5 or k_pages.shape != v_pages.shape:
+        raise ValueError("k_pages and v_pages must share a shape [num_layers, num_kv_heads, num_pages, page_size, "
+                         f"head_dim] (layer axis optional); got {k_pages.shape} and {v_pages.shape}")
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_pages.shape[1]
+    if k_pages.shape[-1] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != pool head_dim {k_pages.shape[-1]}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    num_seqs = page_tables.shape[0]
+    if page_tables.ndim != 2 or page_tables.dtype != jnp.int32:
+        raise ValueError(f"page_tables must be int32 [num_seqs, pages_per_seq]; got {page_tables.dtype} "
+                         f"{page_tables.shape}")
+    if query_start.shape != (num_seqs + 1,) or query_start.dtype != jnp.int32:
+        raise ValueError(f"query_start must be int32 [num_seqs + 1 = {num_seqs + 1}]; got {query_start.dtype} "
+                         f"{query_start.shape}")
+    if seq_lens.shape != (num_seqs,) or seq_lens.dtype != jnp.int32:
+        raise ValueError(f"seq_lens must be int32 [num_seqs = {num_seqs}]; got {seq_lens.dtype} {seq_lens.shape}")
+
+
+def _ragged_kernel(scalars_ref, block_seq_ref, block_first_pos_ref, block_num_tokens_ref, page_tables_ref, q_ref,
+                   k_ref, v_ref, o_ref, *, scale, soft_cap, group, pages_per_step):
+    """One (query block, KV head) program.
+
+    scalars_ref: int32 [2] (layer, sliding window; <= 0 means none).
+    block_seq_ref, block_first_pos_ref, block_num_tokens_ref: int32 [NB]; each block's sequence row, the
+      position of its first token, and how many of its tokens are real (0: idle block).
+    page_tables_ref: int32 [S, P + pages_per_step]. q_ref, o_ref: [rows, D], rows = tokens_per_block * group
+      (token-major). k_ref, v_ref: the pool [L, Hkv, N, bs, D] (pl.ANY).
+    """
+    block, head = pl.program_id(0), pl.program_id(1)
+    layer, window = scalars_ref[0], scalars_ref[1]
+    seq = block_seq_ref[block]
+    first_pos = block_first_pos_ref[block]
+    num_tokens = block_num_tokens_ref[block]
+    rows, head_dim = q_ref.shape
+    page_size = k_ref.shape[3]
+    keys_per_step = pages_per_step * page_size
+
+    row_token = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
+    row_pos = first_pos + row_token  # [rows, 1]
+    row_real = row_token < num_tokens
+    last_pos = first_pos + num_tokens - 1
+    first_key = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
+    start_page = first_key // page_size
+    end_page = jnp.where(num_tokens > 0, pl.cdiv(last_pos + 1, page_size), start_page)
+    num_steps = pl.cdiv(end_page - start_page, pages_per_step)
+    q = q_ref[...].astype(jnp.float32) * scale
+
+    def body(step, carry):
+        m, l, acc = carry
+        page0 = start_page + step * pages_per_step
+        pages = page_tables_ref[seq, pl.ds(page0, pages_per_step)]
+        k = k_ref[layer, head, pages].reshape(keys_per_step, head_dim).astype(jnp.float32)
+        v = v_ref[layer, head, pages].reshape(keys_per_step, head_dim).astype(jnp.float32)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        key_pos = page0 * page_size + jax.lax.broadcasted_iota(jnp.int32, (rows, keys_per_step), 1)
+        visible = (key_pos <= row_pos) & row_real
+        visible &= (key_pos > row_pos - window) | (window <= 0)
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=1, keepdims=True)
+        acc = acc * correction + jnp.dot(p, v, preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    m = jnp.full((rows, 1), MASK_VALUE, jnp.float32)
+    l = jnp.zeros((rows, 1), jnp.float32)
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    m, l, acc = jax.lax.fori_loop(0, num_steps, body, (m, l, acc))
+    o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
+
+
+def _block_layout(query_start, seq_lens, num_tokens, tokens_per_block):
+    """Per-block (sequence, first position, real tokens) and each packed token's (block, slot)."""
+    num_seqs = seq_lens.shape[0]
+    num_blocks = num_tokens // tokens_per_block + num_seqs  # >= sum(ceil(n_s / tpb)) for any split of tokens
+    q_lens = query_start[1:] - query_start[:-1]
+    blocks_per_seq = (q_lens + tokens_per_block - 1) // tokens_per_block
+    block_end = jnp.cumsum(blocks_per_seq)
+    block_begin = block_end - blocks_per_seq
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    block_seq = jnp.minimum(jnp.searchsorted(block_end, b, side="right"), num_seqs - 1).astype(jnp.int32)
+    local = b - block_begin[block_seq]
+    real = b < block_end[-1]
+    block_first_pos = seq_lens[block_seq] - q_lens[block_seq] + local * tokens_per_block
+    block_num_tokens = jnp.where(real, jnp.clip(q_lens[block_seq] - local * tokens_per_block, 0, tokens_per_block), 0)
+
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, num_seqs - 1)
+    offset = t - query_start[token_seq]
+    token_block = block_begin[token_seq] + offset // tokens_per_block
+    token_slot = offset % tokens_per_block
+    token_real = t < query_start[-1]
+    layout = (block_seq, block_first_pos.astype(jnp.int32), block_num_tokens.astype(jnp.int32))
+    return num_blocks, layout, (token_block, token_slot, token_real)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "tokens_per_block", "pages_per_step",
+                                             "interpret"))
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    page_tables: jax.Array,
+    query_start: jax.Array,
+    seq_lens: jax.Array,
+    layer: jax.Array | int = 0,
+    sliding_window: jax.Array | int | None = None,
+    *,
+    scale: float,
+    soft_cap: float | None = None,
+    tokens_per_block: int | None = None,
+    pages_per_step: int | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Causal attention of packed new tokens over their sequences' paged context.
+
+    Args:
+      q: [num_tokens, num_q_heads, head_dim]; sequence s owns tokens query_start[s]:query_start[s + 1], at
+        positions seq_lens[s] - n_s .. seq_lens[s] - 1 (n_s its token count). Tokens from query_start[-1] on
+        are padding: their output is zeros.
+      k_pages, v_pages: [num_layers, num_kv_heads, num_pages, page_size, head_dim] (or without the layer
+        axis); the pool, with this step's K/V already written.
+      page_tables: int32 [num_seqs, pages_per_seq].
+      query_start: int32 [num_seqs + 1]; non-decreasing packed offsets, query_start[0] = 0.
+      seq_lens: int32 [num_seqs]; context length of each sequence including its new tokens (0: padded row).
+      layer: int32 scalar; which layer of the pool to read.
+      sliding_window: int or int32 scalar; a query at position p sees keys > p - sliding_window; None or
+        <= 0: all.
+      scale: softmax scale. soft_cap: optional logit soft cap.
+      tokens_per_block: query tokens per program (default: about 64 rows with the GQA group, at least 16 on GPU).
+      pages_per_step: pages per inner step (default: about 64 keys).
+      interpret: run in Pallas interpret mode (default: on CPU).
+
+    Returns:
+      [num_tokens, num_q_heads, head_dim] in q's dtype.
+    """
+    if k_pages.ndim == 4:
+        k_pages, v_pages = k_pages[None], v_pages[None]
+    _validate(q, k_pages, v_pages, page_tables, query_start, seq_lens)
+    interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_kv_heads, page_size = k_pages.shape[1], k_pages.shape[3]
+    group = num_q_heads // num_kv_heads
+    padded_group = group if interpret else pl.next_power_of_2(group)
+    if tokens_per_block is None:
+        tokens_per_block = max(1, 64 // padded_group) if not interpret else max(1, min(16, 64 // group))
+    if not interpret:
+        tokens_per_block = max(tokens_per_block, pl.cdiv(GPU_MIN_ROWS, padded_group))
+    rows = tokens_per_block * padded_group
+    if pages_per_step is None:
+        pages_per_step = max(1, KEYS_PER_STEP // page_size)
+    page_tables = jnp.pad(page_tables, ((0, 0), (0, pages_per_step)))
+
+    num_blocks, layout, (token_block, token_slot, token_real) = _block_layout(
+        query_start, seq_lens, num_tokens, tokens_per_block)
+    # Packed tokens -> [NB, Hkv, tokens_per_block * padded_group, D] (slots with no token hold zeros).
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    if padded_group != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, padded_group - group), (0, 0)))
+    blocks = jnp.zeros((num_blocks, tokens_per_block, num_kv_heads, padded_group, head_dim), q.dtype)
+    blocks = blocks.at[jnp.where(token_real, token_block, num_blocks), token_slot].set(qg, mode="drop")
+    blocks = blocks.transpose(0, 2, 1, 3, 4).reshape(num_blocks, num_kv_heads, rows, head_dim)
+
+    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), window])
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    block_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0))
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pl_triton
+        compiler_params = pl_triton.CompilerParams(num_warps=4, num_stages=2)
+    out = pl.pallas_call(
+        functools.partial(_ragged_kernel, scale=scale, soft_cap=soft_cap, group=padded_group,
+                          pages_per_step=pages_per_step),
+        grid=(num_blocks, num_kv_heads),
+        in_specs=[any_spec] * 5 + [block_spec, any_spec, any_spec],
+        out_specs=block_spec,
+        out_shape=jax.ShapeDtypeStruct(blocks.shape, q.dtype),
+        interpret=interpret,
+        compiler_params=compiler_params,
+        name="ragged_paged_attention",
+    )(scalars, *layout, page_tables, blocks, k_pages, v_pages)
+
+    out = out.reshape(num_blocks, num_kv_heads, tokens_per_block, padded_group, head_dim)
+    out = out[token_block, :, token_slot, :group]  # [T, Hkv, group, D]
+    out = jnp.where(token_real[:, None, None, None], out, 0)
+    return out.reshape(num_tokens, num_q_heads, head_dim)

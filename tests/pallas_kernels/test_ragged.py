@@ -1,0 +1,102 @@
+"""The portable Pallas ragged kernel (interpret mode) against a float64 numpy reference."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+from tests.pallas_kernels.kernel_inputs import (HEAD_CONFIGS, HEAD_IDS, LAYER, attention_f64, random_pool,
+                                                tolerance)
+
+PAGES_PER_SEQ = 5
+PADDING_TOKENS = 3
+
+
+def batch(page_size):
+    """(new tokens, context length) per sequence: a fresh one-token prompt, decodes at a page boundary and
+    at the maximum, a padded row, a whole prompt ending mid-page, a chunk continuing a cached prefix, and
+    a chunk that fills the table."""
+    top = PAGES_PER_SEQ * page_size
+    return [(1, 1), (1, page_size), (1, top), (0, 0), (2 * page_size + 3, 2 * page_size + 3),
+            (page_size + 1, 3 * page_size), (page_size, top)]
+
+
+def ragged_f64(q, inputs, seqs, query_start, scale, window=None, soft_cap=None):
+    num_kv_heads = inputs.k_pages.shape[1]
+    out = np.zeros(q.shape, np.float64)
+    for s, (n, ctx) in enumerate(seqs):
+        if n == 0:
+            continue
+        kv = [inputs.keys(s, ctx, h) for h in range(num_kv_heads)]
+        rows = slice(query_start[s], query_start[s + 1])
+        out[rows] = attention_f64(q[rows], [k for k, _ in kv], [v for _, v in kv], range(ctx - n, ctx), scale,
+                                  window, soft_cap)
+    return out
+
+
+def run_case(rng, page_size, num_q_heads, num_kv_heads, head_dim, dtype, *, window=None, soft_cap=None,
+             tokens_per_block=None):
+    seqs = batch(page_size)
+    inputs = random_pool(rng, len(seqs), PAGES_PER_SEQ, num_kv_heads, page_size, head_dim, dtype)
+    query_start = np.concatenate([[0], np.cumsum([n for n, _ in seqs])]).astype(np.int32)
+    num_tokens = query_start[-1] + PADDING_TOKENS
+    q = rng.normal(size=(num_tokens, num_q_heads, head_dim)).astype(dtype)
+    scale = head_dim ** -0.5
+    out = ragged_paged_attention(
+        jnp.asarray(q), jnp.asarray(inputs.k_pages), jnp.asarray(inputs.v_pages), jnp.asarray(inputs.page_tables),
+        jnp.asarray(query_start), jnp.asarray([c for _, c in seqs], jnp.int32), LAYER, window, scale=scale,
+        soft_cap=soft_cap, tokens_per_block=tokens_per_block, interpret=True)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    out = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(out).all()  # interpret mode poisons outputs with NaN (see test_decode)
+    expected = ragged_f64(q, inputs, seqs, query_start, scale, window, soft_cap)
+    np.testing.assert_allclose(out, expected, **tolerance(dtype))
+    np.testing.assert_array_equal(out[query_start[-1]:], 0.0)
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 32])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", HEAD_CONFIGS, ids=HEAD_IDS)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_ragged_float32(page_size, num_q_heads, num_kv_heads, head_dim):
+    rng = np.random.default_rng([page_size, num_q_heads, num_kv_heads, head_dim, 1])
+    run_case(rng, page_size, num_q_heads, num_kv_heads, head_dim, np.float32)
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", HEAD_CONFIGS, ids=HEAD_IDS)
+def test_ragged_bfloat16(num_q_heads, num_kv_heads):
+    run_case(np.random.default_rng(num_q_heads + 50), 16, num_q_heads, num_kv_heads, 128, ml_dtypes.bfloat16)
+
+
+@pytest.mark.parametrize("tokens_per_block", [1, 3, 64])
+def test_block_sizes(tokens_per_block):
+    """Query blocks smaller than a page, not dividing the chunks, and larger than every sequence."""
+    run_case(np.random.default_rng(tokens_per_block), 8, 8, 2, 64, np.float32, tokens_per_block=tokens_per_block)
+
+
+@pytest.mark.parametrize("window", [1, 6, 20, 0])
+def test_sliding_window_and_soft_cap(window):
+    run_case(np.random.default_rng(window + 9), 8, 4, 2, 64, np.float32, window=window, soft_cap=2.0,
+             tokens_per_block=4)
+
+
+def test_matches_its_jnp_reference_on_a_random_batch():
+    rng = np.random.default_rng(3)
+    inputs = random_pool(rng, 6, 8, 2, 16, 64, np.float32)
+    ctx = rng.integers(1, 8 * 16 + 1, size=6)
+    q_lens = np.minimum(rng.integers(1, 40, size=6), ctx)
+    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = jnp.asarray(rng.normal(size=(int(query_start[-1]) + 5, 8, 64)).astype(np.float32))
+    args = (q, inputs.k_pages, inputs.v_pages, inputs.page_tables, jnp.asarray(query_start),
+            jnp.asarray(ctx, jnp.int32), LAYER, 7)
+    np.testing.assert_allclose(ragged_paged_attention(*args, scale=0.125, interpret=True),
+                               ragged_paged_attention_reference(*args, scale=0.125), atol=2e-5, rtol=2e-5)
+
+
+def test_rejects_bad_offsets_shape():
+    pool = jnp.zeros((1, 2, 8, 16, 64))
+    with pytest.raises(ValueError, match=r"query_start must be int32 \[num_seqs \+ 1 = 3\]"):
+        ragged_paged_attention(jnp.zeros((4, 4, 64)), pool, pool, jnp.zeros((2, 3), jnp.int32),
+                               jnp.zeros((2,), jnp.int32), jnp.zeros((2,), jnp.int32), scale=1.0)
