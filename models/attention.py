@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import (packed_causal_attention, paged_attention_chunked, paged_attention_reference,
-                            write_kv_to_cache)
+                            paged_decode_attention, ragged_paged_attention, write_kv_to_cache)
 
 
 @jax.tree_util.register_dataclass
@@ -103,17 +103,52 @@ class XlaAttention(ReferenceAttention):
         return jax.lax.cond(meta.tail_split, split, lambda _: paged(q.shape[0]), None)
 
 
-_BACKENDS = {"reference": ReferenceAttention, "xla": XlaAttention}
+class PallasAttention(ReferenceAttention):
+    """The Pallas kernels: the decode kernel when every sequence has one new token, else the ragged one.
+
+    Which one runs is decided on device (`lax.cond` on the step's longest query), so decode steps get the
+    split-KV decode kernel without a second compiled step. On CPU the kernels run in interpret mode.
+    """
+
+    name = "pallas"
+
+    def __init__(self, interpret: bool | None = None, decode_splits: int = 1):
+        self.interpret = interpret
+        self.decode_splits = decode_splits
+
+    def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None,
+               soft_cap=None):
+        q_lens = meta.query_start[1:] - meta.query_start[:-1]
+        num_real = meta.query_start[-1]
+        real_token = jnp.arange(q.shape[0]) < num_real
+
+        def decode(_):
+            first_token = jnp.clip(meta.query_start[:-1], 0, q.shape[0] - 1)
+            lengths = jnp.where(q_lens > 0, meta.seq_lens, 0)
+            out = paged_decode_attention(
+                q[first_token], k_cache, v_cache, meta.page_tables, lengths, layer, sliding_window, scale=scale,
+                soft_cap=soft_cap, num_splits=self.decode_splits, interpret=self.interpret)
+            return jnp.where(real_token[:, None, None], out[meta.token_seq_ids], 0).astype(q.dtype)
+
+        def ragged(_):
+            return ragged_paged_attention(
+                q, k_cache, v_cache, meta.page_tables, meta.query_start, meta.seq_lens, layer, sliding_window,
+                scale=scale, soft_cap=soft_cap, interpret=self.interpret)
+
+        return jax.lax.cond(jnp.max(q_lens) <= 1, decode, ragged, None)
+
+
+_BACKENDS = {"reference": ReferenceAttention, "xla": XlaAttention, "pallas": PallasAttention}
 
 
 def get_attention_backend(name: str, platform: str):
-    """Resolves `attention_backend=` ("auto", "xla", "reference", later "pallas") for a platform."""
+    """Resolves `attention_backend=` ("auto", "pallas", "xla", "reference") for a platform.
+
+    "auto" picks the Pallas kernels on GPU and the chunked XLA path on CPU, where the kernels would run in
+    interpret mode (correct, but a Python-free sequential loop over the grid is slower than XLA's own).
+    """
     if name == "auto":
-        # The Pallas kernels will take over on GPU once they land; the chunked XLA path serves everywhere.
-        name = "xla"
-    if name == "pallas":
-        raise NotImplementedError(
-            "attention_backend='pallas' arrives with the Pallas kernels issue; use 'reference' or 'auto'")
+        name = "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; choose one of {['auto', *_BACKENDS]}")
     return _BACKENDS[name]()

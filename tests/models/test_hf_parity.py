@@ -45,6 +45,15 @@ def test_greedy_matches_transformers(checkpoint, block_size):
 
 
 @pytest.mark.torch
+def test_pallas_kernels_match_transformers(checkpoint):
+    """The Pallas backend (interpret mode here) on every family: windows, soft caps, GQA/MQA, chunked prompts."""
+    name, directory, prompts, expected = checkpoint
+    _, got = _generate(directory, prompts, block_size=8, attention_backend="pallas", max_num_batched_tokens=48)
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"{name} pallas prompt {i} (len {len(prompts[i])}): {g} != {e}"
+
+
+@pytest.mark.torch
 def test_greedy_matches_transformers_under_preemption(checkpoint):
     name, directory, prompts, expected = checkpoint
     # 8 sequences of up to 64 tokens need up to 64 blocks of 8; 10 usable blocks force preemption.

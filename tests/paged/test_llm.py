@@ -153,7 +153,7 @@ def test_missing_model_and_unsupported_architecture(tmp_path, tiny_model_dir):
 
 
 def test_not_yet_implemented_options_say_so(tiny_model_dir):
-    for kwargs in (dict(tensor_parallel_size=2), dict(quantization="int8"), dict(attention_backend="pallas")):
+    for kwargs in (dict(tensor_parallel_size=2), dict(quantization="int8")):
         with pytest.raises(NotImplementedError):
             LLM(tiny_model_dir, show_progress=False, **kwargs)
     with pytest.raises(ValueError, match="attention_backend"):
