@@ -112,7 +112,7 @@ class PallasAttention(ReferenceAttention):
 
     name = "pallas"
 
-    def __init__(self, interpret: bool | None = None, decode_splits: int = 1):
+    def __init__(self, interpret: bool | None = None, decode_splits: int | None = None):
         self.interpret = interpret
         self.decode_splits = decode_splits
 
@@ -145,7 +145,7 @@ def get_attention_backend(name: str, platform: str):
     """Resolves `attention_backend=` ("auto", "pallas", "xla", "reference") for a platform.
 
     "auto" picks the Pallas kernels on GPU and the chunked XLA path on CPU, where the kernels would run in
-    interpret mode (correct, but a Python-free sequential loop over the grid is slower than XLA's own).
+    interpret mode (correct, but a sequential loop over the grid, slower than XLA's fused code).
     """
     if name == "auto":
         name = "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"

@@ -33,6 +33,18 @@ def _on_cpu() -> bool:
     return jax.default_backend() == "cpu"
 
 
+def default_num_splits(num_seqs: int, num_kv_heads: int, pages_per_seq: int, pages_per_step: int) -> int:
+    """Splits per (sequence, KV head) so the grid covers the GPU about twice (1 on CPU).
+
+    Each split keeps at least two inner steps of pages, so its partial result is worth the merge.
+    """
+    cores = getattr(jax.devices()[0], "core_count", None)
+    if _on_cpu() or not cores:
+        return 1
+    wanted = pl.cdiv(2 * cores, num_seqs * num_kv_heads)
+    return max(1, min(wanted, pages_per_seq // (2 * pages_per_step)))
+
+
 def _validate(q, k_pages, v_pages, page_tables, lengths):
     if q.ndim != 3:
         raise ValueError(f"q must be [num_seqs, num_q_heads, head_dim]; got shape {q.shape}")
@@ -119,7 +131,7 @@ def paged_decode_attention(
     scale: float,
     soft_cap: float | None = None,
     pages_per_step: int | None = None,
-    num_splits: int = 1,
+    num_splits: int | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Attention of one new query token per sequence over its paged context.
@@ -137,7 +149,8 @@ def paged_decode_attention(
       scale: softmax scale, usually head_dim ** -0.5.
       soft_cap: if set, logits become soft_cap * tanh(logits / soft_cap).
       pages_per_step: pages per inner step (default: about 64 keys).
-      num_splits: programs per (sequence, KV head) sharing its pages (flash-decoding), merged by log-sum-exp.
+      num_splits: programs per (sequence, KV head) sharing its pages (flash-decoding), merged by log-sum-exp
+        (default: enough to cover a GPU's cores about twice; 1 on CPU).
       interpret: run in Pallas interpret mode (default: on CPU).
 
     Returns:
@@ -154,6 +167,8 @@ def paged_decode_attention(
     if pages_per_step is None:
         pages_per_step = max(1, KEYS_PER_STEP // page_size)
     pages_per_seq = page_tables.shape[1]
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, pages_per_seq, pages_per_step)
     pages_per_split = pl.cdiv(pl.cdiv(pages_per_seq, num_splits), pages_per_step) * pages_per_step
     # Room for the last step of the last split to read a whole step of (masked) page ids.
     page_tables = jnp.pad(page_tables, ((0, 0), (0, num_splits * pages_per_split + pages_per_step - pages_per_seq)))
