@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import (packed_causal_attention, paged_attention_chunked, paged_attention_reference,
                             paged_decode_attention, ragged_paged_attention, write_kv_to_cache)
+from pallas_kernels.decode_mgpu import paged_decode_attention_mgpu
 
 
 @jax.tree_util.register_dataclass
@@ -116,6 +117,10 @@ class PallasAttention(ReferenceAttention):
         self.interpret = interpret
         self.decode_splits = decode_splits
 
+    def decode_kernel(self, q, k_cache, v_cache, page_tables, lengths, layer, sliding_window, scale, soft_cap):
+        return paged_decode_attention(q, k_cache, v_cache, page_tables, lengths, layer, sliding_window, scale=scale,
+                                      soft_cap=soft_cap, num_splits=self.decode_splits, interpret=self.interpret)
+
     def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None,
                soft_cap=None):
         q_lens = meta.query_start[1:] - meta.query_start[:-1]
@@ -125,9 +130,8 @@ class PallasAttention(ReferenceAttention):
         def decode(_):
             first_token = jnp.clip(meta.query_start[:-1], 0, q.shape[0] - 1)
             lengths = jnp.where(q_lens > 0, meta.seq_lens, 0)
-            out = paged_decode_attention(
-                q[first_token], k_cache, v_cache, meta.page_tables, lengths, layer, sliding_window, scale=scale,
-                soft_cap=soft_cap, num_splits=self.decode_splits, interpret=self.interpret)
+            out = self.decode_kernel(q[first_token], k_cache, v_cache, meta.page_tables, lengths, layer,
+                                     sliding_window, scale, soft_cap)
             return jnp.where(real_token[:, None, None], out[meta.token_seq_ids], 0).astype(q.dtype)
 
         def ragged(_):
@@ -138,7 +142,24 @@ class PallasAttention(ReferenceAttention):
         return jax.lax.cond(jnp.max(q_lens) <= 1, decode, ragged, None)
 
 
-_BACKENDS = {"reference": ReferenceAttention, "xla": XlaAttention, "pallas": PallasAttention}
+class MosaicPallasAttention(PallasAttention):
+    """"pallas" with the Hopper decode kernel (Mosaic GPU: TMA + wgmma) for decode steps.
+
+    bfloat16/float16 models only. Off a GPU it runs under the Mosaic GPU interpreter (jax >= 0.12), which
+    is for tests at tiny sizes.
+    """
+
+    name = "pallas-mosaic"
+
+    def decode_kernel(self, q, k_cache, v_cache, page_tables, lengths, layer, sliding_window, scale, soft_cap):
+        interpret = jax.default_backend() == "cpu" if self.interpret is None else self.interpret
+        return paged_decode_attention_mgpu(q, k_cache, v_cache, page_tables, lengths, layer, sliding_window,
+                                           scale=scale, soft_cap=soft_cap, num_splits=self.decode_splits,
+                                           interpret=interpret)
+
+
+_BACKENDS = {"reference": ReferenceAttention, "xla": XlaAttention, "pallas": PallasAttention,
+             "pallas-mosaic": MosaicPallasAttention}
 
 
 def get_attention_backend(name: str, platform: str):

@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.decode import MASK_VALUE, merge_splits
+from pallas_kernels.decode import MASK_VALUE, default_num_splits, merge_splits
 
 WGMMA_ROWS = 64
 LOG2E = math.log2(math.e)
@@ -180,13 +180,14 @@ def paged_decode_attention_mgpu(
     scale: float,
     soft_cap: float | None = None,
     pages_per_step: int | None = None,
-    num_splits: int = 1,
+    num_splits: int | None = None,
     stages: int = 3,
     interpret: bool = False,
 ) -> jax.Array:
     """Same contract as `paged_decode_attention` (see there); Hopper only, or the Mosaic GPU interpreter.
 
     Args (beyond the portable kernel's):
+      num_splits: as there (default: enough programs to cover the GPU about twice; 1 on CPU).
       stages: ring depth of K/V tiles in shared memory (copies in flight ahead of the compute).
       interpret: run under the Mosaic GPU interpreter with race detection (CPU tests, small shapes).
     """
@@ -200,6 +201,8 @@ def paged_decode_attention_mgpu(
     group = num_q_heads // num_kv_heads
     keys_per_step = pages_per_step * page_size
     pages_per_seq = page_tables.shape[1]
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, pages_per_seq, pages_per_step)
     pages_per_split = pl.cdiv(pl.cdiv(pages_per_seq, num_splits), pages_per_step) * pages_per_step
     page_tables = jnp.pad(page_tables, ((0, 0), (0, num_splits * pages_per_split - pages_per_seq)))
 

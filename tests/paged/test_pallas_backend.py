@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from paged import LLM, SamplingParams
 
@@ -37,3 +40,30 @@ def test_auto_backend_is_xla_on_cpu_and_pallas_on_gpu():
     assert get_attention_backend("auto", "cpu").name == "xla"
     assert get_attention_backend("auto", "gpu").name == "pallas"
     assert get_attention_backend("pallas", "cpu").name == "pallas"
+
+
+@pytest.mark.skipif(tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12),
+                    reason="the Mosaic GPU interpreter of jax < 0.12 lacks layout_cast (the 0.12 CI leg runs this)")
+def test_mosaic_backend_decode_step_matches_reference():
+    """One decode step of the "pallas-mosaic" backend (Mosaic GPU interpreter) against the reference backend,
+    with padded rows and a padding token, in bfloat16."""
+    from models.attention import AttentionMetadata, get_attention_backend
+    rng = np.random.default_rng(0)
+    num_layers, num_kv_heads, num_blocks, block_size, head_dim, group = 2, 2, 24, 16, 64, 4
+    shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)
+    k_cache = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+    v_cache = jnp.asarray(rng.normal(size=shape), jnp.bfloat16)
+    seq_lens = jnp.asarray([5, 40, 0, 0], jnp.int32)  # two real rows, two padded
+    tables = jnp.asarray(rng.permutation(num_blocks)[:16].reshape(4, 4), jnp.int32)
+    meta = AttentionMetadata(
+        slot_mapping=jnp.zeros(5, jnp.int32), positions=jnp.asarray([4, 39, 0, 0, 0], jnp.int32),
+        token_seq_ids=jnp.asarray([0, 1, 0, 0, 0], jnp.int32), page_tables=tables,
+        query_start=jnp.asarray([0, 1, 2, 2, 2], jnp.int32), seq_lens=seq_lens, tail_split=jnp.zeros((), bool),
+        tail_prefix_seq=jnp.int32(-1), tail_prefix_len=jnp.int32(0))
+    q = jnp.asarray(rng.normal(size=(5, num_kv_heads * group, head_dim)), jnp.bfloat16)
+    args = (q, None, None, k_cache, v_cache, 1, meta)
+    got = get_attention_backend("pallas-mosaic", "cpu").attend(*args, scale=0.125, sliding_window=jnp.int32(0))
+    expected = get_attention_backend("reference", "cpu").attend(*args, scale=0.125, sliding_window=jnp.int32(0))
+    np.testing.assert_allclose(np.asarray(got[:2], np.float32), np.asarray(expected[:2], np.float32),
+                               atol=2e-2, rtol=2e-2)
+    np.testing.assert_array_equal(np.asarray(got[2:], np.float32), 0.0)
