@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, memory (flags after the kind)")
-    bench.add_argument("kind", choices=["throughput", "serve", "memory"])
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, memory, kernels (flags after the kind)")
+    bench.add_argument("kind", choices=["throughput", "serve", "memory", "kernels"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help of each)")
     bench.set_defaults(func=_bench)
     return parser

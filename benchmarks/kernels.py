@@ -1,0 +1,301 @@
+"""`paged bench kernels`: paged attention kernels against the machine's limits and the baselines, in one run.
+
+Decode (one query per sequence) is memory-bound: each implementation's achieved KV bandwidth (bytes of K
+and V the sequences own, read once, divided by the time) is reported as a fraction of a device copy
+bandwidth measured in the same run. Prefill (ragged chunks over a cached context) is compute-bound: its
+FLOP rate (4 x visible query-key pairs x query heads x head_dim; causal pairs only) is reported as a
+fraction of a matmul rate measured in the same run.
+
+Implementations, each where it runs:
+  pallas          the portable Pallas kernels (Triton lowering on GPU; interpret mode on CPU)
+  pallas-mosaic   the Hopper decode kernel (Mosaic GPU; only on a GPU)
+  xla             the chunked XLA paths the engine uses on CPU
+  jnp-reference   the plain jax.numpy references
+  jax-pallas-ops  jax.experimental.pallas.ops.gpu.paged_attention (Triton; decode only)
+
+    paged bench kernels                        # preset by platform: "smoke" on CPU, "gpu" on a GPU
+    paged bench kernels --preset gpu --json docs/results/kernels_h200.json --png docs/results/kernels_h200.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+
+import numpy as np
+
+PRESETS = {
+    # Tiny shapes: a CPU smoke run of every code path in well under a minute.
+    "smoke": dict(batch=[1, 4], context=[64, 256], page_size=[16], gqa=[1, 4], dtype=["float32"], head_dim=64,
+                  num_kv_heads=2, prefill_chunk=[32], prefill_batch=2),
+    # The issue's GPU goal: batch >= 32, context >= 2048, bf16; plus small batches where split-KV matters.
+    # Sized to finish in a few minutes of a lent GPU (each point compiles each kernel once).
+    "gpu": dict(batch=[1, 32, 64], context=[2048, 8192], page_size=[16], gqa=[1, 8], dtype=["bfloat16"],
+                head_dim=128, num_kv_heads=8, prefill_chunk=[512], prefill_batch=4),
+}
+
+
+def time_call(fn, *args, repeats: int) -> float:
+    """Median seconds of `fn(*args)` after one warm-up (compilation) call."""
+    fn(*args).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(*args).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def _pool(rng, num_seqs, pages_per_seq, num_kv_heads, page_size, head_dim, dtype):
+    import jax.numpy as jnp
+    num_pages = num_seqs * pages_per_seq + 1
+    shape = (1, num_kv_heads, num_pages, page_size, head_dim)
+    k = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+    v = jnp.asarray(rng.standard_normal(shape, np.float32), dtype)
+    tables = rng.permutation(np.arange(1, num_pages))[:num_seqs * pages_per_seq].reshape(num_seqs, pages_per_seq)
+    return k, v, jnp.asarray(tables, jnp.int32)
+
+
+def decode_implementations(on_gpu: bool, group: int, head_dim: int, dtype: str) -> dict:
+    """name -> fn(q, k, v, tables, lengths, scale) for decode, or name -> reason it does not run here."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import paged_attention_chunked, paged_decode_attention, paged_decode_reference
+
+    impls = {
+        "pallas": lambda q, k, v, t, n, s: paged_decode_attention(q, k, v, t, n, scale=s),
+        "jnp-reference": lambda q, k, v, t, n, s: paged_decode_reference(q, k, v, t, n, scale=s),
+    }
+
+    def xla(q, k, v, t, n, s):
+        rows = jnp.arange(q.shape[0], dtype=jnp.int32)
+        return paged_attention_chunked(q, k, v, 0, t, rows, jnp.maximum(n - 1, 0), scale=s)
+
+    impls["xla"] = xla
+    if on_gpu:
+        from pallas_kernels.decode_mgpu import paged_decode_attention_mgpu
+        if dtype in ("bfloat16", "float16") and head_dim % 64 == 0:
+            impls["pallas-mosaic"] = lambda q, k, v, t, n, s: paged_decode_attention_mgpu(q, k, v, t, n, scale=s)
+        else:
+            impls["pallas-mosaic"] = "needs bf16/f16 and head_dim % 64 == 0"
+    try:
+        from jax.experimental.pallas.ops.gpu import paged_attention as jax_ops
+    except ImportError as error:
+        impls["jax-pallas-ops"] = f"not importable: {error}"
+    else:
+        if not on_gpu:
+            impls["jax-pallas-ops"] = "GPU only here (its BlockSpecs copy the whole pool per grid step when interpreted)"
+        else:
+            def jax_paged(q, k, v, t, n, s):
+                pages = t.shape[1]
+                splits = max(d for d in (16, 8, 4, 2, 1) if pages % d == 0)
+                # Its kernel takes [Hkv, N, page, D] and applies no softmax scale (pre-scale q).
+                return jax_ops.paged_attention((q * s).astype(q.dtype), k[0], v[0], t, n, k_splits=splits,
+                                               pages_per_compute_block=min(8, pages // splits))
+            impls["jax-pallas-ops"] = jax_paged
+    return {name: (jax.jit(fn, static_argnums=5) if callable(fn) else fn) for name, fn in impls.items()}
+
+
+def prefill_implementations() -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels import paged_attention_chunked, ragged_paged_attention, ragged_paged_attention_reference
+
+    def xla(q, k, v, t, qs, n, s):
+        num_seqs = n.shape[0]
+        tok = jnp.arange(q.shape[0], dtype=jnp.int32)
+        seq = jnp.clip(jnp.searchsorted(qs, tok, side="right") - 1, 0, num_seqs - 1).astype(jnp.int32)
+        pos = n[seq] - (qs[1:] - qs[:-1])[seq] + tok - qs[seq]
+        return paged_attention_chunked(q, k, v, 0, t, seq, pos, scale=s)
+
+    impls = {
+        "pallas": lambda q, k, v, t, qs, n, s: ragged_paged_attention(q, k, v, t, qs, n, scale=s),
+        "xla": xla,
+        "jnp-reference": lambda q, k, v, t, qs, n, s: ragged_paged_attention_reference(q, k, v, t, qs, n, scale=s),
+    }
+    return {name: jax.jit(fn, static_argnums=6) for name, fn in impls.items()}
+
+
+def run_decode(cfg: dict, rng, repeats: int, copy_bw: float, on_gpu: bool, max_reference_bytes: float) -> list:
+    import jax.numpy as jnp
+    rows = []
+    for batch, context, page_size, group, dtype in itertools.product(
+            cfg["batch"], cfg["context"], cfg["page_size"], cfg["gqa"], cfg["dtype"]):
+        num_kv_heads, head_dim = cfg["num_kv_heads"], cfg["head_dim"]
+        pages_per_seq = -(-context // page_size)
+        k, v, tables = _pool(rng, batch, pages_per_seq, num_kv_heads, page_size, head_dim, dtype)
+        q = jnp.asarray(rng.standard_normal((batch, num_kv_heads * group, head_dim), np.float32), dtype)
+        lengths = jnp.full((batch,), context, jnp.int32)
+        kv_bytes = 2 * batch * context * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+        row = dict(kind="decode", batch=batch, context=context, page_size=page_size, gqa=group, dtype=dtype,
+                   num_kv_heads=num_kv_heads, head_dim=head_dim, kv_bytes=kv_bytes, results={})
+        expected = None
+        for name, fn in decode_implementations(on_gpu, group, head_dim, dtype).items():
+            if not callable(fn):
+                row["results"][name] = {"skipped": fn}
+                continue
+            if name == "jnp-reference" and kv_bytes * 4 > max_reference_bytes:
+                row["results"][name] = {"skipped": "its gathered copy of every context would not fit the budget"}
+                continue
+            try:
+                out = fn(q, k, v, tables, lengths, head_dim ** -0.5)
+                seconds = time_call(fn, q, k, v, tables, lengths, head_dim ** -0.5, repeats=repeats)
+            except Exception as error:  # a baseline that cannot run a shape is reported, not fatal
+                row["results"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                continue
+            out = np.asarray(out.astype(jnp.float32))
+            expected = out if expected is None else expected
+            row["results"][name] = dict(seconds=seconds, bytes_per_s=kv_bytes / seconds,
+                                        fraction_of_copy=kv_bytes / seconds / copy_bw,
+                                        max_abs_diff_vs_first=float(np.abs(out - expected).max()))
+        rows.append(row)
+        _print_row(row, "fraction_of_copy")
+    return rows
+
+
+def run_prefill(cfg: dict, rng, repeats: int, matmul: float, max_reference_bytes: float) -> list:
+    import jax.numpy as jnp
+    rows = []
+    batch = cfg["prefill_batch"]
+    for chunk, context, page_size, group, dtype in itertools.product(
+            cfg["prefill_chunk"], cfg["context"], cfg["page_size"], cfg["gqa"], cfg["dtype"]):
+        if chunk > context:
+            continue
+        num_kv_heads, head_dim = cfg["num_kv_heads"], cfg["head_dim"]
+        num_q_heads = num_kv_heads * group
+        pages_per_seq = -(-context // page_size)
+        k, v, tables = _pool(rng, batch, pages_per_seq, num_kv_heads, page_size, head_dim, dtype)
+        q = jnp.asarray(rng.standard_normal((batch * chunk, num_q_heads, head_dim), np.float32), dtype)
+        query_start = jnp.arange(batch + 1, dtype=jnp.int32) * chunk
+        seq_lens = jnp.full((batch,), context, jnp.int32)
+        # Query i of a chunk ending at `context` sees context - chunk + i + 1 keys.
+        pairs = batch * sum(context - chunk + i + 1 for i in range(chunk))
+        flops = 4 * pairs * num_q_heads * head_dim
+        row = dict(kind="prefill", batch=batch, chunk=chunk, context=context, page_size=page_size, gqa=group,
+                   dtype=dtype, num_kv_heads=num_kv_heads, head_dim=head_dim, flops=flops, results={})
+        expected = None
+        for name, fn in prefill_implementations().items():
+            gathered = batch * chunk * context * num_kv_heads * head_dim * 2 * jnp.dtype(dtype).itemsize
+            if name in ("jnp-reference", "xla") and gathered > max_reference_bytes:
+                row["results"][name] = {"skipped": f"gathers each token's context ({gathered / 1e9:.1f} GB)"}
+                continue
+            args = (q, k, v, tables, query_start, seq_lens, head_dim ** -0.5)
+            try:
+                out = fn(*args)
+                seconds = time_call(fn, *args, repeats=repeats)
+            except Exception as error:
+                row["results"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+                continue
+            out = np.asarray(out.astype(jnp.float32))
+            expected = out if expected is None else expected
+            row["results"][name] = dict(seconds=seconds, flops_per_s=flops / seconds,
+                                        fraction_of_matmul=flops / seconds / matmul,
+                                        max_abs_diff_vs_first=float(np.abs(out - expected).max()))
+        rows.append(row)
+        _print_row(row, "fraction_of_matmul")
+    return rows
+
+
+def _print_row(row: dict, metric: str) -> None:
+    shape = (f"{row['kind']:<8} b={row['batch']:<3} ctx={row['context']:<5} page={row['page_size']:<3} "
+             f"gqa={row['gqa']:<2} {row['dtype']:<9}" + (f" chunk={row['chunk']}" if "chunk" in row else ""))
+    parts = []
+    for name, r in row["results"].items():
+        parts.append(f"{name} {r['seconds'] * 1e3:.3f} ms ({r[metric]:.1%})" if "seconds" in r else f"{name} -")
+    print(shape + " | " + "; ".join(parts), file=sys.stderr)
+
+
+def plot(report: dict, path: str) -> bool:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart written", file=sys.stderr)
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    for ax, kind, metric, label in ((axes[0], "decode", "fraction_of_copy", "KV bandwidth / copy bandwidth"),
+                                    (axes[1], "prefill", "fraction_of_matmul", "FLOP rate / matmul rate")):
+        rows = [r for r in report["rows"] if r["kind"] == kind]
+        names = sorted({n for r in rows for n, v in r["results"].items() if "seconds" in v})
+        for i, name in enumerate(names):
+            xs = [j for j, r in enumerate(rows) if "seconds" in r["results"].get(name, {})]
+            ys = [rows[j]["results"][name][metric] for j in xs]
+            ax.plot(xs, ys, "o-" if name.startswith("pallas") else "s--", label=name, markersize=4)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(rows)))
+        ax.set_xticklabels([f"b{r['batch']} c{r['context']} p{r['page_size']} g{r['gqa']}" for r in rows],
+                           rotation=90, fontsize=6)
+        ax.set_ylabel(label)
+        ax.set_title(f"{kind} ({report['device']})")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                        help="sweep sizes (default: smoke on CPU, gpu on a GPU)")
+    parser.add_argument("--batch", type=int, nargs="*")
+    parser.add_argument("--context", type=int, nargs="*")
+    parser.add_argument("--page-size", type=int, nargs="*")
+    parser.add_argument("--gqa", type=int, nargs="*", help="query heads per KV head")
+    parser.add_argument("--dtype", nargs="*", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--head-dim", type=int)
+    parser.add_argument("--num-kv-heads", type=int)
+    parser.add_argument("--prefill-chunk", type=int, nargs="*", help="new tokens per sequence (0 entries: none)")
+    parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls per point (median)")
+    parser.add_argument("--reference-budget-gb", type=float, default=4.0,
+                        help="skip the gathering baselines above this much temporary memory")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--png", default=None)
+    args = parser.parse_args(argv)
+
+    import jax
+
+    from benchmarks.common import copy_bandwidth, matmul_rate
+
+    on_gpu = jax.default_backend() == "gpu"
+    cfg = dict(PRESETS[args.preset or ("gpu" if on_gpu else "smoke")])
+    for key in ("batch", "context", "page_size", "gqa", "dtype", "head_dim", "num_kv_heads", "prefill_chunk"):
+        if getattr(args, key) is not None:
+            cfg[key] = getattr(args, key)
+    repeats = args.repeats or (20 if on_gpu else 3)
+    copy_bw = copy_bandwidth(megabytes=1024 if on_gpu else 256)
+    dtype = "bfloat16" if "bfloat16" in cfg["dtype"] else cfg["dtype"][0]
+    matmul = matmul_rate(dtype, size=8192 if on_gpu else 1024)
+    device = jax.devices()[0].device_kind
+    print(f"{device}: copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write); {dtype} matmul "
+          f"{matmul / 1e12:.2f} TFLOP/s", file=sys.stderr)
+    rng = np.random.default_rng(0)
+    budget = args.reference_budget_gb * 1e9
+    rows = run_decode(cfg, rng, repeats, copy_bw, on_gpu, budget)
+    if not args.no_prefill:
+        rows += run_prefill(cfg, rng, repeats, matmul, budget)
+    report = dict(device=device, jax_version=jax.__version__, platform=jax.default_backend(), config=cfg,
+                  copy_bytes_per_s=copy_bw, matmul_flops_per_s=matmul, matmul_dtype=dtype, repeats=repeats,
+                  conventions=dict(decode="KV bytes = 2 x sum(lengths) x Hkv x D x itemsize; fraction of the copy "
+                                          "bandwidth (bytes read + written by a large in-place update)",
+                                   prefill="FLOPs = 4 x causal query-key pairs x Hq x D; fraction of a square "
+                                           "matmul's rate"),
+                  rows=rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if args.png:
+        plot(report, args.png)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
