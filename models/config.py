@@ -80,6 +80,12 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     attn_soft_cap: float | None = None
     final_soft_cap: float | None = None
+    # Sparse MoE (Mixtral, Qwen2-MoE, Qwen3-MoE); num_experts = 0 means a dense MLP.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum to 1
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert (0: none)
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     checkpoint_dtype: str = "float32"
@@ -124,16 +130,40 @@ def _as_id_tuple(value: Any) -> tuple[int, ...]:
     return (int(value),)
 
 
+QWEN_TYPES = ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+
+
+def _moe_fields(raw: dict[str, Any], model_type: str) -> dict[str, Any]:
+    """Mixtral: num_local_experts over intermediate_size, always renormalised; Qwen MoE: its own names."""
+    # transformers 5 writes num_local_experts for Qwen3-MoE too (an attribute alias of num_experts).
+    num_experts = raw.get("num_local_experts") or raw.get("num_experts")
+    if model_type == "mixtral":
+        return dict(num_experts=int(num_experts), num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                    moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        num_layers = int(raw["num_hidden_layers"])
+        step = int(raw.get("decoder_sparse_step") or 1)
+        dense_layers = set(raw.get("mlp_only_layers") or []) | {i for i in range(num_layers) if (i + 1) % step}
+        if dense_layers:
+            raise NotImplementedError(f"{model_type} with dense MLP layers {sorted(dense_layers)} among sparse ones "
+                                      "is not supported (decoder_sparse_step > 1 or mlp_only_layers)")
+        return dict(num_experts=int(num_experts), num_experts_per_tok=int(raw["num_experts_per_tok"]),
+                    moe_intermediate_size=int(raw["moe_intermediate_size"]),
+                    norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+                    shared_expert_intermediate_size=int(raw.get("shared_expert_intermediate_size") or 0))
+    return {}
+
+
 def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tuple[int, ...]:
     window = int(raw.get("sliding_window") or 0)
-    if model_type in ("qwen2", "qwen3") and not raw.get("use_sliding_window", False):
+    if model_type in QWEN_TYPES and not raw.get("use_sliding_window", False):
         return ()  # Qwen2/3 only slide when asked to
     layer_types = raw.get("layer_types")
     if model_type == "gemma2" and not layer_types:
         layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
     if layer_types:
         windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
-    elif model_type in ("qwen2", "qwen3"):
+    elif model_type in QWEN_TYPES:
         first_sliding = int(raw.get("max_window_layers", num_layers))
         windows = tuple(window if i >= first_sliding else 0 for i in range(num_layers))
     else:
@@ -191,10 +221,10 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; Llama and Mistral only when `attention_bias` says so.
-        attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+        attention_bias=bool(raw.get("attention_bias", raw.get("qkv_bias", model_type == "qwen2"))),
         # Llama's `attention_bias` covers o_proj too; Qwen2's o_proj never has a bias.
         o_proj_bias=bool(raw.get("attention_bias", False)) and model_type == "llama",
-        qk_norm=model_type == "qwen3",
+        qk_norm=model_type in ("qwen3", "qwen3_moe"),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         hidden_act=str(raw.get("hidden_act", "silu")),
         layer_windows=_layer_windows(raw, model_type, int(raw["num_hidden_layers"])),
@@ -204,6 +234,7 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
         query_pre_attn_scalar=raw.get("query_pre_attn_scalar") if gemma else None,
         attn_soft_cap=raw.get("attn_logit_softcapping") if gemma else None,
         final_soft_cap=raw.get("final_logit_softcapping") if gemma else None,
+        **_moe_fields(raw, model_type),
         eos_token_ids=eos,
         bos_token_id=raw.get("bos_token_id"),
         checkpoint_dtype=str(dtype).replace("torch.", ""),

@@ -69,14 +69,16 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 class GatedMLP(nn.Module):
     config: ModelConfig
     dtype: Any
+    intermediate_size: int | None = None  # default: the config's (MoE shared experts have their own)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
+        inter = self.intermediate_size or cfg.intermediate_size
         dense = lambda n, name: nn.Dense(n, use_bias=cfg.mlp_bias, dtype=self.dtype, param_dtype=self.dtype,
                                          name=name)
         act = activation(cfg.hidden_act)
-        hidden = act(dense(cfg.intermediate_size, "gate_proj")(x)) * dense(cfg.intermediate_size, "up_proj")(x)
+        hidden = act(dense(inter, "gate_proj")(x)) * dense(inter, "up_proj")(x)
         return dense(cfg.hidden_size, "down_proj")(hidden)
 
 

@@ -1,5 +1,6 @@
-"""Flax Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 (one decoder; differences live in
-ModelConfig and, for Phi-3's fused projections, in the checkpoint layout below).
+"""Flax Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, and the sparse-MoE Mixtral, Qwen2-MoE
+and Qwen3-MoE (one decoder; differences live in ModelConfig and, for Phi-3's fused projections and the
+experts, in the checkpoint layout below).
 
 The parameter tree mirrors Hugging Face names, with the decoder layers stacked on a leading axis so the
 forward pass scans over layers (one layer is compiled instead of L: start-up time matters):
@@ -11,6 +12,7 @@ forward pass scans over layers (one layer is compiled instead of L: start-up tim
     layers/post_attention_layernorm/scale
     layers/{pre,post}_feedforward_layernorm/scale     (Gemma 2)
     layers/mlp/{gate,up,down}_proj/kernel
+    layers/mlp/gate/kernel [L, H, E], layers/mlp/experts_{gate,up,down}_proj [L, E, in, out]   (MoE)
     norm/scale                        [H]
     lm_head/kernel                    [H, V]   (absent when embeddings are tied)
 """
@@ -27,6 +29,7 @@ import jax.numpy as jnp
 from models.attention import AttentionMetadata, ReferenceAttention
 from models.config import ModelConfig
 from models.layers import GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin
+from models.moe import SparseMoE
 
 
 class DecoderLayer(nn.Module):
@@ -40,14 +43,14 @@ class DecoderLayer(nn.Module):
         x = norm("input_layernorm")(h)
         x, k_cache, v_cache = PagedSelfAttention(cfg, self.dtype, name="self_attn")(
             x, cos, sin, k_cache, v_cache, layer, window, meta, attention)
+        mlp = (SparseMoE if cfg.num_experts else GatedMLP)(cfg, self.dtype, name="mlp")
         if cfg.sandwich_norms:  # Gemma 2: normalise each block's output before the residual add
             h = h + norm("post_attention_layernorm")(x)
-            h = h + norm("post_feedforward_layernorm")(GatedMLP(cfg, self.dtype, name="mlp")(
-                norm("pre_feedforward_layernorm")(h)))
+            h = h + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(h)))
             return h, k_cache, v_cache
         h = h + x
         x = norm("post_attention_layernorm")(h)
-        h = h + GatedMLP(cfg, self.dtype, name="mlp")(x)
+        h = h + mlp(x)
         return h, k_cache, v_cache
 
 
@@ -68,6 +71,9 @@ class LlamaForCausalLM:
     # ---- checkpoint layout --------------------------------------------------------------------------
 
     _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+    # Experts, stacked per layer on an expert axis: Mixtral's w1/w3/w2 and Qwen-MoE's gate/up/down.
+    _EXPERT_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
+    _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
     def global_param_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
         cfg = self.config
@@ -78,7 +84,10 @@ class LlamaForCausalLM:
         return shapes
 
     def checkpoint_target(self, name: str) -> tuple[tuple[str, ...], int | None, bool] | None:
-        """HF tensor name -> (path in our tree, layer index or None, transpose?). None = not ours to load."""
+        """HF tensor name -> (path in our tree, index or None, transpose?). None = not ours to load.
+
+        The index is the layer, or (layer, expert) for an expert's matrix.
+        """
         if name == "model.embed_tokens.weight":
             return ("embed_tokens", "embedding"), None, False
         if name == "model.norm.weight":
@@ -89,6 +98,12 @@ class LlamaForCausalLM:
         if not match:
             return None
         layer, module, kind = int(match.group(1)), match.group(2), match.group(3)
+        expert = self._EXPERT_RE.match(module)
+        if expert:
+            proj = self._EXPERT_NAMES.get(expert.group(2), expert.group(2))
+            return ("layers", "mlp", f"experts_{proj}"), (layer, int(expert.group(1))), True
+        if module == "block_sparse_moe.gate":
+            module = "mlp.gate"
         parts = tuple(module.split("."))
         if parts[-1].endswith("norm"):
             return ("layers", *parts, "scale"), layer, False

@@ -105,21 +105,19 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
                         target = model.checkpoint_target(name)
                         if target is None or target[0] not in expected:
                             continue  # e.g. rotary inv_freq buffers, or lm_head when tied
-                        key, layer, transpose = target
+                        key, index, transpose = target
+                        index = () if index is None else (index,) if isinstance(index, int) else tuple(index)
                         tensor = read().T if transpose else read()
-                        want = expected[key][1:] if layer is not None else expected[key]
+                        want = expected[key][len(index):]
                         if tensor.shape != want:
                             raise ValueError(f"checkpoint tensor {name} has shape {tensor.shape} (after transpose: "
                                              f"{transpose}); the config implies {want}")
                         if key not in buffers:
                             buffers[key] = np.empty(expected[key], dtype)
                             filled[key] = 0
-                        if layer is None:
-                            buffers[key][...] = tensor
-                        else:
-                            buffers[key][layer] = tensor
+                        buffers[key][index] = tensor
                         filled[key] += 1
-                        if filled[key] == (config.num_layers if layer is not None else 1):
+                        if filled[key] == int(np.prod(expected[key][:len(index)])):  # every layer (and expert)
                             _put(params, key, jax.device_put(buffers.pop(key)))
                         bar.update()
     missing = [".".join(k) for k in expected if _get(params, k) is None]

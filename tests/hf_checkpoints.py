@@ -33,6 +33,14 @@ SPECS = {
     "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=12,
                                     query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                                     final_logit_softcapping=3.0)),
+    # Sparse MoE: 4 experts, top 2 (Mixtral renormalises; Qwen2-MoE does not and adds a gated shared expert;
+    # Qwen3-MoE renormalises here and has q/k norms).
+    "mixtral-moe": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2-moe": ("Qwen2MoeConfig", dict(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=48, shared_expert_intermediate_size=96,
+                                         norm_topk_prob=False)),
+    "qwen3-moe": ("Qwen3MoeConfig", dict(num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=48, norm_topk_prob=True)),
 }
 
 
