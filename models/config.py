@@ -64,6 +64,7 @@ class ModelConfig:
     rms_norm_eps: float = 1e-6
     rope: RopeConfig = RopeConfig()
     max_position_embeddings: int = 2048
+    local_rope: RopeConfig | None = None  # Gemma 3: sliding-window layers use their own rotary base
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     o_proj_bias: bool = False
@@ -72,7 +73,7 @@ class ModelConfig:
     hidden_act: str = "silu"
     # Per-layer sliding windows (0 = full attention); empty when no layer slides.
     layer_windows: tuple[int, ...] = ()
-    # Gemma 2 family: RMSNorm scales by (1 + weight); embeddings times sqrt(hidden); norms around attention and
+    # Gemma 2/3 family: RMSNorm scales by (1 + weight); embeddings times sqrt(hidden); norms around attention and
     # MLP outputs; scores scaled by query_pre_attn_scalar ** -0.5; tanh soft caps on scores and logits.
     norm_plus_one: bool = False
     embed_scale: bool = False
@@ -99,10 +100,12 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
 
-def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
-    # transformers 5 folds theta and scaling into `rope_parameters`; transformers 4 uses
-    # `rope_theta` plus an optional `rope_scaling` dict whose type key is "rope_type" or "type".
+def _rope_from_hf(raw: dict[str, Any], layer_type: str = "full_attention") -> RopeConfig:
+    # transformers 5 folds theta and scaling into `rope_parameters` (per layer type for Gemma 3); transformers
+    # 4 uses `rope_theta` plus an optional `rope_scaling` dict whose type key is "rope_type" or "type".
     params = dict(raw.get("rope_parameters") or {})
+    if layer_type in params or "full_attention" in params:
+        params = dict(params.get(layer_type) or {})
     scaling = dict(raw.get("rope_scaling") or {})
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
@@ -120,6 +123,17 @@ def _rope_from_hf(raw: dict[str, Any]) -> RopeConfig:
         raise NotImplementedError(
             f"rope scaling {rope_type!r} is not supported yet; supported: default, linear, llama3")
     return rope
+
+
+def _local_rope_from_hf(raw: dict[str, Any]) -> RopeConfig | None:
+    """Gemma 3's sliding layers: `rope_parameters["sliding_attention"]` (transformers 5) or
+    `rope_local_base_freq` without scaling (transformers 4)."""
+    params = raw.get("rope_parameters") or {}
+    if "sliding_attention" in params:
+        return _rope_from_hf(raw, "sliding_attention")
+    if "rope_local_base_freq" in raw:
+        return RopeConfig(theta=float(raw["rope_local_base_freq"]))
+    return None
 
 
 def _as_id_tuple(value: Any) -> tuple[int, ...]:
@@ -159,8 +173,9 @@ def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int) -> tup
     if model_type in QWEN_TYPES and not raw.get("use_sliding_window", False):
         return ()  # Qwen2/3 only slide when asked to
     layer_types = raw.get("layer_types")
-    if model_type == "gemma2" and not layer_types:
-        layer_types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(num_layers)]
+    if model_type in ("gemma2", "gemma3_text") and not layer_types:
+        pattern = 2 if model_type == "gemma2" else int(raw.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
     if layer_types:
         windows = tuple(window if t == "sliding_attention" else 0 for t in layer_types)
     elif model_type in QWEN_TYPES:
@@ -197,7 +212,7 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
     hidden = int(raw["hidden_size"])
     head_dim = raw.get("head_dim") or hidden // num_heads
     model_type = raw.get("model_type", "")
-    gemma = model_type == "gemma2"
+    gemma = model_type in ("gemma2", "gemma3_text")
     if gemma:
         raw = {"hidden_act": raw.get("hidden_activation", "gelu_pytorch_tanh"), **raw}
     if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
@@ -218,13 +233,14 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
         head_dim=int(head_dim),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope=_rope_from_hf(raw),
+        local_rope=_local_rope_from_hf(raw) if model_type == "gemma3_text" else None,
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; Llama and Mistral only when `attention_bias` says so.
         attention_bias=bool(raw.get("attention_bias", raw.get("qkv_bias", model_type == "qwen2"))),
         # Llama's `attention_bias` covers o_proj too; Qwen2's o_proj never has a bias.
         o_proj_bias=bool(raw.get("attention_bias", False)) and model_type == "llama",
-        qk_norm=model_type in ("qwen3", "qwen3_moe"),
+        qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         hidden_act=str(raw.get("hidden_act", "silu")),
         layer_windows=_layer_windows(raw, model_type, int(raw["num_hidden_layers"])),

@@ -101,8 +101,8 @@ class PagedSelfAttention(nn.Module):
         k = dense(cfg.kv_size, "k_proj", cfg.attention_bias)(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = dense(cfg.kv_size, "v_proj", cfg.attention_bias)(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
-            q = RMSNorm(cfg.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(cfg.rms_norm_eps, self.dtype, name="k_norm")(k)
+            q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one, name="q_norm")(q)
+            k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one, name="k_norm")(k)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
         k_cache, v_cache = attention.write_kv(k_cache, v_cache, layer, k, v, meta)

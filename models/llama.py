@@ -1,4 +1,4 @@
-"""Flax Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2, and the sparse-MoE Mixtral, Qwen2-MoE
+"""Flax Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3 (text), and the sparse-MoE Mixtral, Qwen2-MoE
 and Qwen3-MoE (one decoder; differences live in ModelConfig and, for Phi-3's fused projections and the
 experts, in the checkpoint layout below).
 
@@ -8,9 +8,9 @@ forward pass scans over layers (one layer is compiled instead of L: start-up tim
     embed_tokens/embedding            [V, H]
     layers/input_layernorm/scale      [L, H]
     layers/self_attn/{q,k,v,o}_proj/{kernel [L, in, out], bias [L, out]}
-    layers/self_attn/{q,k}_norm/scale [L, head_dim]   (Qwen3)
+    layers/self_attn/{q,k}_norm/scale [L, head_dim]   (Qwen3, Gemma 3)
     layers/post_attention_layernorm/scale
-    layers/{pre,post}_feedforward_layernorm/scale     (Gemma 2)
+    layers/{pre,post}_feedforward_layernorm/scale     (Gemma 2 and 3)
     layers/mlp/{gate,up,down}_proj/kernel
     layers/mlp/gate/kernel [L, H, E], layers/mlp/experts_{gate,up,down}_proj [L, E, in, out]   (MoE)
     norm/scale                        [H]
@@ -67,6 +67,7 @@ class LlamaForCausalLM:
         self.layer = DecoderLayer(config, self.dtype)
         self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype, config.norm_plus_one)
         self.inv_freq = config.rope.inv_freq(config.head_dim)
+        self.local_inv_freq = config.local_rope.inv_freq(config.head_dim) if config.local_rope else None
 
     # ---- checkpoint layout --------------------------------------------------------------------------
 
@@ -160,15 +161,21 @@ class LlamaForCausalLM:
         if cfg.embed_scale:  # Gemma: the normaliser is rounded to the model dtype first, as transformers does
             h = h * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
         cos, sin = rotary_cos_sin(meta.positions, self.inv_freq)
+        if self.local_inv_freq is not None:
+            local_cos, local_sin = rotary_cos_sin(meta.positions, self.local_inv_freq)
         k_all, v_all = kv_cache
 
         def one_layer(carry, xs):
             h, k_all, v_all = carry
             layer_params, index, window = xs
+            layer_cos, layer_sin = cos, sin
+            if self.local_inv_freq is not None:  # Gemma 3: sliding layers rotate with their own base
+                layer_cos = jnp.where(window > 0, local_cos, cos)
+                layer_sin = jnp.where(window > 0, local_sin, sin)
             # The whole pool rides in the scan carry and each layer scatters into it, so with the pool
             # donated the update happens in place (no per-layer copies).
-            h, k_all, v_all = self.layer.apply({"params": layer_params}, h, cos, sin, k_all, v_all, index,
-                                               window, meta, attention)
+            h, k_all, v_all = self.layer.apply({"params": layer_params}, h, layer_cos, layer_sin, k_all, v_all,
+                                               index, window, meta, attention)
             return (h, k_all, v_all), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)

@@ -33,6 +33,12 @@ SPECS = {
     "gemma2": ("Gemma2Config", dict(num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=12,
                                     query_pre_attn_scalar=24, attn_logit_softcapping=5.0,
                                     final_logit_softcapping=3.0)),
+    # Gemma 3: q/k norms, a local rotary base for sliding layers, a linearly scaled global one; no soft caps.
+    "gemma3": ("Gemma3TextConfig", dict(
+        num_hidden_layers=4, num_key_value_heads=2, head_dim=16, sliding_window=12, query_pre_attn_scalar=24,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
     # Sparse MoE: 4 experts, top 2 (Mixtral renormalises; Qwen2-MoE does not and adds a gated shared expert;
     # Qwen3-MoE renormalises here and has q/k norms).
     "mixtral-moe": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
@@ -57,7 +63,7 @@ def build_checkpoint(name: str, directory: str, dtype=None) -> str:
         config.initializer_range = COMMON["initializer_range"]
         model_class = transformers.GPT2LMHeadModel
     else:
-        model_class = getattr(transformers, config_name.replace("Config", "ForCausalLM"))
+        model_class = getattr(transformers, config_name.replace("TextConfig", "Config").replace("Config", "ForCausalLM"))
     torch.manual_seed(0)
     model = model_class(config).eval()
     if dtype is not None:

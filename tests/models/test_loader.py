@@ -34,6 +34,23 @@ def test_transformers4_and_5_rope_spellings_agree():
     assert scaled[0] == plain[0] and np.isclose(scaled[-1], plain[-1] / 8.0)
 
 
+def test_gemma3_spellings_agree():
+    """Gemma 3 in transformers 4 (rope_local_base_freq, sliding_window_pattern) and 5 (per-layer-type rope)."""
+    gemma = {**BASE, "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "num_hidden_layers": 6,
+             "sliding_window": 512, "query_pre_attn_scalar": 256}
+    v4 = model_config_from_hf({**gemma, "rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 6,
+                               "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    v5 = model_config_from_hf({**gemma, "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+                               "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                      "rope_theta": 1e6},
+                                                   "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    assert v4 == v5
+    assert v4.layer_windows == (512,) * 5 + (0,)
+    assert (v4.rope.theta, v4.rope.rope_type, v4.rope.factor) == (1e6, "linear", 8.0)
+    assert (v4.local_rope.theta, v4.local_rope.rope_type) == (1e4, "default")
+    assert v4.qk_norm and v4.norm_plus_one and v4.sandwich_norms
+
+
 def test_unsupported_rope_scaling_is_a_clear_error():
     with pytest.raises(NotImplementedError, match="yarn"):
         model_config_from_hf({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
