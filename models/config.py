@@ -65,6 +65,8 @@ class ModelConfig:
     rope: RopeConfig = RopeConfig()
     max_position_embeddings: int = 2048
     local_rope: RopeConfig | None = None  # Gemma 3: sliding-window layers use their own rotary base
+    rotary_dim: int = 0  # leading dims of each head that rotate (0: all); GLM rotates half
+    rotary_interleaved: bool = False  # rotate (x0, x1), (x2, x3), ... pairs (GLM) instead of the two halves
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     o_proj_bias: bool = False
@@ -215,8 +217,8 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
     gemma = model_type in ("gemma2", "gemma3_text")
     if gemma:
         raw = {"hidden_act": raw.get("hidden_activation", "gelu_pytorch_tanh"), **raw}
-    if float(raw.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise NotImplementedError("partial rotary embeddings (partial_rotary_factor < 1) are not supported yet")
+    partial_rotary = float((raw.get("rope_parameters") or {}).get("partial_rotary_factor",
+                                                                   raw.get("partial_rotary_factor", 1.0)))
     eos = _as_id_tuple(raw.get("eos_token_id"))
     if generation_config:
         eos = tuple(dict.fromkeys(eos + _as_id_tuple(generation_config.get("eos_token_id"))))
@@ -234,6 +236,8 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         rope=_rope_from_hf(raw),
         local_rope=_local_rope_from_hf(raw) if model_type == "gemma3_text" else None,
+        rotary_dim=int(int(head_dim) * partial_rotary) if partial_rotary != 1.0 else 0,
+        rotary_interleaved=model_type in ("glm", "glm4"),
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Qwen2 always has q/k/v biases; Llama and Mistral only when `attention_bias` says so.
@@ -246,7 +250,7 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
         layer_windows=_layer_windows(raw, model_type, int(raw["num_hidden_layers"])),
         norm_plus_one=gemma,
         embed_scale=gemma,
-        sandwich_norms=gemma,
+        sandwich_norms=gemma or model_type == "glm4",
         query_pre_attn_scalar=raw.get("query_pre_attn_scalar") if gemma else None,
         attn_soft_cap=raw.get("attn_logit_softcapping") if gemma else None,
         final_soft_cap=raw.get("final_logit_softcapping") if gemma else None,

@@ -50,20 +50,30 @@ class RMSNorm(nn.Module):
         return scale * normed.astype(self.dtype)
 
 
-def rotary_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
-    """cos, sin float32 [T, head_dim] for the rotate-half convention (frequencies repeated twice)."""
+def rotary_cos_sin(positions: jax.Array, inv_freq: np.ndarray, interleaved: bool = False
+                   ) -> tuple[jax.Array, jax.Array]:
+    """cos, sin float32 [T, rotary_dim]: each frequency twice, as [f0..fn, f0..fn] for the rotate-half
+    layout or [f0, f0, f1, f1, ...] for the interleaved one."""
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    emb = jnp.concatenate([freqs, freqs], axis=-1)
+    emb = jnp.repeat(freqs, 2, axis=-1) if interleaved else jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(emb), jnp.sin(emb)
 
 
-def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x: [T, heads, head_dim]; cos/sin: [T, head_dim]. Rotate-half (GPT-NeoX) layout."""
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool = False) -> jax.Array:
+    """x: [T, heads, head_dim]; cos/sin: [T, rotary_dim]. Rotates the first rotary_dim dims of each head (the
+    rest pass through): halves (GPT-NeoX layout) or adjacent pairs (GPT-J / GLM layout)."""
+    rotary_dim = cos.shape[-1]
+    x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+    if interleaved:
+        pairs = x_rot.reshape(*x_rot.shape[:-1], rotary_dim // 2, 2)
+        rotated = jnp.stack([-pairs[..., 1], pairs[..., 0]], axis=-1).reshape(x_rot.shape)
+    else:
+        half = rotary_dim // 2
+        rotated = jnp.concatenate([-x_rot[..., half:], x_rot[..., :half]], axis=-1)
     cos = cos[:, None, :].astype(x.dtype)
     sin = sin[:, None, :].astype(x.dtype)
-    return x * cos + rotated * sin
+    out = x_rot * cos + rotated * sin
+    return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
 
 
 class GatedMLP(nn.Module):
@@ -103,8 +113,8 @@ class PagedSelfAttention(nn.Module):
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one, name="k_norm")(k)
-        q = apply_rotary(q, cos, sin)
-        k = apply_rotary(k, cos, sin)
+        q = apply_rotary(q, cos, sin, cfg.rotary_interleaved)
+        k = apply_rotary(k, cos, sin, cfg.rotary_interleaved)
         k_cache, v_cache = attention.write_kv(k_cache, v_cache, layer, k, v, meta)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         out = attention.attend(q, k, v, k_cache, v_cache, layer, meta, scale=scale,

@@ -1,6 +1,6 @@
-"""Flax Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3 (text), and the sparse-MoE Mixtral, Qwen2-MoE
+"""Flax Llama family: Llama 2/3, Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3 (text), GLM and GLM-4, and the sparse-MoE Mixtral, Qwen2-MoE
 and Qwen3-MoE (one decoder; differences live in ModelConfig and, for Phi-3's fused projections and the
-experts, in the checkpoint layout below).
+experts, in the checkpoint layout below; GLM-4's four norms load under Gemma's names).
 
 The parameter tree mirrors Hugging Face names, with the decoder layers stacked on a leading axis so the
 forward pass scans over layers (one layer is compiled instead of L: start-up time matters):
@@ -66,8 +66,9 @@ class LlamaForCausalLM:
         self.dtype = jnp.dtype(dtype)
         self.layer = DecoderLayer(config, self.dtype)
         self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype, config.norm_plus_one)
-        self.inv_freq = config.rope.inv_freq(config.head_dim)
-        self.local_inv_freq = config.local_rope.inv_freq(config.head_dim) if config.local_rope else None
+        rotary_dim = config.rotary_dim or config.head_dim
+        self.inv_freq = config.rope.inv_freq(rotary_dim)
+        self.local_inv_freq = config.local_rope.inv_freq(rotary_dim) if config.local_rope else None
 
     # ---- checkpoint layout --------------------------------------------------------------------------
 
@@ -75,6 +76,9 @@ class LlamaForCausalLM:
     # Experts, stacked per layer on an expert axis: Mixtral's w1/w3/w2 and Qwen-MoE's gate/up/down.
     _EXPERT_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
     _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    _GLM4_NORMS = {"post_self_attn_layernorm": "post_attention_layernorm",
+                   "post_attention_layernorm": "pre_feedforward_layernorm",
+                   "post_mlp_layernorm": "post_feedforward_layernorm"}
 
     def global_param_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
         cfg = self.config
@@ -105,6 +109,8 @@ class LlamaForCausalLM:
             return ("layers", "mlp", f"experts_{proj}"), (layer, int(expert.group(1))), True
         if module == "block_sparse_moe.gate":
             module = "mlp.gate"
+        if self.config.model_type == "glm4":  # its sandwich norms, in Gemma's names
+            module = self._GLM4_NORMS.get(module, module)
         parts = tuple(module.split("."))
         if parts[-1].endswith("norm"):
             return ("layers", *parts, "scale"), layer, False
@@ -160,9 +166,9 @@ class LlamaForCausalLM:
         h = embed[token_ids].astype(self.dtype)
         if cfg.embed_scale:  # Gemma: the normaliser is rounded to the model dtype first, as transformers does
             h = h * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
-        cos, sin = rotary_cos_sin(meta.positions, self.inv_freq)
+        cos, sin = rotary_cos_sin(meta.positions, self.inv_freq, cfg.rotary_interleaved)
         if self.local_inv_freq is not None:
-            local_cos, local_sin = rotary_cos_sin(meta.positions, self.local_inv_freq)
+            local_cos, local_sin = rotary_cos_sin(meta.positions, self.local_inv_freq, cfg.rotary_interleaved)
         k_all, v_all = kv_cache
 
         def one_layer(carry, xs):

@@ -14,6 +14,8 @@ _REGISTRY = {
     "GPT2LMHeadModel": GPT2LMHeadModel,
     "Gemma2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": LlamaForCausalLM,
+    "GlmForCausalLM": LlamaForCausalLM,
+    "Glm4ForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": LlamaForCausalLM,
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,

@@ -39,6 +39,10 @@ SPECS = {
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+    # GLM: half of each head rotates, in interleaved pairs; fused gate_up_proj; qkv biases. GLM-4 adds
+    # norms after attention and after the MLP.
+    "glm": ("GlmConfig", dict(num_key_value_heads=2, head_dim=16)),
+    "glm4": ("Glm4Config", dict(num_key_value_heads=2, head_dim=32)),
     # Sparse MoE: 4 experts, top 2 (Mixtral renormalises; Qwen2-MoE does not and adds a gated shared expert;
     # Qwen3-MoE renormalises here and has q/k norms).
     "mixtral-moe": ("MixtralConfig", dict(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
