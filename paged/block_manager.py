@@ -44,6 +44,7 @@ class BlockManager:
         self.free_rows: list[int] = list(range(max_num_seqs - 1, -1, -1))
         self.prefix_queries = 0  # full blocks looked up
         self.prefix_hits = 0  # full blocks found
+        self.num_window_freed = 0  # blocks released because they fell out of every layer's window
 
     @property
     def num_free_blocks(self) -> int:
@@ -90,6 +91,9 @@ class BlockManager:
     def share(self, request: Request, blocks: list[int]) -> None:
         """Appends already-computed blocks to `request` (a prefix hit or a parallel-sampling fork)."""
         for block in blocks:
+            if block == SINK_BLOCK:  # a position the source already released (out of the window)
+                self._append_block(request, block)
+                continue
             if self.ref_counts[block] == 0:
                 del self.free_queue[block]
             self.ref_counts[block] += 1
@@ -101,19 +105,38 @@ class BlockManager:
         Blocks go back in reverse order, so a sequence's tail is evicted before the prefix others may share.
         """
         for block in reversed(request.block_ids):
-            self.ref_counts[block] -= 1
-            if self.ref_counts[block] == 0:
-                if block in self.block_hash:
-                    self.free_queue[block] = None
-                else:  # nothing worth keeping: reuse it first
-                    self.free_queue[block] = None
-                    self.free_queue.move_to_end(block, last=False)
+            self._release(block)
         request.block_ids = []
         request.num_registered_blocks = 0
         if request.page_row is not None:
             self.page_table[request.page_row] = SINK_BLOCK
             self.free_rows.append(request.page_row)
             request.page_row = None
+
+    def _release(self, block: int) -> None:
+        if block == SINK_BLOCK:
+            return
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_queue[block] = None
+            if block not in self.block_hash:  # nothing worth keeping: reuse it first
+                self.free_queue.move_to_end(block, last=False)
+
+    def free_outside_window(self, request: Request, window: int) -> None:
+        """Releases the leading blocks no future query of `request` can see, when every layer attends to at
+        most the last `window` keys: the next query sits at position num_computed_tokens and sees keys from
+        num_computed_tokens - window + 1 on. Released positions point at the sink block, so positions and
+        page-table columns stay aligned (kernels never read them unmasked)."""
+        first_needed = request.num_computed_tokens - window + 1
+        num_dead = min(max(first_needed, 0) // self.block_size, len(request.block_ids))
+        for i in range(num_dead):
+            block = request.block_ids[i]
+            if block == SINK_BLOCK:
+                continue
+            self._release(block)
+            request.block_ids[i] = SINK_BLOCK
+            self.page_table[request.page_row, i] = SINK_BLOCK
+            self.num_window_freed += 1
 
     # ---- prefix caching -------------------------------------------------------------------------------
 
@@ -154,7 +177,7 @@ class BlockManager:
         hashes = self._hashes(request, num_full)
         for i in range(request.num_registered_blocks, num_full):
             block, h = request.block_ids[i], hashes[i]
-            if block in self.block_hash or h in self.cached:
+            if block == SINK_BLOCK or block in self.block_hash or h in self.cached:
                 continue  # already cached, or the same content lives in another block
             self.block_hash[block] = h
             self.block_tokens[block] = tuple(request.token_ids[i * bs:(i + 1) * bs])
@@ -175,6 +198,8 @@ class BlockManager:
         bs = self.block_size
         for request in requests:
             for i, block in enumerate(request.block_ids):
+                if block == SINK_BLOCK:
+                    continue
                 n = min(bs, max(0, request.num_computed_tokens - i * bs))
                 filled[block] = max(filled.get(block, 0), n)
         return sum(filled.values())

@@ -11,7 +11,7 @@ import numpy as np
 
 from models import get_attention_backend, load_model
 from paged.batch import Buckets, padding_inputs, prepare_inputs
-from paged.block_manager import BlockManager
+from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.config import EngineConfig
 from paged.detokenizer import IncrementalDetokenizer, find_stop_string
 from paged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -58,6 +58,9 @@ class LLMEngine:
         self.mover = BlockMover(self.runner, self.block_manager, swap_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, self.mover if swap_blocks else None)
+        # When every layer slides, blocks behind the widest window are released as sequences advance.
+        windows = self.model_config.layer_windows
+        self.release_window = max(windows) if windows and all(w > 0 for w in windows) else 0
         self.requests: dict[str, ParentRequest] = {}
         self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model (not cache hits)
         # Wall time per phase of step(), summed; "device" includes the wait for the jitted step's result.
@@ -169,6 +172,8 @@ class LLMEngine:
         for i, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             request.num_computed_tokens += num_new
             self.block_manager.cache_full_blocks(request)
+            if self.release_window:
+                self.block_manager.free_outside_window(request, self.release_window)
             if request.num_computed_tokens < request.num_tokens:
                 continue  # a prefill chunk: its sample is not a real next token
             parent = request.parent
@@ -290,9 +295,10 @@ class LLMEngine:
             "num_swaps": self.scheduler.num_swaps,
             "prefix_cache_queries": bm.prefix_queries,
             "prefix_cache_hits": bm.prefix_hits,
+            "blocks_released_outside_window": bm.num_window_freed,
         }
         if include_utilization:
-            held = {b for r in running for b in r.block_ids}
+            held = {b for r in running for b in r.block_ids} - {SINK_BLOCK}
             live = bm.live_token_slots(running)
             stats["num_held_blocks"] = len(held)
             stats["kv_utilization"] = live / (len(held) * bm.block_size) if held else 1.0

@@ -64,6 +64,30 @@ def test_greedy_matches_transformers_under_preemption(checkpoint):
 
 
 @pytest.mark.torch
+def test_sliding_window_releases_blocks_and_still_matches(tmp_path_factory):
+    """Mistral slides on every layer (window 24): blocks behind the window go back to the pool as sequences
+    advance, so a pool far smaller than 8 x max_model_len serves the batch without preemption, and the tokens
+    still match transformers. Parallel sampling (forks share the released positions) stays leak-free."""
+    directory = build_checkpoint("mistral-window", str(tmp_path_factory.mktemp("mistral-release")))
+    prompts = _prompts(400)
+    expected = hf_greedy(directory, prompts, 40)
+    # 8 sequences of up to 80 tokens need 10 blocks of 8 each without releasing; with a window of 24 each
+    # needs at most 5 (window + the block being written + a prompt chunk's spill).
+    llm = LLM(directory, dtype="float32", block_size=8, num_kv_blocks=44, max_model_len=80, show_progress=False)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                         use_tqdm=False)]
+    assert got == expected
+    stats = llm.engine.kv_stats()
+    assert stats["blocks_released_outside_window"] > 0 and llm.engine.num_preemptions == 0
+    forked = llm.generate([{"prompt_token_ids": prompts[-1]}], SamplingParams(n=3, temperature=1.0, seed=1,
+                                                                              max_tokens=30), use_tqdm=False)
+    assert len(forked[0].outputs) == 3
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_usable_blocks and not bm.ref_counts.any()
+
+
+@pytest.mark.torch
 def test_repetition_penalty_matches_transformers(tmp_path_factory):
     directory = build_checkpoint("llama-gqa", str(tmp_path_factory.mktemp("rep")))
     prompts = _prompts(400)[:4]
