@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 
 import numpy as np
@@ -12,6 +13,18 @@ import numpy as np
 # The default benchmark model: a random-weight Llama of about 30M parameters, float32 (see docs/performance.md).
 DEFAULT_MODEL = dict(model_vocab_size=8192, hidden_size=512, intermediate_size=1536, num_layers=8, num_heads=8,
                      num_kv_heads=2, max_position_embeddings=2048)
+
+
+def pyplot():
+    """matplotlib.pyplot on a file backend, or None (with a note) when matplotlib is not installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no chart written", file=sys.stderr)
+        return None
+    return plt
 
 
 def default_model_dir() -> str:

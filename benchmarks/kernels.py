@@ -27,6 +27,8 @@ import time
 
 import numpy as np
 
+from benchmarks.common import pyplot
+
 PRESETS = {
     # Tiny shapes: a CPU smoke run of every code path in well under a minute.
     "smoke": dict(batch=[1, 4], context=[64, 256], page_size=[16], gqa=[1, 4], dtype=["float32"], head_dim=64,
@@ -144,17 +146,11 @@ def run_decode(cfg: dict, rng, repeats: int, copy_bw: float, on_gpu: bool, max_r
             if name == "jnp-reference" and kv_bytes * 4 > max_reference_bytes:
                 row["results"][name] = {"skipped": "its gathered copy of every context would not fit the budget"}
                 continue
-            try:
-                out = fn(q, k, v, tables, lengths, head_dim ** -0.5)
-                seconds = time_call(fn, q, k, v, tables, lengths, head_dim ** -0.5, repeats=repeats)
-            except Exception as error:  # a baseline that cannot run a shape is reported, not fatal
-                row["results"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-                continue
-            out = np.asarray(out.astype(jnp.float32))
-            expected = out if expected is None else expected
-            row["results"][name] = dict(seconds=seconds, bytes_per_s=kv_bytes / seconds,
-                                        fraction_of_copy=kv_bytes / seconds / copy_bw,
-                                        max_abs_diff_vs_first=float(np.abs(out - expected).max()))
+            result, expected = _measure(fn, (q, k, v, tables, lengths, head_dim ** -0.5), repeats, expected)
+            if "seconds" in result:
+                result.update(bytes_per_s=kv_bytes / result["seconds"],
+                              fraction_of_copy=kv_bytes / result["seconds"] / copy_bw)
+            row["results"][name] = result
         rows.append(row)
         _print_row(row, "fraction_of_copy")
     return rows
@@ -187,20 +183,28 @@ def run_prefill(cfg: dict, rng, repeats: int, matmul: float, max_reference_bytes
                 row["results"][name] = {"skipped": f"gathers each token's context ({gathered / 1e9:.1f} GB)"}
                 continue
             args = (q, k, v, tables, query_start, seq_lens, head_dim ** -0.5)
-            try:
-                out = fn(*args)
-                seconds = time_call(fn, *args, repeats=repeats)
-            except Exception as error:
-                row["results"][name] = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-                continue
-            out = np.asarray(out.astype(jnp.float32))
-            expected = out if expected is None else expected
-            row["results"][name] = dict(seconds=seconds, flops_per_s=flops / seconds,
-                                        fraction_of_matmul=flops / seconds / matmul,
-                                        max_abs_diff_vs_first=float(np.abs(out - expected).max()))
+            result, expected = _measure(fn, args, repeats, expected)
+            if "seconds" in result:
+                result.update(flops_per_s=flops / result["seconds"],
+                              fraction_of_matmul=flops / result["seconds"] / matmul)
+            row["results"][name] = result
         rows.append(row)
         _print_row(row, "fraction_of_matmul")
     return rows
+
+
+def _measure(fn, args, repeats: int, expected):
+    """Times fn(*args); returns its result entry and the output later implementations are compared with
+    (the first one's). A baseline that cannot run a shape is reported as an error, not fatal."""
+    import jax.numpy as jnp
+    try:
+        out = fn(*args)
+        seconds = time_call(fn, *args, repeats=repeats)
+    except Exception as error:
+        return {"error": f"{type(error).__name__}: {str(error)[:300]}"}, expected
+    out = np.asarray(out.astype(jnp.float32))
+    expected = out if expected is None else expected
+    return dict(seconds=seconds, max_abs_diff_vs_first=float(np.abs(out - expected).max())), expected
 
 
 def _print_row(row: dict, metric: str) -> None:
@@ -213,12 +217,8 @@ def _print_row(row: dict, metric: str) -> None:
 
 
 def plot(report: dict, path: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no chart written", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     for ax, kind, metric, label in ((axes[0], "decode", "fraction_of_copy", "KV bandwidth / copy bandwidth"),

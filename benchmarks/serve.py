@@ -19,6 +19,8 @@ import time
 
 import numpy as np
 
+from benchmarks.common import pyplot
+
 
 async def _one(client, url: str, headers: dict, payload: dict) -> dict:
     start = time.perf_counter()
@@ -112,12 +114,8 @@ async def run(args) -> dict:
 
 
 def plot(result: dict, path: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot written", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(8, 3))
     for ax, key in zip(axes, ("ttft", "itl")):

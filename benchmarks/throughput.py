@@ -20,8 +20,8 @@ import json
 import sys
 import time
 
-from benchmarks.common import (copy_bandwidth, default_model_dir, jsonl_workload, matmul_rate, random_workload,
-                               workload_flops)
+from benchmarks.common import (copy_bandwidth, default_model_dir, jsonl_workload, matmul_rate, pyplot,
+                               random_workload, workload_flops)
 
 
 def _result(name: str, workload, seconds: float, warmup: float, flops: float, rate: float, **extra) -> dict:
@@ -120,12 +120,8 @@ def run_hf_continuous(model_dir: str, workload) -> tuple[float, float, dict] | N
 
 
 def plot(results: list[dict], path: str) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no chart written", file=sys.stderr)
+    plt = pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = [r["system"] for r in results]

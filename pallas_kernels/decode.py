@@ -64,6 +64,44 @@ def _validate(q, k_pages, v_pages, page_tables, lengths):
         raise ValueError(f"lengths must be int32 [num_seqs={num_seqs}]; got {lengths.dtype} {lengths.shape}")
 
 
+def attend_pages(q, page_row, k_ref, v_ref, layer, head, start_page, num_steps, visible_fn, *, soft_cap,
+                 pages_per_step):
+    """Online softmax of a tile of queries over a run of one sequence's pages (shared by the kernels).
+
+    q: float32 [rows, D], already scaled. page_row(first, n): int32 [n] page ids from the page table.
+    k_ref, v_ref: the pool [L, Hkv, N, bs, D] (pl.ANY). visible_fn(key_pos [rows, keys]) -> bool mask.
+    Walks `num_steps` steps of `pages_per_step` pages from `start_page`. Masked logits get a finite
+    MASK_VALUE and masked probabilities are forced to 0, so rows that see nothing end with l = 0, acc = 0.
+    Returns (m, l, acc): float32 [rows, 1], [rows, 1], [rows, D], acc unnormalised.
+    """
+    rows, head_dim = q.shape
+    page_size = k_ref.shape[3]
+    keys_per_step = pages_per_step * page_size
+
+    def body(step, carry):
+        m, l, acc = carry
+        page0 = start_page + step * pages_per_step
+        pages = page_row(page0, pages_per_step)
+        k = k_ref[layer, head, pages].reshape(keys_per_step, head_dim).astype(jnp.float32)
+        v = v_ref[layer, head, pages].reshape(keys_per_step, head_dim).astype(jnp.float32)
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        if soft_cap is not None:
+            s = soft_cap * jnp.tanh(s / soft_cap)
+        visible = visible_fn(page0 * page_size + jax.lax.broadcasted_iota(jnp.int32, (rows, keys_per_step), 1))
+        s = jnp.where(visible, s, MASK_VALUE)
+        m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
+        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
+        correction = jnp.exp(m - m_new)
+        l = l * correction + p.sum(axis=1, keepdims=True)
+        acc = acc * correction + jnp.dot(p, v, preferred_element_type=jnp.float32)
+        return m_new, l, acc
+
+    m = jnp.full((rows, 1), MASK_VALUE, jnp.float32)
+    l = jnp.zeros((rows, 1), jnp.float32)
+    acc = jnp.zeros((rows, head_dim), jnp.float32)
+    return jax.lax.fori_loop(0, num_steps, body, (m, l, acc))
+
+
 def _decode_kernel(scalars_ref, lengths_ref, page_tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
                    scale, soft_cap, pages_per_step, pages_per_split, normalise):
     """One (sequence, KV head, split) program.
@@ -76,41 +114,18 @@ def _decode_kernel(scalars_ref, lengths_ref, page_tables_ref, q_ref, k_ref, v_re
     seq, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer, window = scalars_ref[0], scalars_ref[1]
     length = lengths_ref[seq]
-    rows, head_dim = q_ref.shape
     page_size = k_ref.shape[3]
-    keys_per_step = pages_per_step * page_size
 
     first_key = jnp.where(window > 0, jnp.maximum(length - window, 0), 0)
     split_start = split * pages_per_split
     start_page = jnp.maximum(split_start, first_key // page_size)
     end_page = jnp.minimum(split_start + pages_per_split, pl.cdiv(length, page_size))
     num_steps = jnp.maximum(pl.cdiv(end_page - start_page, pages_per_step), 0)
-    q = q_ref[...].astype(jnp.float32) * scale
-
-    def body(step, carry):
-        m, l, acc = carry
-        page0 = start_page + step * pages_per_step
-        pages = page_tables_ref[seq, pl.ds(page0, pages_per_step)]
-        k = k_ref[layer, head, pages].reshape(keys_per_step, head_dim).astype(jnp.float32)
-        v = v_ref[layer, head, pages].reshape(keys_per_step, head_dim).astype(jnp.float32)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        key_pos = page0 * page_size + jax.lax.broadcasted_iota(jnp.int32, (rows, keys_per_step), 1)
-        # Keys past the split's last page belong to the next split (or do not exist).
-        visible = (key_pos < length) & (key_pos >= first_key) & (key_pos < end_page * page_size)
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
-        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=1, keepdims=True)
-        acc = acc * correction + jnp.dot(p, v, preferred_element_type=jnp.float32)
-        return m_new, l, acc
-
-    m = jnp.full((rows, 1), MASK_VALUE, jnp.float32)
-    l = jnp.zeros((rows, 1), jnp.float32)
-    acc = jnp.zeros((rows, head_dim), jnp.float32)
-    m, l, acc = jax.lax.fori_loop(0, num_steps, body, (m, l, acc))
+    # Keys past the split's last page belong to the next split (or do not exist).
+    visible = lambda key_pos: (key_pos < length) & (key_pos >= first_key) & (key_pos < end_page * page_size)
+    m, l, acc = attend_pages(q_ref[...].astype(jnp.float32) * scale,
+                             lambda first, n: page_tables_ref[seq, pl.ds(first, n)], k_ref, v_ref, layer, head,
+                             start_page, num_steps, visible, soft_cap=soft_cap, pages_per_step=pages_per_step)
     if normalise:  # one split: finish here; empty rows (length 0) give zeros
         acc = acc / jnp.where(l > 0, l, 1.0)
     o_ref[...] = acc.astype(o_ref.dtype)

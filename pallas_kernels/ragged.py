@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.decode import GPU_MIN_ROWS, KEYS_PER_STEP, MASK_VALUE
+from pallas_kernels.decode import GPU_MIN_ROWS, KEYS_PER_STEP, attend_pages
 
 
 def _validate(q, k_pages, v_pages, page_tables, query_start, seq_lens):
@@ -62,9 +62,8 @@ def _ragged_kernel(scalars_ref, block_seq_ref, block_first_pos_ref, block_num_to
     seq = block_seq_ref[block]
     first_pos = block_first_pos_ref[block]
     num_tokens = block_num_tokens_ref[block]
-    rows, head_dim = q_ref.shape
+    rows = q_ref.shape[0]
     page_size = k_ref.shape[3]
-    keys_per_step = pages_per_step * page_size
 
     row_token = jax.lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
     row_pos = first_pos + row_token  # [rows, 1]
@@ -73,33 +72,14 @@ def _ragged_kernel(scalars_ref, block_seq_ref, block_first_pos_ref, block_num_to
     first_key = jnp.where(window > 0, jnp.maximum(first_pos - window + 1, 0), 0)
     start_page = first_key // page_size
     end_page = jnp.where(num_tokens > 0, pl.cdiv(last_pos + 1, page_size), start_page)
-    num_steps = pl.cdiv(end_page - start_page, pages_per_step)
-    q = q_ref[...].astype(jnp.float32) * scale
 
-    def body(step, carry):
-        m, l, acc = carry
-        page0 = start_page + step * pages_per_step
-        pages = page_tables_ref[seq, pl.ds(page0, pages_per_step)]
-        k = k_ref[layer, head, pages].reshape(keys_per_step, head_dim).astype(jnp.float32)
-        v = v_ref[layer, head, pages].reshape(keys_per_step, head_dim).astype(jnp.float32)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        key_pos = page0 * page_size + jax.lax.broadcasted_iota(jnp.int32, (rows, keys_per_step), 1)
-        visible = (key_pos <= row_pos) & row_real
-        visible &= (key_pos > row_pos - window) | (window <= 0)
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
-        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=1, keepdims=True)
-        acc = acc * correction + jnp.dot(p, v, preferred_element_type=jnp.float32)
-        return m_new, l, acc
+    def visible(key_pos):
+        return (key_pos <= row_pos) & row_real & ((key_pos > row_pos - window) | (window <= 0))
 
-    m = jnp.full((rows, 1), MASK_VALUE, jnp.float32)
-    l = jnp.zeros((rows, 1), jnp.float32)
-    acc = jnp.zeros((rows, head_dim), jnp.float32)
-    m, l, acc = jax.lax.fori_loop(0, num_steps, body, (m, l, acc))
+    _, l, acc = attend_pages(q_ref[...].astype(jnp.float32) * scale,
+                             lambda first, n: page_tables_ref[seq, pl.ds(first, n)], k_ref, v_ref, layer, head,
+                             start_page, pl.cdiv(end_page - start_page, pages_per_step), visible,
+                             soft_cap=soft_cap, pages_per_step=pages_per_step)
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
