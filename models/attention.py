@@ -15,7 +15,6 @@ import jax.numpy as jnp
 
 from pallas_kernels import (packed_causal_attention, paged_attention_chunked, paged_attention_reference,
                             paged_decode_attention, ragged_paged_attention, write_kv_to_cache)
-from pallas_kernels.decode_mgpu import paged_decode_attention_mgpu
 
 
 @jax.tree_util.register_dataclass
@@ -152,6 +151,7 @@ class MosaicPallasAttention(PallasAttention):
     name = "pallas-mosaic"
 
     def decode_kernel(self, q, k_cache, v_cache, page_tables, lengths, layer, sliding_window, scale, soft_cap):
+        from pallas_kernels.decode_mgpu import paged_decode_attention_mgpu  # Mosaic GPU: imported only when used
         interpret = jax.default_backend() == "cpu" if self.interpret is None else self.interpret
         return paged_decode_attention_mgpu(q, k_cache, v_cache, page_tables, lengths, layer, sliding_window,
                                            scale=scale, soft_cap=soft_cap, num_splits=self.decode_splits,
