@@ -8,6 +8,10 @@ merged with the running result by the log-sum-exp rule (flash attention's online
 
 Measured against the reference on 2 CPU cores (64 decode tokens at 512-token contexts, 2 KV heads, head_dim
 64): 4 ms against 14.5 ms per layer; with a 4x wider page table than needed: 4 ms against 58 ms.
+
+Rows are sorted by position and walked in groups of about ROWS_PER_GROUP, each group with its own trip count,
+so short contexts stop early instead of riding along to the longest one: 48 decode rows with contexts of
+16-512 took 13.8 ms instead of 20.6 ms for 8 layers.
 """
 
 from __future__ import annotations
@@ -18,6 +22,10 @@ import jax.numpy as jnp
 # Keys per chunk: small enough that a chunk's K and V for every token stay in L2, large enough that the
 # loop's per-iteration overhead is amortised.
 CHUNK_KEYS = 64
+# Rows per length-sorted group: fewer rows per group cut more masked work but add loops (each with fixed
+# per-iteration cost); 8 was best among 4-16 for 48 rows.
+ROWS_PER_GROUP = 8
+MAX_GROUPS = 8
 
 
 def paged_attention_chunked(
@@ -34,6 +42,19 @@ def paged_attention_chunked(
     soft_cap: float | None = None,
 ) -> jax.Array:
     """Same contract as `paged_attention_reference` (see there for argument shapes and dtypes)."""
+    num_groups = max(1, min(MAX_GROUPS, q.shape[0] // ROWS_PER_GROUP))
+    attend = lambda rows: _chunked_rows(q[rows], k_cache, v_cache, layer, page_tables, token_seq_ids[rows],
+                                        positions[rows], scale, sliding_window, soft_cap)
+    if num_groups == 1:
+        return attend(slice(None))
+    order = jnp.argsort(-positions)  # longest contexts first; each group's trip count is its first row's
+    size = -(-q.shape[0] // num_groups)
+    out = jnp.concatenate([attend(order[g * size:(g + 1) * size]) for g in range(num_groups)])
+    return out[jnp.argsort(order)]
+
+
+def _chunked_rows(q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions, scale, sliding_window,
+                  soft_cap):
     num_tokens, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, block_size, _ = k_cache.shape
     if num_q_heads % num_kv_heads:
