@@ -67,6 +67,10 @@ def _chunked_rows(q, k_cache, v_cache, layer, page_tables, token_seq_ids, positi
     pages = jnp.pad(pages, ((0, 0), (0, pad)))  # padded entries point at the sink block and are masked
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim).astype(jnp.float32) * scale
     num_chunks = jnp.max(positions) // chunk + 1
+    first_chunk = 0
+    if sliding_window is not None:  # chunks wholly behind every row's window are skipped
+        first_key = jnp.maximum(jnp.min(positions) - sliding_window + 1, 0)
+        first_chunk = jnp.where(sliding_window > 0, first_key // chunk, 0)
 
     def body(c, carry):
         m, l, acc = carry
@@ -94,7 +98,7 @@ def _chunked_rows(q, k_cache, v_cache, layer, page_tables, token_seq_ids, positi
     m = jnp.full((num_tokens, num_kv_heads, group), -jnp.inf, jnp.float32)
     l = jnp.zeros((num_tokens, num_kv_heads, group), jnp.float32)
     acc = jnp.zeros((num_tokens, num_kv_heads, group, head_dim), jnp.float32)
-    return _finish(*jax.lax.fori_loop(0, num_chunks, body, (m, l, acc)), q.shape, q.dtype)
+    return _finish(*jax.lax.fori_loop(first_chunk, num_chunks, body, (m, l, acc)), q.shape, q.dtype)
 
 
 def _finish(m, l, acc, shape, dtype):

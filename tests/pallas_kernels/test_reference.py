@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -120,3 +121,22 @@ def test_packed_causal_attention_with_one_cached_prefix(window):
     want_b = numpy_attention(np.concatenate([np.zeros((cached_b, hq, d), np.float32), qb]), kb, vb, d ** -0.5,
                              window)[cached_b:]
     np.testing.assert_allclose(out, np.concatenate([want_a, want_b]), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("window", [0, 1, 70, 200])
+def test_chunked_matches_reference_on_long_mixed_contexts(window):
+    """Many rows (length-sorted groups) and contexts of several chunks, where a window lets rows skip the
+    chunks behind it; the window is traced, as in the engine's layer scan."""
+    rng = np.random.default_rng(window)
+    num_seqs, pages_per_seq, bs, hkv, hq, d = 40, 24, 16, 2, 8, 64
+    shape = (2, hkv, num_seqs * pages_per_seq + 1, bs, d)
+    k_cache = jnp.asarray(rng.normal(size=shape).astype(np.float32))
+    v_cache = jnp.asarray(rng.normal(size=shape).astype(np.float32))
+    tables = jnp.asarray(rng.permutation(np.arange(1, shape[2])).reshape(num_seqs, pages_per_seq), jnp.int32)
+    positions = jnp.asarray(rng.integers(0, pages_per_seq * bs, size=num_seqs), jnp.int32)
+    q = jnp.asarray(rng.normal(size=(num_seqs, hq, d)).astype(np.float32))
+    rows = jnp.arange(num_seqs, dtype=jnp.int32)
+    args = (q, k_cache, v_cache, 1, tables, rows, positions)
+    got = jax.jit(lambda w: paged_attention_chunked(*args, scale=0.125, sliding_window=w))(jnp.int32(window))
+    want = paged_attention_reference(*args, scale=0.125, sliding_window=window)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
