@@ -42,15 +42,25 @@ def paged_attention_chunked(
     soft_cap: float | None = None,
 ) -> jax.Array:
     """Same contract as `paged_attention_reference` (see there for argument shapes and dtypes)."""
-    num_groups = max(1, min(MAX_GROUPS, q.shape[0] // ROWS_PER_GROUP))
-    attend = lambda rows: _chunked_rows(q[rows], k_cache, v_cache, layer, page_tables, token_seq_ids[rows],
-                                        positions[rows], scale, sliding_window, soft_cap)
+    num_tokens = q.shape[0]
+    num_groups = max(1, min(MAX_GROUPS, num_tokens // ROWS_PER_GROUP))
     if num_groups == 1:
-        return attend(slice(None))
-    order = jnp.argsort(-positions)  # longest contexts first; each group's trip count is its first row's
-    size = -(-q.shape[0] // num_groups)
-    out = jnp.concatenate([attend(order[g * size:(g + 1) * size]) for g in range(num_groups)])
-    return out[jnp.argsort(order)]
+        return _chunked_rows(q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions, scale,
+                             sliding_window, soft_cap)
+    # Longest contexts first; one loop over groups (one compiled body, not one per group), each group with
+    # the trip count of its own longest row. Rows are padded to whole groups with copies of the last row.
+    size = -(-num_tokens // num_groups)
+    order = jnp.argsort(-positions)
+    order = jnp.concatenate([order, jnp.full((num_groups * size - num_tokens,), order[-1])])
+
+    def one_group(g, out):
+        rows = jax.lax.dynamic_slice_in_dim(order, g * size, size)
+        part = _chunked_rows(q[rows], k_cache, v_cache, layer, page_tables, token_seq_ids[rows], positions[rows],
+                             scale, sliding_window, soft_cap)
+        return jax.lax.dynamic_update_slice_in_dim(out, part, g * size, axis=0)
+
+    out = jax.lax.fori_loop(0, num_groups, one_group, jnp.zeros((num_groups * size, *q.shape[1:]), q.dtype))
+    return out[jnp.argsort(order[:num_tokens])]
 
 
 def _chunked_rows(q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions, scale, sliding_window,
