@@ -45,7 +45,27 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, pages_per_seq: int, pag
     return max(1, min(wanted, pages_per_seq // (2 * pages_per_step)))
 
 
-def _validate(q, k_pages, v_pages, page_tables, lengths):
+def layer_window_scalars(layer, sliding_window) -> jax.Array:
+    """int32 [2] (layer, window; 0 = no window): the per-call scalars every kernel reads first."""
+    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
+    return jnp.stack([jnp.asarray(layer, jnp.int32), window])
+
+
+def decode_page_range(length, window, split, pages_per_split, page_size, pages_per_step):
+    """The pages one decode program walks: (first visible key, start page, end page, inner steps).
+
+    The query sits at position length - 1 and sees keys from length - window on (all with window <= 0);
+    split `split` owns pages [split * pages_per_split, (split + 1) * pages_per_split).
+    """
+    first_key = jnp.where(window > 0, jnp.maximum(length - window, 0), 0)
+    split_start = split * pages_per_split
+    start_page = jnp.maximum(split_start, first_key // page_size)
+    end_page = jnp.minimum(split_start + pages_per_split, (length + page_size - 1) // page_size)
+    num_steps = jnp.maximum((end_page - start_page + pages_per_step - 1) // pages_per_step, 0)
+    return first_key, start_page, end_page, num_steps
+
+
+def validate_decode_inputs(q, k_pages, v_pages, page_tables, lengths):
     if q.ndim != 3:
         raise ValueError(f"q must be [num_seqs, num_q_heads, head_dim]; got shape {q.shape}")
     if k_pages.ndim not in (4, 5) or k_pages.shape != v_pages.shape:
@@ -116,11 +136,8 @@ def _decode_kernel(scalars_ref, lengths_ref, page_tables_ref, q_ref, k_ref, v_re
     length = lengths_ref[seq]
     page_size = k_ref.shape[3]
 
-    first_key = jnp.where(window > 0, jnp.maximum(length - window, 0), 0)
-    split_start = split * pages_per_split
-    start_page = jnp.maximum(split_start, first_key // page_size)
-    end_page = jnp.minimum(split_start + pages_per_split, pl.cdiv(length, page_size))
-    num_steps = jnp.maximum(pl.cdiv(end_page - start_page, pages_per_step), 0)
+    first_key, start_page, end_page, num_steps = decode_page_range(length, window, split, pages_per_split,
+                                                                    page_size, pages_per_step)
     # Keys past the split's last page belong to the next split (or do not exist).
     visible = lambda key_pos: (key_pos < length) & (key_pos >= first_key) & (key_pos < end_page * page_size)
     m, l, acc = attend_pages(q_ref[...].astype(jnp.float32) * scale,
@@ -173,7 +190,7 @@ def paged_decode_attention(
     """
     if k_pages.ndim == 4:
         k_pages, v_pages = k_pages[None], v_pages[None]
-    _validate(q, k_pages, v_pages, page_tables, lengths)
+    validate_decode_inputs(q, k_pages, v_pages, page_tables, lengths)
     interpret = _on_cpu() if interpret is None else interpret
     num_seqs, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_pages.shape
@@ -191,8 +208,7 @@ def paged_decode_attention(
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     if rows != group:
         qg = jnp.pad(qg, ((0, 0), (0, 0), (0, rows - group), (0, 0)))
-    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), window])
+    scalars = layer_window_scalars(layer, sliding_window)
 
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_decode_kernel, scale=scale, soft_cap=soft_cap, pages_per_step=pages_per_step,

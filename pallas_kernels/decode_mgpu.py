@@ -29,7 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.decode import MASK_VALUE, default_num_splits, merge_splits
+from pallas_kernels.decode import (MASK_VALUE, decode_page_range, default_num_splits, layer_window_scalars,
+                                   merge_splits, validate_decode_inputs)
 
 WGMMA_ROWS = 64
 LOG2E = math.log2(math.e)
@@ -50,9 +51,10 @@ def _transposed(ref):
     return plgpu.transpose_ref(ref, (1, 0))
 
 
-def _validate(q, k_pages, page_tables, lengths, pages_per_step):
-    num_seqs, num_q_heads, head_dim = q.shape
-    _, num_kv_heads, _, page_size, _ = k_pages.shape
+def _validate_hopper(q, k_pages, pages_per_step):
+    """What this kernel needs beyond the portable kernel's contract (checked there)."""
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads, page_size = k_pages.shape[1], k_pages.shape[3]
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
         raise ValueError(f"the Mosaic GPU kernel takes bfloat16 or float16 q and pool of one dtype; got {q.dtype} "
                          f"and {k_pages.dtype}")
@@ -60,15 +62,11 @@ def _validate(q, k_pages, page_tables, lengths, pages_per_step):
         raise ValueError(f"head_dim must be a multiple of 64 for the Mosaic GPU kernel; got {head_dim}")
     if page_size % 8:
         raise ValueError(f"page_size must be a multiple of 8 for the Mosaic GPU kernel; got {page_size}")
-    if num_q_heads % num_kv_heads or num_q_heads // num_kv_heads > WGMMA_ROWS:
-        raise ValueError(f"need num_q_heads a multiple of num_kv_heads with at most {WGMMA_ROWS} per KV head; got "
-                         f"{num_q_heads} and {num_kv_heads}")
+    if num_q_heads // num_kv_heads > WGMMA_ROWS:
+        raise ValueError(f"at most {WGMMA_ROWS} query heads per KV head; got {num_q_heads} and {num_kv_heads}")
     if (pages_per_step * page_size) % 64:
         raise ValueError(f"pages_per_step * page_size must be a multiple of 64 keys; got {pages_per_step} x "
                          f"{page_size}")
-    if page_tables.shape[0] != num_seqs or lengths.shape != (num_seqs,):
-        raise ValueError(f"page_tables [num_seqs, P] and lengths [num_seqs] must match q's {num_seqs} rows; got "
-                         f"{page_tables.shape} and {lengths.shape}")
 
 
 def _kernel(scalars_ref, lengths_ref, page_tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,
@@ -84,11 +82,8 @@ def _kernel(scalars_ref, lengths_ref, page_tables_ref, q_ref, k_ref, v_ref, o_re
     keys_per_step = pages_per_step * page_size
     dtype = q_smem.dtype
 
-    first_key = jnp.where(window > 0, jnp.maximum(length - window, 0), 0)
-    split_start = split * pages_per_split
-    start_page = jnp.maximum(split_start, first_key // page_size)
-    end_page = jnp.minimum(split_start + pages_per_split, (length + page_size - 1) // page_size)
-    num_steps = jnp.maximum((end_page - start_page + pages_per_step - 1) // pages_per_step, 0)
+    first_key, start_page, end_page, num_steps = decode_page_range(length, window, split, pages_per_split,
+                                                                    page_size, pages_per_step)
 
     def issue(step):
         """Starts the copies of `step`'s pages into its ring slot (pages past the row read page 0: masked)."""
@@ -197,7 +192,8 @@ def paged_decode_attention_mgpu(
     _, num_kv_heads, _, page_size, _ = k_pages.shape
     if pages_per_step is None:
         pages_per_step = max(1, 64 // page_size)
-    _validate(q, k_pages, page_tables, lengths, pages_per_step)
+    validate_decode_inputs(q, k_pages, v_pages, page_tables, lengths)
+    _validate_hopper(q, k_pages, pages_per_step)
     group = num_q_heads // num_kv_heads
     keys_per_step = pages_per_step * page_size
     pages_per_seq = page_tables.shape[1]
@@ -208,8 +204,7 @@ def paged_decode_attention_mgpu(
 
     qg = q.reshape(num_seqs, num_kv_heads, group, head_dim)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, WGMMA_ROWS - group), (0, 0)))
-    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), window])
+    scalars = layer_window_scalars(layer, sliding_window)
 
     swizzle = 128 if head_dim * q.dtype.itemsize >= 128 else 64
     transforms = (plgpu.TilingTransform((8, swizzle // q.dtype.itemsize)), plgpu.SwizzleTransform(swizzle))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.decode import GPU_MIN_ROWS, KEYS_PER_STEP, attend_pages
+from pallas_kernels.decode import GPU_MIN_ROWS, KEYS_PER_STEP, attend_pages, layer_window_scalars
 
 
 def _validate(q, k_pages, v_pages, page_tables, query_start, seq_lens):
@@ -175,8 +175,7 @@ def ragged_paged_attention(
     blocks = blocks.at[jnp.where(token_real, token_block, num_blocks), token_slot].set(qg, mode="drop")
     blocks = blocks.transpose(0, 2, 1, 3, 4).reshape(num_blocks, num_kv_heads, rows, head_dim)
 
-    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
-    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), window])
+    scalars = layer_window_scalars(layer, sliding_window)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     block_spec = pl.BlockSpec((None, None, rows, head_dim), lambda b, h: (b, h, 0, 0))
     compiler_params = None
