@@ -13,6 +13,7 @@ import jax
 
 import jax.numpy as jnp
 
+from pallas_kernels import cpu_kernel
 from pallas_kernels import (packed_causal_attention, paged_attention_chunked, paged_attention_reference,
                             paged_decode_attention, ragged_paged_attention, write_kv_to_cache)
 
@@ -81,10 +82,15 @@ class XlaAttention(ReferenceAttention):
 
     name = "xla"
 
+    def paged_attention(self, q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions, *, scale,
+                        sliding_window, soft_cap):
+        return paged_attention_chunked(q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions,
+                                       scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+
     def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None,
                soft_cap=None):
         num_rows = meta.seq_lens.shape[0]
-        paged = lambda rows: paged_attention_chunked(
+        paged = lambda rows: self.paged_attention(
             q[:rows], k_cache, v_cache, layer, meta.page_tables, meta.token_seq_ids[:rows], meta.positions[:rows],
             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
         if num_rows == q.shape[0]:
@@ -101,6 +107,30 @@ class XlaAttention(ReferenceAttention):
             return jnp.concatenate([paged(num_rows), dense[num_rows:]], axis=0)
 
         return jax.lax.cond(meta.tail_split, split, lambda _: paged(q.shape[0]), None)
+
+
+class CpuKernelAttention(XlaAttention):
+    """"xla" with the native CPU kernel (pallas_kernels/cpu_kernel.py) for the tokens that read pages.
+
+    Prompt chunks keep the XLA path's dense causal attention (matmul-bound, where XLA is at its best).
+    float16 pools, which the kernel does not take, fall back to the chunked XLA loop.
+    """
+
+    name = "cpu"
+
+    def __init__(self):
+        ok, reason = cpu_kernel.available()
+        if not ok:
+            raise RuntimeError(f"attention_backend='cpu' needs the native CPU kernel, which is unavailable: "
+                               f"{reason}")
+
+    def paged_attention(self, q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions, *, scale,
+                        sliding_window, soft_cap):
+        if q.dtype not in (jnp.float32, jnp.bfloat16) or k_cache.dtype != q.dtype:
+            return super().paged_attention(q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions,
+                                           scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        return cpu_kernel.paged_attention_cpu(q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions,
+                                              scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 class PallasAttention(ReferenceAttention):
@@ -158,18 +188,21 @@ class MosaicPallasAttention(PallasAttention):
                                            interpret=interpret)
 
 
-_BACKENDS = {"reference": ReferenceAttention, "xla": XlaAttention, "pallas": PallasAttention,
-             "pallas-mosaic": MosaicPallasAttention}
+_BACKENDS = {"reference": ReferenceAttention, "xla": XlaAttention, "cpu": CpuKernelAttention,
+             "pallas": PallasAttention, "pallas-mosaic": MosaicPallasAttention}
 
 
 def get_attention_backend(name: str, platform: str):
-    """Resolves `attention_backend=` ("auto", "pallas", "xla", "reference") for a platform.
+    """Resolves `attention_backend=` ("auto", "pallas", "cpu", "xla", "reference") for a platform.
 
-    "auto" picks the Pallas kernels on GPU and the chunked XLA path on CPU, where the kernels would run in
-    interpret mode (correct, but a sequential loop over the grid, slower than XLA's fused code).
+    "auto" picks the Pallas kernels on GPU; on CPU the native kernel when it builds here, else the chunked
+    XLA path (Pallas kernels would run in interpret mode: correct, but a sequential loop over the grid).
     """
     if name == "auto":
-        name = "pallas" if platform in ("gpu", "cuda", "rocm") else "xla"
+        if platform in ("gpu", "cuda", "rocm"):
+            name = "pallas"
+        else:  # the native kernel when this machine can build it; else XLA's chunked loop
+            name = "cpu" if platform == "cpu" and cpu_kernel.available()[0] else "xla"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; choose one of {['auto', *_BACKENDS]}")
     return _BACKENDS[name]()

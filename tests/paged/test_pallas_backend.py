@@ -1,4 +1,5 @@
-"""attention_backend="pallas" (the kernels, in interpret mode on CPU) gives the reference backend's tokens."""
+"""Every attention backend ("pallas" in interpret mode on CPU, the native "cpu" kernel, "xla") gives the reference
+backend's greedy tokens."""
 
 from __future__ import annotations
 
@@ -21,13 +22,14 @@ def _greedy(directory, prompts, max_tokens=10, **engine_args):
     return llm, [o.outputs[0].token_ids for o in outputs]
 
 
-def test_pallas_matches_reference_for_prefill_chunks_prefix_hits_and_decode(tiny_model_dir):
+@pytest.mark.parametrize("backend", ["pallas", "cpu", "xla"])
+def test_backend_matches_reference_for_prefill_chunks_prefix_hits_and_decode(tiny_model_dir, backend):
     shared = _ids(27, seed=99)  # a prefix several prompts share: prefix-cache hits on later steps
     prompts = [_ids(n, seed=n) for n in (70, 5, 1, 33, 8)] + [shared + _ids(n, seed=n + 7) for n in (3, 12, 20)]
     _, expected = _greedy(tiny_model_dir, prompts, attention_backend="reference", enable_chunked_prefill=False,
                           enable_prefix_caching=False, max_num_batched_tokens=512)
     # A small token budget chunks the 70-token prompt and mixes prompt chunks with decode steps.
-    llm, got = _greedy(tiny_model_dir, prompts, attention_backend="pallas", max_num_seqs=4,
+    llm, got = _greedy(tiny_model_dir, prompts, attention_backend=backend, max_num_seqs=4,
                        max_num_batched_tokens=32)
     assert got == expected
     bm = llm.engine.block_manager
@@ -35,9 +37,9 @@ def test_pallas_matches_reference_for_prefill_chunks_prefix_hits_and_decode(tiny
     assert bm.num_free_blocks == bm.num_usable_blocks
 
 
-def test_auto_backend_is_xla_on_cpu_and_pallas_on_gpu():
+def test_auto_backend_is_the_native_kernel_on_cpu_and_pallas_on_gpu():
     from models import get_attention_backend
-    assert get_attention_backend("auto", "cpu").name == "xla"
+    assert get_attention_backend("auto", "cpu").name == "cpu"  # the kernel builds on every CI machine
     assert get_attention_backend("auto", "gpu").name == "pallas"
     assert get_attention_backend("pallas", "cpu").name == "pallas"
 

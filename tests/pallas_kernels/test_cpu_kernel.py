@@ -1,0 +1,101 @@
+"""The native CPU kernel (pallas_kernels/cpu_kernel.py) against a float64 numpy loop over the same pages.
+
+The kernel must build on every CI machine (it needs only g++), so these tests fail rather than skip when it
+does not: a silent fallback would leave the default CPU path untested.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.cpu_kernel import available, paged_attention_cpu
+from tests.pallas_kernels.kernel_inputs import LAYER, attention_f64, random_pool, tolerance
+
+
+def test_kernel_builds_here():
+    ok, reason = available()
+    assert ok, reason
+
+
+def _check(rng, *, num_q_heads, num_kv_heads, page_size, head_dim, dtype=np.float32, window=None, soft_cap=None,
+           pages_per_seq=5, traced_window=False):
+    # Context lengths: 1, one page, a partial page, the whole table; one token per sequence plus, for the
+    # longest, a few earlier positions (prompt tokens read the pages too).
+    lengths = [1, page_size, 2 * page_size + 3, pages_per_seq * page_size]
+    pool = random_pool(rng, len(lengths), pages_per_seq, num_kv_heads, page_size, head_dim, dtype)
+    seq_ids = list(range(len(lengths))) + [3, 3, 3]
+    positions = [n - 1 for n in lengths] + [0, page_size - 1, 3 * page_size + 1]
+    q = rng.normal(size=(len(seq_ids), num_q_heads, head_dim)).astype(dtype)
+    scale = head_dim ** -0.5
+    w = jnp.int32(window or 0) if traced_window else window
+    run = jax.jit(lambda q, k, v, w: paged_attention_cpu(
+        q, k, v, LAYER, jnp.asarray(pool.page_tables), jnp.asarray(seq_ids, jnp.int32),
+        jnp.asarray(positions, jnp.int32), scale=scale, sliding_window=w, soft_cap=soft_cap))
+    got = np.asarray(run(jnp.asarray(q), jnp.asarray(pool.k_pages), jnp.asarray(pool.v_pages), w), np.float64)
+    want = np.zeros_like(got)
+    for i, (seq, pos) in enumerate(zip(seq_ids, positions)):
+        k, v = zip(*(pool.keys(seq, pos + 1, h) for h in range(num_kv_heads)))
+        want[i] = attention_f64(q[i:i + 1].astype(np.float64), k, v, [pos], scale, window, soft_cap)[0]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 32])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(2, 2), (4, 2), (8, 2), (16, 2), (4, 1), (6, 2)],
+                         ids=["mha", "gqa2", "gqa4", "gqa8", "mqa", "gqa3-generic"])
+@pytest.mark.parametrize("head_dim", [64, 128, 40], ids=["d64", "d128", "d40-generic"])
+def test_float32_matches_float64(page_size, num_q_heads, num_kv_heads, head_dim):
+    rng = np.random.default_rng(page_size * 1000 + num_q_heads * 10 + num_kv_heads + head_dim)
+    _check(rng, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size, head_dim=head_dim)
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 2), (8, 1)])
+def test_bfloat16(num_q_heads, num_kv_heads):
+    rng = np.random.default_rng(num_q_heads)
+    _check(rng, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=16, head_dim=64,
+           dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("window, traced", [(1, False), (13, False), (40, True), (0, True)])
+@pytest.mark.parametrize("soft_cap", [None, 5.0])
+def test_sliding_window_and_soft_cap(window, traced, soft_cap):
+    rng = np.random.default_rng(window)
+    _check(rng, num_q_heads=8, num_kv_heads=2, page_size=8, head_dim=64, window=window or None,
+           soft_cap=soft_cap, traced_window=traced)
+
+
+def test_tokens_without_a_sequence_get_zeros():
+    rng = np.random.default_rng(0)
+    pool = random_pool(rng, 2, 3, 2, 8, 64, np.float32)
+    q = jnp.asarray(rng.normal(size=(3, 4, 64)).astype(np.float32))
+    out = paged_attention_cpu(q, jnp.asarray(pool.k_pages), jnp.asarray(pool.v_pages), 0,
+                              jnp.asarray(pool.page_tables), jnp.asarray([0, -1, 5], jnp.int32),
+                              jnp.asarray([4, 4, 4], jnp.int32), scale=0.125)
+    assert np.abs(np.asarray(out[0])).sum() > 0
+    np.testing.assert_array_equal(np.asarray(out[1:]), 0.0)
+
+
+def test_bad_inputs_are_refused_and_the_process_survives():
+    rng = np.random.default_rng(0)
+    pool = random_pool(rng, 2, 3, 2, 8, 64, np.float32)
+    k, v = jnp.asarray(pool.k_pages), jnp.asarray(pool.v_pages)
+    q = jnp.zeros((2, 4, 64), jnp.float32)
+    ids, pos = jnp.asarray([0, 1], jnp.int32), jnp.asarray([3, 3], jnp.int32)
+    bad_table = jnp.asarray(pool.page_tables).at[1, 0].set(10_000)
+    with pytest.raises(Exception, match="page table entry outside the pool"):
+        paged_attention_cpu(q, k, v, 0, bad_table, ids, pos, scale=0.125).block_until_ready()
+    with pytest.raises(Exception, match="past its page table"):
+        paged_attention_cpu(q, k, v, 0, jnp.asarray(pool.page_tables), ids, jnp.asarray([3, 24], jnp.int32),
+                            scale=0.125).block_until_ready()
+    with pytest.raises(Exception, match="layer index out of range"):
+        paged_attention_cpu(q, k, v, 7, jnp.asarray(pool.page_tables), ids, pos, scale=0.125).block_until_ready()
+    with pytest.raises(ValueError, match="share a dtype"):
+        paged_attention_cpu(q.astype(jnp.float16), k, v, 0, jnp.asarray(pool.page_tables), ids, pos, scale=0.125)
+    with pytest.raises(ValueError, match="does not fit the pool"):
+        paged_attention_cpu(jnp.zeros((2, 3, 64)), k, v, 0, jnp.asarray(pool.page_tables), ids, pos, scale=0.125)
+    # Still usable after the refusals.
+    out = paged_attention_cpu(q + 1, k, v, 0, jnp.asarray(pool.page_tables), ids, pos, scale=0.125)
+    assert np.isfinite(np.asarray(out)).all()
