@@ -9,7 +9,8 @@ fraction of a matmul rate measured in the same run.
 Implementations, each where it runs:
   pallas          the portable Pallas kernels (Triton lowering on GPU; interpret mode on CPU)
   pallas-mosaic   the Hopper decode kernel (Mosaic GPU; only on a GPU)
-  xla             the chunked XLA paths the engine uses on CPU
+  cpu             the native CPU kernel (C++ through XLA's FFI; CPU only)
+  xla             the chunked XLA paths
   jnp-reference   the plain jax.numpy references
   jax-pallas-ops  jax.experimental.pallas.ops.gpu.paged_attention (Triton; decode only)
 
@@ -80,6 +81,12 @@ def decode_implementations(on_gpu: bool, group: int, head_dim: int, dtype: str) 
         return paged_attention_chunked(q, k, v, 0, t, rows, jnp.maximum(n - 1, 0), scale=s)
 
     impls["xla"] = xla
+
+    def cpu(q, k, v, t, n, s):  # length 0 -> position -1: the kernel gives zeros
+        rows = jnp.arange(q.shape[0], dtype=jnp.int32)
+        return _cpu_kernel().paged_attention_cpu(q, k, v, 0, t, rows, n - 1, scale=s)
+
+    impls["cpu"] = _native_cpu(on_gpu, cpu)
     if on_gpu:
         from pallas_kernels.decode_mgpu import paged_decode_attention_mgpu
         if dtype in ("bfloat16", "float16") and head_dim % 64 == 0:
@@ -117,12 +124,33 @@ def prefill_implementations() -> dict:
         pos = n[seq] - (qs[1:] - qs[:-1])[seq] + tok - qs[seq]
         return paged_attention_chunked(q, k, v, 0, t, seq, pos, scale=s)
 
+    def cpu(q, k, v, t, qs, n, s):
+        num_seqs = n.shape[0]
+        tok = jnp.arange(q.shape[0], dtype=jnp.int32)
+        seq = jnp.clip(jnp.searchsorted(qs, tok, side="right") - 1, 0, num_seqs - 1).astype(jnp.int32)
+        pos = n[seq] - (qs[1:] - qs[:-1])[seq] + tok - qs[seq]
+        return _cpu_kernel().paged_attention_cpu(q, k, v, 0, t, seq, pos, scale=s)
+
     impls = {
         "pallas": lambda q, k, v, t, qs, n, s: ragged_paged_attention(q, k, v, t, qs, n, scale=s),
+        "cpu": _native_cpu(jax.default_backend() != "cpu", cpu),
         "xla": xla,
         "jnp-reference": lambda q, k, v, t, qs, n, s: ragged_paged_attention_reference(q, k, v, t, qs, n, scale=s),
     }
-    return {name: jax.jit(fn, static_argnums=6) for name, fn in impls.items()}
+    return {name: (jax.jit(fn, static_argnums=6) if callable(fn) else fn) for name, fn in impls.items()}
+
+
+def _cpu_kernel():
+    from pallas_kernels import cpu_kernel
+    return cpu_kernel
+
+
+def _native_cpu(on_gpu: bool, fn):
+    """fn, or the reason the native CPU kernel does not run here."""
+    if on_gpu:
+        return "CPU only"
+    ok, reason = _cpu_kernel().available()
+    return fn if ok else f"unavailable: {reason}"
 
 
 def run_decode(cfg: dict, rng, repeats: int, copy_bw: float, on_gpu: bool, max_reference_bytes: float) -> list:
