@@ -117,19 +117,17 @@ def prefill_implementations() -> dict:
 
     from pallas_kernels import paged_attention_chunked, ragged_paged_attention, ragged_paged_attention_reference
 
+    def token_rows(qs, n, num_tokens):
+        """Each packed token's sequence and position, from the ragged offsets (what the engine passes)."""
+        tok = jnp.arange(num_tokens, dtype=jnp.int32)
+        seq = jnp.clip(jnp.searchsorted(qs, tok, side="right") - 1, 0, n.shape[0] - 1).astype(jnp.int32)
+        return seq, n[seq] - (qs[1:] - qs[:-1])[seq] + tok - qs[seq]
+
     def xla(q, k, v, t, qs, n, s):
-        num_seqs = n.shape[0]
-        tok = jnp.arange(q.shape[0], dtype=jnp.int32)
-        seq = jnp.clip(jnp.searchsorted(qs, tok, side="right") - 1, 0, num_seqs - 1).astype(jnp.int32)
-        pos = n[seq] - (qs[1:] - qs[:-1])[seq] + tok - qs[seq]
-        return paged_attention_chunked(q, k, v, 0, t, seq, pos, scale=s)
+        return paged_attention_chunked(q, k, v, 0, t, *token_rows(qs, n, q.shape[0]), scale=s)
 
     def cpu(q, k, v, t, qs, n, s):
-        num_seqs = n.shape[0]
-        tok = jnp.arange(q.shape[0], dtype=jnp.int32)
-        seq = jnp.clip(jnp.searchsorted(qs, tok, side="right") - 1, 0, num_seqs - 1).astype(jnp.int32)
-        pos = n[seq] - (qs[1:] - qs[:-1])[seq] + tok - qs[seq]
-        return _cpu_kernel().paged_attention_cpu(q, k, v, 0, t, seq, pos, scale=s)
+        return _cpu_kernel().paged_attention_cpu(q, k, v, 0, t, *token_rows(qs, n, q.shape[0]), scale=s)
 
     impls = {
         "pallas": lambda q, k, v, t, qs, n, s: ragged_paged_attention(q, k, v, t, qs, n, scale=s),

@@ -4,7 +4,9 @@ This package imports nothing from the rest of the project: kernels are usable on
 
 - `paged_decode_attention`, `ragged_paged_attention`: portable Pallas kernels (Triton lowering on NVIDIA
   GPUs, interpret mode on CPU); `paged_decode_reference`, `ragged_paged_attention_reference` beside them.
-- `paged_attention_chunked`, `packed_causal_attention`: the XLA path, fastest on CPU.
+- `cpu_kernel.paged_attention_cpu`: a native CPU kernel (C++ through XLA's FFI, built on first use), the
+  fastest paged read on CPU; `cpu_kernel.available()` says whether it built here.
+- `paged_attention_chunked`, `packed_causal_attention`: the XLA path (prompt chunks on CPU; the fallback).
 - `paged_attention_reference`, `write_kv_to_cache`: the token-level reference and the pool write.
 """
 
