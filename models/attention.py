@@ -205,4 +205,6 @@ def get_attention_backend(name: str, platform: str):
             name = "cpu" if platform == "cpu" and cpu_kernel.available()[0] else "xla"
     if name not in _BACKENDS:
         raise ValueError(f"unknown attention_backend {name!r}; choose one of {['auto', *_BACKENDS]}")
+    if name == "cpu" and platform != "cpu":  # its FFI target exists only for the host platform
+        raise ValueError(f"attention_backend='cpu' runs on the CPU only; this engine runs on {platform!r}")
     return _BACKENDS[name]()

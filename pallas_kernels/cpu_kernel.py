@@ -16,6 +16,7 @@ import functools
 import hashlib
 import importlib.metadata
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -34,14 +35,24 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("PAGED_CACHE_DIR", Path.home() / ".cache" / "paged")) / "kernels"
 
 
+def _host_cpu() -> str:
+    """The CPU's model and feature flags (what -march=native compiles for), as far as the OS tells."""
+    try:
+        info = Path("/proc/cpuinfo").read_text().split("\n\n")[0]
+    except OSError:
+        info = ""
+    return f"{platform.machine()} {platform.processor()} {info}"
+
+
 def _build() -> Path:
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    # The FFI headers come with jaxlib: a library built against one jaxlib is not reused with another.
+    # The FFI headers come with jaxlib, and -march=native ties the code to this CPU: a library is reused only
+    # with the same jaxlib on the same kind of CPU (a cache directory may be shared between machines).
     key = hashlib.sha256("\0".join([_SOURCE.read_text(), compiler, version, " ".join(_FLAGS),
-                                    importlib.metadata.version("jaxlib")]).encode()).hexdigest()[:16]
+                                    importlib.metadata.version("jaxlib"), _host_cpu()]).encode()).hexdigest()[:16]
     library = _cache_dir() / f"paged_attention_cpu_{key}.so"
     if library.exists():
         return library

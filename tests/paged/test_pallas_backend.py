@@ -42,6 +42,8 @@ def test_auto_backend_is_the_native_kernel_on_cpu_and_pallas_on_gpu():
     assert get_attention_backend("auto", "cpu").name == "cpu"  # the kernel builds on every CI machine
     assert get_attention_backend("auto", "gpu").name == "pallas"
     assert get_attention_backend("pallas", "cpu").name == "pallas"
+    with pytest.raises(ValueError, match="CPU only"):
+        get_attention_backend("cpu", "gpu")
 
 
 @pytest.mark.skipif(tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12),
