@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from models.attention import AttentionMetadata, ReferenceAttention
 from models.config import ModelConfig
-from models.layers import activation
+from models.layers import activation, run_layers
 
 
 class GPT2Block(nn.Module):
@@ -119,11 +119,10 @@ class GPT2LMHeadModel:
         def one_layer(carry, xs):
             h, k_all, v_all = carry
             layer_params, index = xs
-            h, k_all, v_all = self.block.apply({"params": layer_params}, h, k_all, v_all, index, meta, attention)
-            return (h, k_all, v_all), None
+            return self.block.apply({"params": layer_params}, h, k_all, v_all, index, meta, attention)
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-        (h, k_all, v_all), _ = jax.lax.scan(one_layer, (h, *kv_cache), (params["layers"], layer_ids))
+        h, k_all, v_all = run_layers(one_layer, (h, *kv_cache), params["layers"], (layer_ids,))
         h = self.final_norm.apply({"params": params["ln_f"]}, h[logits_indices])
         logits = jnp.einsum("sh,vh->sv", h, wte, preferred_element_type=jnp.float32)
         return logits, (k_all, v_all)

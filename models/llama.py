@@ -3,7 +3,8 @@ and Qwen3-MoE (one decoder; differences live in ModelConfig and, for Phi-3's fus
 experts, in the checkpoint layout below; GLM-4's four norms load under Gemma's names).
 
 The parameter tree mirrors Hugging Face names, with the decoder layers stacked on a leading axis so the
-forward pass scans over layers (one layer is compiled instead of L: start-up time matters):
+forward pass scans over layers (one layer is compiled instead of L: start-up time matters), or, for the
+unrolled loop that is faster on CPU, `layers` is a list of per-layer trees without that axis:
 
     embed_tokens/embedding            [V, H]
     layers/input_layernorm/scale      [L, H]
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 
 from models.attention import AttentionMetadata, ReferenceAttention
 from models.config import ModelConfig
-from models.layers import GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin
+from models.layers import GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin, run_layers
 from models.moe import SparseMoE
 
 
@@ -180,13 +181,12 @@ class LlamaForCausalLM:
                 layer_sin = jnp.where(window > 0, local_sin, sin)
             # The whole pool rides in the scan carry and each layer scatters into it, so with the pool
             # donated the update happens in place (no per-layer copies).
-            h, k_all, v_all = self.layer.apply({"params": layer_params}, h, layer_cos, layer_sin, k_all, v_all,
-                                               index, window, meta, attention)
-            return (h, k_all, v_all), None
+            return self.layer.apply({"params": layer_params}, h, layer_cos, layer_sin, k_all, v_all,
+                                    index, window, meta, attention)
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         windows = jnp.asarray(cfg.layer_windows or (0,) * cfg.num_layers, jnp.int32)
-        (h, k_all, v_all), _ = jax.lax.scan(one_layer, (h, k_all, v_all), (params["layers"], layer_ids, windows))
+        h, k_all, v_all = run_layers(one_layer, (h, k_all, v_all), params["layers"], (layer_ids, windows))
         h = h[logits_indices]
         h = self.final_norm.apply({"params": params["norm"]}, h)
         if cfg.tie_word_embeddings:

@@ -90,8 +90,14 @@ def _expected_shapes(model) -> dict[tuple[str, ...], tuple[int, ...]]:
     return shapes
 
 
-def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, show_progress: bool = True):
-    """Reads every tensor the model needs; returns the parameter tree on the default device."""
+def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, show_progress: bool = True,
+                stacked_layers: bool = True):
+    """Reads every tensor the model needs; returns the parameter tree on the default device.
+
+    With `stacked_layers=False`, `params["layers"]` is a list of per-layer trees instead of one tree stacked
+    over layers (for the unrolled layer loop; see models/layers.py `run_layers`). Each layer's arrays are
+    copied to the device from views of the host buffer, so neither layout needs the weights twice.
+    """
     expected = _expected_shapes(model)
     buffers: dict[tuple[str, ...], np.ndarray] = {}
     filled: dict[tuple[str, ...], int] = {}
@@ -118,12 +124,22 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
                         buffers[key][index] = tensor
                         filled[key] += 1
                         if filled[key] == int(np.prod(expected[key][:len(index)])):  # every layer (and expert)
-                            _put(params, key, jax.device_put(buffers.pop(key)))
+                            _put_loaded(params, key, buffers.pop(key), stacked_layers, config.num_layers)
                         bar.update()
-    missing = [".".join(k) for k in expected if _get(params, k) is None]
+    missing = [".".join(k) for k in expected if _get(params, k) is None and _get_layer0(params, k) is None]
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} lacks tensors for: {', '.join(missing)}")
     return params
+
+
+def _put_loaded(params: dict, key: tuple[str, ...], buffer: np.ndarray, stacked_layers: bool,
+                num_layers: int) -> None:
+    if key[0] != "layers" or stacked_layers:
+        _put(params, key, jax.device_put(buffer))
+        return
+    layers = params.setdefault("layers", [{} for _ in range(num_layers)])
+    for layer, tree in enumerate(layers):
+        _put(tree, key[1:], jax.device_put(buffer[layer]))
 
 
 def _put(tree: dict, key: tuple[str, ...], value) -> None:
@@ -140,12 +156,19 @@ def _get(tree: dict, key: tuple[str, ...]):
     return tree
 
 
-def load_model(model: str, dtype: Any = "auto", show_progress: bool = True):
-    """Returns (model_dir, config, model, params, numpy dtype)."""
+def _get_layer0(tree: dict, key: tuple[str, ...]):
+    layers = tree.get("layers")
+    if key[0] != "layers" or not isinstance(layers, list):
+        return None
+    return _get(layers[0], key[1:])
+
+
+def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stacked_layers: bool = True):
+    """Returns (model_dir, config, model, params, numpy dtype); see load_params for `stacked_layers`."""
     model_dir = resolve_model_path(model)
     config = load_model_config(model_dir)
     cls = model_class(config.architecture)
     np_dtype = resolve_dtype(dtype, config)
     instance = cls(config, np_dtype)
-    params = load_params(model_dir, instance, config, np_dtype, show_progress)
+    params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers)
     return model_dir, config, instance, params, np_dtype

@@ -24,6 +24,10 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space: float = 4.0  # GiB of host memory for swapped-out K/V (preemption_mode="swap")
     attention_backend: str = "auto"
+    # How the decoder layers run: "scan" compiles one layer and loops over stacked weights; "unroll" compiles
+    # every layer with its own weights. "auto" unrolls on CPU, where XLA copies each scanned layer's weights
+    # out of the stacked arrays on every step (unrolled decode steps are 10-30% faster there, compiles slower).
+    layer_loop: str = "auto"
     seed: int = 0
 
     def validate(self) -> None:
@@ -46,6 +50,8 @@ class EngineConfig:
               f"max_model_len must be None or an integer >= 1, got {self.max_model_len!r}")
         check(self.preemption_mode in ("recompute", "swap"),
               f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        check(self.layer_loop in ("auto", "scan", "unroll"),
+              f"layer_loop must be 'auto', 'scan' or 'unroll', got {self.layer_loop!r}")
         check(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
               f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
 

@@ -25,7 +25,7 @@ class LLM:
                  max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 preemption_mode: str = "recompute", swap_space: float = 4.0,
+                 preemption_mode: str = "recompute", swap_space: float = 4.0, layer_loop: str = "auto",
                  tensor_parallel_size: int = 1, quantization: str | None = None, show_progress: bool = True):
         self.engine = LLMEngine(
             model, tokenizer=tokenizer, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
@@ -34,7 +34,7 @@ class LLM:
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len, attention_backend=attention_backend,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            preemption_mode=preemption_mode, swap_space=swap_space)
+            preemption_mode=preemption_mode, swap_space=swap_space, layer_loop=layer_loop)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -24,6 +24,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--layer-loop", default="auto", choices=("auto", "scan", "unroll"),
+                        help="scan the decoder layers (fast compiles) or unroll them (faster steps on CPU); "
+                             "auto: unroll on CPU")
     parser.add_argument("--no-chunked-prefill", action="store_true")
 
 
@@ -51,7 +54,7 @@ def _generate(args: argparse.Namespace) -> int:
               num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-              enable_chunked_prefill=not args.no_chunked_prefill)
+              layer_loop=args.layer_loop, enable_chunked_prefill=not args.no_chunked_prefill)
     loaded = time.perf_counter()
     outputs = llm.generate(args.prompts, params, use_tqdm=not args.json)
     done = time.perf_counter()
@@ -87,7 +90,7 @@ def _serve(args: argparse.Namespace) -> int:
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                        attention_backend=args.attention_backend, enable_chunked_prefill=not args.no_chunked_prefill,
                        enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
-                       swap_space=args.swap_space)
+                       swap_space=args.swap_space, layer_loop=args.layer_loop)
     if args.precompile:
         engine.precompile(show_progress=True)
     name = args.served_model_name or args.model

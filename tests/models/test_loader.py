@@ -73,6 +73,18 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_model_dir, tmp_path):
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), single, split)
 
 
+def test_unstacked_layers_hold_the_stacked_slices(tiny_model_dir):
+    *_, stacked, _ = load_model(tiny_model_dir, show_progress=False)
+    *_, unstacked, _ = load_model(tiny_model_dir, show_progress=False, stacked_layers=False)
+    layers = unstacked.pop("layers")
+    stacked_layers = stacked.pop("layers")
+    assert isinstance(layers, list) and len(layers) == jax.tree.leaves(stacked_layers)[0].shape[0]
+    for index, layer in enumerate(layers):
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)[index]),
+                     layer, stacked_layers)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), unstacked, stacked)
+
+
 @pytest.mark.parametrize("spelling, expected", [
     ("auto", np.float32), ("float", np.float32), ("float32", np.float32), ("half", np.float16),
     ("float16", np.float16), ("bfloat16", ml_dtypes.bfloat16)])

@@ -158,5 +158,7 @@ def test_not_yet_implemented_options_say_so(tiny_model_dir):
             LLM(tiny_model_dir, show_progress=False, **kwargs)
     with pytest.raises(ValueError, match="attention_backend"):
         LLM(tiny_model_dir, show_progress=False, attention_backend="flash")
+    with pytest.raises(ValueError, match="layer_loop must be 'auto', 'scan' or 'unroll', got 'while'"):
+        LLM(tiny_model_dir, show_progress=False, layer_loop="while")
     with pytest.raises(ValueError, match="dtype"):
         LLM(tiny_model_dir, show_progress=False, dtype="int3")
