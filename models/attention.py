@@ -110,10 +110,11 @@ class XlaAttention(ReferenceAttention):
 
 
 class CpuKernelAttention(XlaAttention):
-    """"xla" with the native CPU kernel (pallas_kernels/cpu_kernel.py) for the tokens that read pages.
+    """Every token through the native CPU kernel (pallas_kernels/cpu_kernel.py), prompt chunks included.
 
-    Prompt chunks keep the XLA path's dense causal attention (matmul-bound, where XLA is at its best).
-    float16 pools, which the kernel does not take, fall back to the chunked XLA loop.
+    The kernel takes each prompt chunk as tiles of consecutive tokens that read their pages once per tile,
+    which beats the XLA path's dense causal matrix (quadratic in the step's tokens, mostly masked).
+    float16 pools, which the kernel does not take, fall back to the XLA path.
     """
 
     name = "cpu"
@@ -124,9 +125,21 @@ class CpuKernelAttention(XlaAttention):
             raise RuntimeError(f"attention_backend='cpu' needs the native CPU kernel, which is unavailable: "
                                f"{reason}")
 
+    @staticmethod
+    def _kernel_takes(q, k_cache) -> bool:
+        return q.dtype in (jnp.float32, jnp.bfloat16) and k_cache.dtype == q.dtype
+
+    def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None,
+               soft_cap=None):
+        if not self._kernel_takes(q, k_cache):
+            return super().attend(q, k, v, k_cache, v_cache, layer, meta, scale=scale,
+                                  sliding_window=sliding_window, soft_cap=soft_cap)
+        return self.paged_attention(q, k_cache, v_cache, layer, meta.page_tables, meta.token_seq_ids,
+                                    meta.positions, scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
+
     def paged_attention(self, q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions, *, scale,
                         sliding_window, soft_cap):
-        if q.dtype not in (jnp.float32, jnp.bfloat16) or k_cache.dtype != q.dtype:
+        if not self._kernel_takes(q, k_cache):
             return super().paged_attention(q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions,
                                            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
         return cpu_kernel.paged_attention_cpu(q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions,

@@ -206,6 +206,143 @@ void attend_item(const Problem& pb, const T* q, const T* k_cache, const T* v_cac
   }
 }
 
+
+// Rows of a tile's score block computed together: 8 independent FMA chains keep both FMA pipes busy.
+constexpr int64_t kRowBlock = 8;
+// Query rows (tokens x group heads) per tile: enough to amortise each page's transpose, small enough that
+// a tile's accumulators stay in L1/L2.
+constexpr int64_t kTileRows = 64;
+
+// Attention of a run of `n` tokens of one sequence (a prompt chunk) for KV head `h`: every page is read
+// once for the whole tile instead of once per token. Keys are transposed per page into kt [D, bs] so the
+// scores of kRowBlock rows against a page's keys are plain vector FMAs (no horizontal sums), and each row
+// keeps its own causal/window mask and online softmax. Rows are r = i * G + g (token i, query head g).
+// Scratch: qs [Rp*D], acc [Rp*D], kt [D*bs], s [Rp*bs], m [Rp], l [Rp], where Rp = R rounded up to
+// kRowBlock.
+template <typename T, int FIXED_D, int FIXED_BS>
+void attend_tile(const Problem& pb, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t t0,
+                 int64_t n, int64_t h, float* scratch) {
+  const int64_t G = pb.num_q_heads / pb.num_kv_heads;
+  const int64_t D = FIXED_D > 0 ? FIXED_D : pb.head_dim;
+  const int64_t bs = FIXED_BS > 0 ? FIXED_BS : pb.block_size;
+  const int64_t R = n * G;
+  const int64_t Rp = (R + kRowBlock - 1) / kRowBlock * kRowBlock;
+  float* qs = scratch;
+  float* acc = qs + Rp * D;
+  float* kt = acc + Rp * D;
+  float* s = kt + D * bs;
+  float* m = s + Rp * bs;
+  float* l = m + Rp;
+  for (int64_t i = 0; i < n; ++i) {
+    const T* q_row = q + ((t0 + i) * pb.num_q_heads + h * G) * D;
+    for (int64_t e = 0; e < G * D; ++e) qs[i * G * D + e] = load(q_row, e) * pb.scale;
+  }
+  std::fill(qs + R * D, qs + Rp * D, 0.0f);
+  std::fill(acc, acc + Rp * D, 0.0f);
+  std::fill(m, m + Rp, -INFINITY);
+  std::fill(l, l + Rp, 0.0f);
+
+  const int32_t seq = pb.token_seq_ids[t0];
+  int64_t start = INT64_MAX, end = 0;  // keys [start, end) are visible to some row
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t row_end = static_cast<int64_t>(pb.positions[t0 + i]) + 1;
+    end = std::max(end, row_end);
+    start = std::min(start, pb.window > 0 ? std::max<int64_t>(0, row_end - pb.window) : 0);
+  }
+  const int32_t* pages = pb.page_tables + seq * pb.pages_per_seq;
+  const int64_t head_base = (static_cast<int64_t>(pb.layer) * pb.num_kv_heads + h) * pb.num_blocks;
+
+  for (int64_t page_index = start / bs; page_index * bs < end; ++page_index) {
+    const int64_t key0 = page_index * bs;
+    const T* k_page = k_cache + (head_base + pages[page_index]) * bs * D;
+    const T* v_page = v_cache + (head_base + pages[page_index]) * bs * D;
+    if ((page_index + 1) * bs < end) {  // the next page, while this one is computed
+      const int64_t next = (head_base + pages[page_index + 1]) * bs * D;
+      for (int64_t byte = 0; byte < bs * D * static_cast<int64_t>(sizeof(T)); byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next) + byte, 0, 1);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next) + byte, 0, 1);
+      }
+    }
+    for (int64_t j = 0; j < bs; ++j)
+      for (int64_t d = 0; d < D; ++d) kt[d * bs + j] = load(k_page, j * D + d);
+    // Scores [Rp, bs]: kRowBlock rows at a time, one page row of keys per FMA.
+    for (int64_t r0 = 0; r0 < Rp; r0 += kRowBlock) {
+      float block[kRowBlock][FIXED_BS > 0 ? FIXED_BS : 128];
+      for (int64_t r = 0; r < kRowBlock; ++r)
+        for (int64_t j = 0; j < bs; ++j) block[r][j] = 0.0f;
+      for (int64_t d = 0; d < D; ++d) {
+        const float* kd = kt + d * bs;
+        for (int64_t r = 0; r < kRowBlock; ++r) {
+          const float qd = qs[(r0 + r) * D + d];
+#pragma omp simd
+          for (int64_t j = 0; j < bs; ++j) block[r][j] += qd * kd[j];
+        }
+      }
+      for (int64_t r = 0; r < kRowBlock; ++r) std::copy(block[r], block[r] + bs, s + (r0 + r) * bs);
+    }
+    // Masks and the online softmax, row by row.
+    for (int64_t r = 0; r < R; ++r) {
+      float* sr = s + r * bs;
+      const int64_t row_end = static_cast<int64_t>(pb.positions[t0 + r / G]) + 1;
+      const int64_t row_start = pb.window > 0 ? std::max<int64_t>(0, row_end - pb.window) : 0;
+      const int64_t lo = std::max<int64_t>(row_start - key0, 0), hi = std::min<int64_t>(row_end - key0, bs);
+      if (lo >= hi) {  // this row sees none of the page's keys
+        std::fill(sr, sr + bs, 0.0f);
+        continue;
+      }
+      if (pb.soft_cap > 0.0f) {
+        for (int64_t j = lo; j < hi; ++j) sr[j] = pb.soft_cap * std::tanh(sr[j] / pb.soft_cap);
+      }
+      for (int64_t j = 0; j < lo; ++j) sr[j] = -INFINITY;
+      for (int64_t j = hi; j < bs; ++j) sr[j] = -INFINITY;
+      float block_max = -INFINITY;
+      for (int64_t j = lo; j < hi; ++j) block_max = std::max(block_max, sr[j]);
+      const float m_new = std::max(m[r], block_max);
+      const float correction = exp_nonpositive(m[r] - m_new);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < bs; ++j) {
+        sr[j] = exp_nonpositive(sr[j] - m_new);
+        sum += sr[j];
+      }
+      l[r] = l[r] * correction + sum;
+      m[r] = m_new;
+      float* a = acc + r * D;
+      for (int64_t d = 0; d < D; ++d) a[d] *= correction;
+    }
+    // Weighted values: two rows at a time share each value row's loads; their accumulators stay in
+    // registers over the page's keys when D is fixed.
+    for (int64_t r0 = 0; r0 < R; r0 += 2) {
+      const bool pair = r0 + 1 < R;
+      float a0[FIXED_D > 0 ? FIXED_D : 256], a1[FIXED_D > 0 ? FIXED_D : 256];
+      for (int64_t d = 0; d < D; ++d) {
+        a0[d] = acc[r0 * D + d];
+        a1[d] = pair ? acc[(r0 + 1) * D + d] : 0.0f;
+      }
+      const float* p0 = s + r0 * bs;
+      const float* p1 = pair ? p0 + bs : p0;
+      for (int64_t j = 0; j < bs; ++j) {
+        const T* v_row = v_page + j * D;
+        const float w0 = p0[j], w1 = p1[j];
+        if (w0 == 0.0f && w1 == 0.0f) continue;  // masked keys (and stale slots past the context)
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) {
+          const float vd = load(v_row, d);
+          a0[d] += w0 * vd;
+          a1[d] += w1 * vd;
+        }
+      }
+      std::copy(a0, a0 + D, acc + r0 * D);
+      if (pair) std::copy(a1, a1 + D, acc + (r0 + 1) * D);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    T* out_row = out + ((t0 + r / G) * pb.num_q_heads + h * G + r % G) * D;
+    const float inv = l[r] > 0.0f ? 1.0f / l[r] : 0.0f;
+    for (int64_t d = 0; d < D; ++d) store(out_row, d, acc[r * D + d] * inv);
+  }
+}
+
 template <typename T, int FIXED_D>
 auto pick_group(int64_t group) {
   return group == 1 ? attend_item<T, 1, FIXED_D>
@@ -215,22 +352,59 @@ auto pick_group(int64_t group) {
                     : attend_item<T, 0, FIXED_D>;
 }
 
+template <typename T, int FIXED_D>
+auto pick_tile(int64_t block_size) {
+  return block_size == 16 ? attend_tile<T, FIXED_D, 16> : attend_tile<T, FIXED_D, 0>;
+}
+
+// A work item: the tokens [first, first + count) of one sequence, for one KV head.
+struct Item {
+  int64_t first, count, head;
+};
+
 template <typename T>
 void run(const Problem& pb, const T* q, const T* k, const T* v, T* out, ffi::ThreadPool* pool) {
-  const int64_t num_items = pb.num_tokens * pb.num_kv_heads;
   const int64_t G = pb.num_q_heads / pb.num_kv_heads;
-  const int64_t scratch_size = 2 * G * pb.head_dim + G * pb.block_size + 2 * G;
-  auto item = pb.head_dim == 64    ? pick_group<T, 64>(G)
-              : pb.head_dim == 128 ? pick_group<T, 128>(G)
-              : pb.head_dim == 256 ? pick_group<T, 256>(G)
-                                   : pick_group<T, 0>(G);
+  const int64_t D = pb.head_dim;
+  const int64_t max_tile = std::max<int64_t>(1, kTileRows / G);
+  const int64_t rows = (max_tile * G + kRowBlock - 1) / kRowBlock * kRowBlock;
+  const int64_t scratch_size = std::max(2 * G * D + G * pb.block_size + 2 * G,
+                                        2 * rows * D + D * pb.block_size + rows * pb.block_size + 2 * rows);
+  auto item_fn = D == 64 ? pick_group<T, 64>(G) : D == 128 ? pick_group<T, 128>(G)
+               : D == 256 ? pick_group<T, 256>(G) : pick_group<T, 0>(G);
+  auto tile_fn = D == 64 ? pick_tile<T, 64>(pb.block_size) : D == 128 ? pick_tile<T, 128>(pb.block_size)
+               : D == 256 ? pick_tile<T, 256>(pb.block_size) : pick_tile<T, 0>(pb.block_size);
+  if (D > 256 || pb.block_size > 128) tile_fn = nullptr;  // beyond the tile's stack buffers: token by token
+
+  // Runs of consecutive tokens of one sequence (prompt chunks) become tiles, listed first: they are the
+  // expensive items, and handing them out first balances the threads. Single tokens (decodes) follow.
+  std::vector<Item> items;
+  std::vector<Item> singles;
+  for (int64_t t = 0; t < pb.num_tokens;) {
+    const int32_t seq = pb.token_seq_ids[t];
+    const bool valid = seq >= 0 && seq < pb.num_seqs && pb.positions[t] >= 0;
+    int64_t count = 1;
+    while (valid && tile_fn && count < max_tile && t + count < pb.num_tokens &&
+           pb.token_seq_ids[t + count] == seq && pb.positions[t + count] >= 0)
+      ++count;
+    for (int64_t h = 0; h < pb.num_kv_heads; ++h) (count > 1 ? items : singles).push_back({t, count, h});
+    t += count;
+  }
+  items.insert(items.end(), singles.begin(), singles.end());
+  const int64_t num_items = static_cast<int64_t>(items.size());
+
   std::atomic<int64_t> next{0};
   auto worker = [&]() {
     std::vector<float> scratch(scratch_size);
     // Items in chunks of 4: few enough atomics, fine enough to balance long and short contexts.
     for (int64_t first; (first = next.fetch_add(4)) < num_items;) {
-      for (int64_t i = first; i < std::min(first + 4, num_items); ++i)
-        item(pb, q, k, v, out, i / pb.num_kv_heads, i % pb.num_kv_heads, scratch.data());
+      for (int64_t i = first; i < std::min(first + 4, num_items); ++i) {
+        const Item& it = items[i];
+        if (it.count == 1)
+          item_fn(pb, q, k, v, out, it.first, it.head, scratch.data());
+        else
+          tile_fn(pb, q, k, v, out, it.first, it.count, it.head, scratch.data());
+      }
     }
   };
   // One worker is this thread; helpers come from the pool, never all of it (if this thread is one of the

@@ -35,12 +35,16 @@ def _generate(directory, prompts, **engine_args):
 
 
 @pytest.mark.torch
-@pytest.mark.parametrize("block_size", [8, 16])
-def test_greedy_matches_transformers(checkpoint, block_size):
+@pytest.mark.parametrize("block_size, engine_args", [
+    (8, {}), (16, {}), (16, {"attention_backend": "xla", "layer_loop": "scan"})],
+    ids=["bs8", "bs16", "bs16-xla-scan"])
+def test_greedy_matches_transformers(checkpoint, block_size, engine_args):
+    """On CPU, "auto" means the native kernel and unrolled layers; the XLA attention over scanned layers is
+    the path other platforms' defaults share."""
     name, directory, prompts, expected = checkpoint
-    llm, got = _generate(directory, prompts, block_size=block_size)
+    llm, got = _generate(directory, prompts, block_size=block_size, **engine_args)
     for i, (g, e) in enumerate(zip(got, expected)):
-        assert g == e, f"{name} block_size={block_size} prompt {i} (len {len(prompts[i])}): {g} != {e}"
+        assert g == e, f"{name} block_size={block_size} {engine_args} prompt {i} (len {len(prompts[i])}): {g} != {e}"
     assert llm.engine.num_free_blocks == llm.engine.block_manager.num_usable_blocks
 
 

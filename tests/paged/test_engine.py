@@ -129,10 +129,13 @@ def test_pool_too_small_for_one_sequence_is_rejected(tiny_model_dir):
         LLM(tiny_model_dir, block_size=8, num_kv_blocks=4, max_model_len=256, show_progress=False)
 
 
-def test_xla_backend_paths_match_the_reference(tiny_model_dir):
-    """Few sequence slots and a small token budget force every attention path of the XLA backend: paged
+@pytest.mark.parametrize("backend, layer_loop", [("xla", "scan"), ("xla", "unroll"), ("cpu", "unroll"),
+                                                 ("cpu", "scan")])
+def test_cpu_backend_paths_match_the_reference(tiny_model_dir, backend, layer_loop):
+    """Few sequence slots and a small token budget force every attention path: for the XLA backend paged
     rows, fresh prompts in the dense tail, a continuing prompt's cached prefix, and the general fallback
-    when two continuing prompts share a tail."""
+    when two continuing prompts share a tail; for the native kernel, decodes and prompt chunks of every
+    length in one call. Scanned and unrolled layers give the same tokens."""
     prompts = [{"prompt_token_ids": _ids(n, seed=n)} for n in (70, 5, 90, 33, 61, 12)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     reference = LLM(tiny_model_dir, block_size=8, max_model_len=128, attention_backend="reference",
@@ -140,6 +143,7 @@ def test_xla_backend_paths_match_the_reference(tiny_model_dir):
     expected = [o.outputs[0].token_ids for o in reference.generate(prompts, params, use_tqdm=False)]
     for seqs, budget in ((4, 48), (2, 40), (3, 100)):
         llm = LLM(tiny_model_dir, block_size=8, max_model_len=128, max_num_seqs=seqs,
-                  max_num_batched_tokens=budget, enable_prefix_caching=False, show_progress=False)
+                  max_num_batched_tokens=budget, enable_prefix_caching=False, attention_backend=backend,
+                  layer_loop=layer_loop, show_progress=False)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected, (seqs, budget)

@@ -67,6 +67,57 @@ def test_sliding_window_and_soft_cap(window, traced, soft_cap):
            soft_cap=soft_cap, traced_window=traced)
 
 
+def _check_prompt_chunks(rng, *, num_q_heads, num_kv_heads, page_size, head_dim, dtype=np.float32, window=None,
+                         soft_cap=None):
+    """A mixed step as the engine packs it: decode tokens first, then prompt chunks (runs of consecutive
+    positions of one sequence, which the kernel takes as tiles), one starting past a cached prefix, one
+    longer than a tile, with padding tokens between and after."""
+    pages_per_seq = 12
+    pool = random_pool(rng, 5, pages_per_seq, num_kv_heads, page_size, head_dim, dtype)
+    full = pages_per_seq * page_size
+    seq_ids, positions = [0, 1], [page_size * 3 - 1, 0]  # decodes
+    for seq, first, count in [(2, 0, 5), (-1, 0, 2), (3, page_size + 3, 2 * page_size + 1), (4, 0, full)]:
+        seq_ids += [seq] * count
+        positions += list(range(first, first + count))
+    seq_ids += [-1] * 3
+    positions += [0] * 3
+    q = rng.normal(size=(len(seq_ids), num_q_heads, head_dim)).astype(dtype)
+    scale = head_dim ** -0.5
+    got = np.asarray(paged_attention_cpu(
+        jnp.asarray(q), jnp.asarray(pool.k_pages), jnp.asarray(pool.v_pages), LAYER, jnp.asarray(pool.page_tables),
+        jnp.asarray(seq_ids, jnp.int32), jnp.asarray(positions, jnp.int32), scale=scale, sliding_window=window,
+        soft_cap=soft_cap), np.float64)
+    want = np.zeros_like(got)
+    for i, (seq, pos) in enumerate(zip(seq_ids, positions)):
+        if seq < 0:
+            continue
+        k, v = zip(*(pool.keys(seq, pos + 1, h) for h in range(num_kv_heads)))
+        want[i] = attention_f64(q[i:i + 1].astype(np.float64), k, v, [pos], scale, window, soft_cap)[0]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, **tolerance(dtype))
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 32])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(2, 2), (8, 2), (16, 2), (4, 1), (6, 2)],
+                         ids=["mha", "gqa4", "gqa8", "mqa", "gqa3-generic"])
+@pytest.mark.parametrize("head_dim", [64, 40], ids=["d64", "d40-generic"])
+def test_prompt_chunks_match_float64(page_size, num_q_heads, num_kv_heads, head_dim):
+    rng = np.random.default_rng(page_size * 100 + num_q_heads * 7 + head_dim)
+    _check_prompt_chunks(rng, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size,
+                         head_dim=head_dim)
+
+
+@pytest.mark.parametrize("window, soft_cap", [(5, None), (20, 5.0), (None, 5.0)])
+def test_prompt_chunks_window_soft_cap(window, soft_cap):
+    _check_prompt_chunks(np.random.default_rng(1), num_q_heads=8, num_kv_heads=2, page_size=16, head_dim=128,
+                         window=window, soft_cap=soft_cap)
+
+
+def test_prompt_chunks_bfloat16():
+    _check_prompt_chunks(np.random.default_rng(2), num_q_heads=8, num_kv_heads=2, page_size=16, head_dim=64,
+                         dtype=jnp.bfloat16)
+
+
 def test_tokens_without_a_sequence_get_zeros():
     rng = np.random.default_rng(0)
     pool = random_pool(rng, 2, 3, 2, 8, 64, np.float32)
