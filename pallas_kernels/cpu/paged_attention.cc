@@ -26,6 +26,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -207,6 +211,144 @@ void attend_item(const Problem& pb, const T* q, const T* k_cache, const T* v_cac
 }
 
 
+#if defined(__AVX512F__)
+// AVX-512 decode item for pages of 16 keys and head_dim a multiple of 16 (the engine's defaults). The
+// portable loops above leave most of the time in horizontal sums and scalar exps (perf: the score's
+// lane-by-lane adds and the softmax's scalar polynomial dominate); here the 16 dot products of a page
+// are reduced together (one transpose-and-add tree instead of 16 horizontal sums), the exp is one vector
+// polynomial with scalef, and the group's accumulators stay in registers.
+
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // bf16 -> f32: the 16 bits are the float's high half
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// exp(x) for x <= 0 in every lane, Cephes' polynomial as in exp_nonpositive; scalef applies 2^n and
+// flushes to 0 below the float range.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Sums each of 16 vectors across its lanes: lane j of the result is the sum of v[j]. Four rounds of
+// pairwise merges (each halves the vectors and doubles the keys per vector): 15 adds, 30 permutes.
+inline __m512 transpose_sum16(__m512 v[16]) {
+  // Round w (w = 8, 4, 2, 1 lanes): merge v[i] and v[i + n] so that lanes of blocks of w come from either.
+  const __m512i idx8a = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+  const __m512i idx8b = _mm512_setr_epi32(8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const __m512i idx4a = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27);
+  const __m512i idx4b = _mm512_setr_epi32(4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  const __m512i idx2a = _mm512_setr_epi32(0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29);
+  const __m512i idx2b = _mm512_setr_epi32(2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const __m512i idx1a = _mm512_setr_epi32(0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30);
+  const __m512i idx1b = _mm512_setr_epi32(1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  // After round 1, w[i] (i < 8) holds keys i (low half) and i + 8 (high half), each as 8 partial sums.
+  __m512 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = _mm512_add_ps(_mm512_permutex2var_ps(v[i], idx8a, v[i + 8]), _mm512_permutex2var_ps(v[i], idx8b, v[i + 8]));
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_permutex2var_ps(a[i], idx4a, a[i + 4]), _mm512_permutex2var_ps(a[i], idx4b, a[i + 4]));
+  for (int i = 0; i < 2; ++i)
+    c[i] = _mm512_add_ps(_mm512_permutex2var_ps(b[i], idx2a, b[i + 2]), _mm512_permutex2var_ps(b[i], idx2b, b[i + 2]));
+  return _mm512_add_ps(_mm512_permutex2var_ps(c[0], idx1a, c[1]), _mm512_permutex2var_ps(c[0], idx1b, c[1]));
+}
+
+template <typename T, int G, int D>
+void attend_item_avx512(const Problem& pb, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t t,
+                        int64_t h, float* scratch) {
+  constexpr int64_t bs = 16, C = D / 16;  // vectors per head row
+  T* out_row = out + (t * pb.num_q_heads + h * G) * D;
+  const int32_t seq = pb.token_seq_ids[t];
+  const int32_t pos = pb.positions[t];
+  if (seq < 0 || seq >= pb.num_seqs || pos < 0) {
+    for (int64_t i = 0; i < G * D; ++i) store(out_row, i, 0.0f);
+    return;
+  }
+  const T* q_row = q + (t * pb.num_q_heads + h * G) * D;
+  float* qs = scratch;  // [G, D] scaled queries
+  float* probs = qs + G * D;  // [G, 16] a page's probabilities
+  for (int64_t i = 0; i < G * D; ++i) qs[i] = load(q_row, i) * pb.scale;
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  float m[G], l[G];
+  for (int g = 0; g < G; ++g) m[g] = -INFINITY, l[g] = 0.0f;
+
+  const int64_t end = static_cast<int64_t>(pos) + 1;
+  const int64_t start = pb.window > 0 ? std::max<int64_t>(0, end - pb.window) : 0;
+  const int32_t* pages = pb.page_tables + seq * pb.pages_per_seq;
+  const int64_t head_base = (static_cast<int64_t>(pb.layer) * pb.num_kv_heads + h) * pb.num_blocks;
+  for (int64_t page_index = start / bs; page_index * bs < end; ++page_index) {
+    const int64_t lo = std::max<int64_t>(start - page_index * bs, 0);
+    const int64_t hi = std::min<int64_t>(end - page_index * bs, bs);
+    const __mmask16 visible = static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
+    const T* k_page = k_cache + (head_base + pages[page_index]) * bs * D;
+    const T* v_page = v_cache + (head_base + pages[page_index]) * bs * D;
+    const int64_t first_pf = page_index == start / bs ? page_index + 1 : page_index + PREFETCH_PAGES;
+    for (int64_t pf = first_pf; pf <= page_index + PREFETCH_PAGES && pf * bs < end; ++pf) {
+      const int64_t next = (head_base + pages[pf]) * bs * D;
+      for (int64_t byte = 0; byte < bs * D * static_cast<int64_t>(sizeof(T)); byte += 64) {
+        __builtin_prefetch(reinterpret_cast<const char*>(k_cache + next) + byte, 0, 1);
+        __builtin_prefetch(reinterpret_cast<const char*>(v_cache + next) + byte, 0, 1);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      __m512 qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qs + g * D + c * 16);
+      __m512 part[16];
+      for (int j = 0; j < 16; ++j) {
+        const T* k_row = k_page + j * D;
+        __m512 sum = _mm512_mul_ps(qv[0], load16(k_row));
+        for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(qv[c], load16(k_row + c * 16), sum);
+        part[j] = sum;
+      }
+      __m512 scores = transpose_sum16(part);
+      if (pb.soft_cap > 0.0f) {
+        alignas(64) float tmp[16];
+        _mm512_store_ps(tmp, scores);
+        for (int j = 0; j < 16; ++j) tmp[j] = pb.soft_cap * std::tanh(tmp[j] / pb.soft_cap);
+        scores = _mm512_load_ps(tmp);
+      }
+      // Keys outside [lo, hi) (not yet written, or behind the window) may hold anything: masked out.
+      const float page_max = _mm512_mask_reduce_max_ps(visible, scores);
+      const float m_new = std::max(m[g], page_max);
+      const float correction = exp_nonpositive(m[g] - m_new);
+      const __m512 p = _mm512_maskz_mov_ps(visible, exp512(_mm512_sub_ps(scores, _mm512_set1_ps(m_new))));
+      l[g] = l[g] * correction + _mm512_reduce_add_ps(p);
+      m[g] = m_new;
+      _mm512_storeu_ps(probs + g * 16, p);
+      const __m512 corr = _mm512_set1_ps(correction);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_mul_ps(acc[g][c], corr);
+    }
+    for (int64_t j = lo; j < hi; ++j) {
+      const T* v_row = v_page + j * D;
+      for (int c = 0; c < C; ++c) {
+        const __m512 v = load16(v_row + c * 16);
+        for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g * 16 + j]), v, acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+    alignas(64) float row[D];
+    for (int c = 0; c < C; ++c) _mm512_store_ps(row + c * 16, _mm512_mul_ps(acc[g][c], _mm512_set1_ps(inv)));
+    for (int64_t d = 0; d < D; ++d) store(out_row, g * D + d, row[d]);
+  }
+}
+#endif  // __AVX512F__
+
 // Rows of a tile's score block computed together: 8 independent FMA chains keep both FMA pipes busy.
 constexpr int64_t kRowBlock = 8;
 // Query rows (tokens x group heads) per tile: enough to amortise each page's transpose, small enough that
@@ -344,7 +486,19 @@ void attend_tile(const Problem& pb, const T* q, const T* k_cache, const T* v_cac
 }
 
 template <typename T, int FIXED_D>
-auto pick_group(int64_t group) {
+auto pick_group(int64_t group, int64_t block_size) {
+#if defined(__AVX512F__)
+  if (FIXED_D > 0 && block_size == 16) {
+    switch (group) {
+      case 1: return attend_item_avx512<T, 1, (FIXED_D > 0 ? FIXED_D : 16)>;
+      case 2: return attend_item_avx512<T, 2, (FIXED_D > 0 ? FIXED_D : 16)>;
+      case 4: return attend_item_avx512<T, 4, (FIXED_D > 0 ? FIXED_D : 16)>;
+      case 8: return attend_item_avx512<T, 8, (FIXED_D > 0 ? FIXED_D : 16)>;
+      default: break;
+    }
+  }
+#endif
+  (void)block_size;
   return group == 1 ? attend_item<T, 1, FIXED_D>
        : group == 2 ? attend_item<T, 2, FIXED_D>
        : group == 4 ? attend_item<T, 4, FIXED_D>
@@ -370,8 +524,9 @@ void run(const Problem& pb, const T* q, const T* k, const T* v, T* out, ffi::Thr
   const int64_t rows = (max_tile * G + kRowBlock - 1) / kRowBlock * kRowBlock;
   const int64_t scratch_size = std::max(2 * G * D + G * pb.block_size + 2 * G,
                                         2 * rows * D + D * pb.block_size + rows * pb.block_size + 2 * rows);
-  auto item_fn = D == 64 ? pick_group<T, 64>(G) : D == 128 ? pick_group<T, 128>(G)
-               : D == 256 ? pick_group<T, 256>(G) : pick_group<T, 0>(G);
+  const int64_t bs = pb.block_size;
+  auto item_fn = D == 64 ? pick_group<T, 64>(G, bs) : D == 128 ? pick_group<T, 128>(G, bs)
+               : D == 256 ? pick_group<T, 256>(G, bs) : pick_group<T, 0>(G, bs);
   auto tile_fn = D == 64 ? pick_tile<T, 64>(pb.block_size) : D == 128 ? pick_tile<T, 128>(pb.block_size)
                : D == 256 ? pick_tile<T, 256>(pb.block_size) : pick_tile<T, 0>(pb.block_size);
   if (D > 256 || pb.block_size > 128) tile_fn = nullptr;  // beyond the tile's stack buffers: token by token
