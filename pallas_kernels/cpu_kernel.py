@@ -44,14 +44,14 @@ def _host_cpu() -> str:
     return f"{platform.machine()} {platform.processor()} {info}"
 
 
-def _build() -> Path:
+def _build(flags: tuple[str, ...] = _FLAGS) -> Path:
     compiler = os.environ.get("CXX", "g++")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (set CXX)")
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     # The FFI headers come with jaxlib, and -march=native ties the code to this CPU: a library is reused only
     # with the same jaxlib on the same kind of CPU (a cache directory may be shared between machines).
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), compiler, version, " ".join(_FLAGS),
+    key = hashlib.sha256("\0".join([_SOURCE.read_text(), compiler, version, " ".join(flags),
                                     importlib.metadata.version("jaxlib"), _host_cpu()]).encode()).hexdigest()[:16]
     library = _cache_dir() / f"paged_attention_cpu_{key}.so"
     if library.exists():
@@ -59,7 +59,7 @@ def _build() -> Path:
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         out = Path(tmp) / library.name
-        cmd = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(out)]
+        cmd = [compiler, *flags, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", str(out)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode:
             raise RuntimeError(f"compiling {_SOURCE.name} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")
@@ -68,13 +68,17 @@ def _build() -> Path:
 
 
 @functools.cache
-def _load() -> str | None:
-    """Builds and registers the kernel once per process; returns None or why it is unavailable."""
+def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
+    """Builds and registers the kernel once per process; returns None or why it is unavailable.
+
+    Other `flags` under another `target` build a second variant (tests use it for the portable code paths
+    that AVX-512 machines would otherwise never run: `-mno-avx512f`).
+    """
     try:
         import ctypes
 
-        library = ctypes.cdll.LoadLibrary(str(_build()))
-        jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(library.PagedAttentionCpu), platform="cpu")
+        library = ctypes.cdll.LoadLibrary(str(_build(flags)))
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.PagedAttentionCpu), platform="cpu")
     except Exception as error:  # noqa: BLE001 - any failure means "use the XLA path", reported by available()
         return f"{type(error).__name__}: {error}"
     return None
@@ -98,6 +102,7 @@ def paged_attention_cpu(
     scale: float,
     sliding_window: jax.Array | int | None = None,
     soft_cap: float | None = None,
+    _target: str = _TARGET,
 ) -> jax.Array:
     """Same contract as `paged_attention_reference`, run by the native kernel (CPU only).
 
@@ -125,7 +130,7 @@ def paged_attention_cpu(
         raise ValueError(f"q and the pools must share a dtype, float32 or bfloat16; got {q.dtype}, "
                          f"{k_cache.dtype}, {v_cache.dtype}")
     window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
-    call = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))
+    call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct(q.shape, q.dtype))
     return call(q, k_cache, v_cache, jnp.asarray(layer, jnp.int32), page_tables.astype(jnp.int32),
                 token_seq_ids.astype(jnp.int32), positions.astype(jnp.int32), window,
                 scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0))

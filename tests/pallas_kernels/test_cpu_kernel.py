@@ -21,7 +21,7 @@ def test_kernel_builds_here():
 
 
 def _check(rng, *, num_q_heads, num_kv_heads, page_size, head_dim, dtype=np.float32, window=None, soft_cap=None,
-           pages_per_seq=5, traced_window=False):
+           pages_per_seq=5, traced_window=False, target=None):
     # Context lengths: 1, one page, a partial page, the whole table; one token per sequence plus, for the
     # longest, a few earlier positions (prompt tokens read the pages too).
     lengths = [1, page_size, 2 * page_size + 3, pages_per_seq * page_size]
@@ -33,7 +33,8 @@ def _check(rng, *, num_q_heads, num_kv_heads, page_size, head_dim, dtype=np.floa
     w = jnp.int32(window or 0) if traced_window else window
     run = jax.jit(lambda q, k, v, w: paged_attention_cpu(
         q, k, v, LAYER, jnp.asarray(pool.page_tables), jnp.asarray(seq_ids, jnp.int32),
-        jnp.asarray(positions, jnp.int32), scale=scale, sliding_window=w, soft_cap=soft_cap))
+        jnp.asarray(positions, jnp.int32), scale=scale, sliding_window=w, soft_cap=soft_cap,
+        **({"_target": target} if target else {})))
     got = np.asarray(run(jnp.asarray(q), jnp.asarray(pool.k_pages), jnp.asarray(pool.v_pages), w), np.float64)
     want = np.zeros_like(got)
     for i, (seq, pos) in enumerate(zip(seq_ids, positions)):
@@ -68,7 +69,7 @@ def test_sliding_window_and_soft_cap(window, traced, soft_cap):
 
 
 def _check_prompt_chunks(rng, *, num_q_heads, num_kv_heads, page_size, head_dim, dtype=np.float32, window=None,
-                         soft_cap=None):
+                         soft_cap=None, target=None):
     """A mixed step as the engine packs it: decode tokens first, then prompt chunks (runs of consecutive
     positions of one sequence, which the kernel takes as tiles), one starting past a cached prefix, one
     longer than a tile, with padding tokens between and after."""
@@ -86,7 +87,7 @@ def _check_prompt_chunks(rng, *, num_q_heads, num_kv_heads, page_size, head_dim,
     got = np.asarray(paged_attention_cpu(
         jnp.asarray(q), jnp.asarray(pool.k_pages), jnp.asarray(pool.v_pages), LAYER, jnp.asarray(pool.page_tables),
         jnp.asarray(seq_ids, jnp.int32), jnp.asarray(positions, jnp.int32), scale=scale, sliding_window=window,
-        soft_cap=soft_cap), np.float64)
+        soft_cap=soft_cap, **({"_target": target} if target else {})), np.float64)
     want = np.zeros_like(got)
     for i, (seq, pos) in enumerate(zip(seq_ids, positions)):
         if seq < 0:
@@ -116,6 +117,34 @@ def test_prompt_chunks_window_soft_cap(window, soft_cap):
 def test_prompt_chunks_bfloat16():
     _check_prompt_chunks(np.random.default_rng(2), num_q_heads=8, num_kv_heads=2, page_size=16, head_dim=64,
                          dtype=jnp.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def portable_target():
+    """The kernel built without AVX-512: the portable loops that AVX-512 machines (like CI's) otherwise skip
+    for pages of 16."""
+    import platform
+
+    from pallas_kernels import cpu_kernel
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("-mno-avx512f is an x86 flag; elsewhere the default build is already the portable one")
+    target = "paged_attention_cpu_portable"
+    reason = cpu_kernel._load(cpu_kernel._FLAGS + ("-mno-avx512f",), target)
+    assert reason is None, reason
+    return target
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(2, 2), (8, 2), (16, 2), (4, 1)],
+                         ids=["mha", "gqa4", "gqa8", "mqa"])
+@pytest.mark.parametrize("head_dim", [64, 128], ids=["d64", "d128"])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_portable_build_matches_float64(portable_target, num_q_heads, num_kv_heads, head_dim, dtype):
+    rng = np.random.default_rng(num_q_heads + head_dim)
+    kwargs = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=16, head_dim=head_dim, dtype=dtype,
+                  target=portable_target)
+    _check(rng, **kwargs)
+    _check(rng, window=13, soft_cap=5.0, **kwargs)
+    _check_prompt_chunks(rng, **kwargs)
 
 
 def test_tokens_without_a_sequence_get_zeros():
