@@ -34,6 +34,20 @@ def test_incremental_text_equals_full_decode(tiny_llm):
     assert out.finish_reason == "length" and len(out.token_ids) == 40
 
 
+def test_detokenizer_fast_path_equals_transformers_decode(tiny_llm):
+    """The detokenizer calls the `tokenizers` backend directly; token by token it must build the same text as
+    transformers' decode of the whole output, special tokens included or skipped."""
+    from paged.detokenizer import IncrementalDetokenizer
+    tokenizer = tiny_llm.get_tokenizer()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, len(tokenizer), size=200).tolist() + [tokenizer.eos_token_id or 0] * 2
+    for skip in (True, False):
+        detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=skip)
+        assert detok._fast_decode is not None
+        text = "".join(detok.add(t) for t in ids) + detok.flush()
+        assert text == tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
 def test_stop_string_cuts_text_and_reports_reason(tiny_llm):
     full = _greedy(tiny_llm, "Hello world", max_tokens=40)
     # Pick a stop string that first appears in the middle of the generated text.
