@@ -59,6 +59,8 @@ class ReferenceAttention:
     """`jax.numpy` paged attention: gathers each token's pages and masks by position."""
 
     name = "reference"
+    # A backend may also supply the matmul of the model's dense projections (None: XLA's dot).
+    dot_general = None
 
     def write_kv(self, k_cache, v_cache, layer, k, v, meta: AttentionMetadata):
         return write_kv_to_cache(k_cache, v_cache, layer, k, v, meta.slot_mapping)
@@ -110,7 +112,8 @@ class XlaAttention(ReferenceAttention):
 
 
 class CpuKernelAttention(XlaAttention):
-    """Every token through the native CPU kernel (pallas_kernels/cpu_kernel.py), prompt chunks included.
+    """Every token through the native CPU kernel (pallas_kernels/cpu_kernel.py), prompt chunks included;
+    and the native matmul for the dense projections of decode-sized steps.
 
     The kernel takes each prompt chunk as tiles of consecutive tokens that read their pages once per tile,
     which beats the XLA path's dense causal matrix (quadratic in the step's tokens, mostly masked).
@@ -118,6 +121,8 @@ class CpuKernelAttention(XlaAttention):
     """
 
     name = "cpu"
+    # Decode-sized float32 projections go to the native matmul (pallas_kernels/cpu/matmul.cc).
+    dot_general = staticmethod(cpu_kernel.dense_dot_general)
 
     def __init__(self):
         ok, reason = cpu_kernel.available()

@@ -72,7 +72,8 @@ class GPT2LMHeadModel:
 
     _LAYER_RE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(.+)\.(weight|bias)$")
 
-    def __init__(self, config: ModelConfig, dtype: Any):
+    def __init__(self, config: ModelConfig, dtype: Any, dot_general=None):
+        del dot_general  # GPT-2's blocks keep XLA's dot (see LlamaForCausalLM)
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.block = GPT2Block(config, self.dtype)

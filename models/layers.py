@@ -80,13 +80,14 @@ class GatedMLP(nn.Module):
     config: ModelConfig
     dtype: Any
     intermediate_size: int | None = None  # default: the config's (MoE shared experts have their own)
+    dot_general: Callable | None = None  # the projections' matmul (None: lax.dot_general)
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         cfg = self.config
         inter = self.intermediate_size or cfg.intermediate_size
         dense = lambda n, name: nn.Dense(n, use_bias=cfg.mlp_bias, dtype=self.dtype, param_dtype=self.dtype,
-                                         name=name)
+                                         dot_general=self.dot_general or jax.lax.dot_general, name=name)
         act = activation(cfg.hidden_act)
         hidden = act(dense(inter, "gate_proj")(x)) * dense(inter, "up_proj")(x)
         return dense(cfg.hidden_size, "down_proj")(hidden)
@@ -100,13 +101,14 @@ class PagedSelfAttention(nn.Module):
 
     config: ModelConfig
     dtype: Any
+    dot_general: Callable | None = None  # the projections' matmul (None: lax.dot_general)
 
     @nn.compact
     def __call__(self, x, cos, sin, k_cache, v_cache, layer, window, meta, attention):
         cfg = self.config
         num_tokens = x.shape[0]
         dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype,
-                                               name=name)
+                                               dot_general=self.dot_general or jax.lax.dot_general, name=name)
         q = dense(cfg.q_size, "q_proj", cfg.attention_bias)(x).reshape(num_tokens, cfg.num_heads, cfg.head_dim)
         k = dense(cfg.kv_size, "k_proj", cfg.attention_bias)(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         v = dense(cfg.kv_size, "v_proj", cfg.attention_bias)(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)

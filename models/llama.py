@@ -36,15 +36,17 @@ from models.moe import SparseMoE
 class DecoderLayer(nn.Module):
     config: ModelConfig
     dtype: Any
+    dot_general: Any = None  # the dense projections' matmul (None: lax.dot_general)
 
     @nn.compact
     def __call__(self, h, cos, sin, k_cache, v_cache, layer, window, meta, attention):
         cfg = self.config
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one, name=name)
         x = norm("input_layernorm")(h)
-        x, k_cache, v_cache = PagedSelfAttention(cfg, self.dtype, name="self_attn")(
+        x, k_cache, v_cache = PagedSelfAttention(cfg, self.dtype, self.dot_general, name="self_attn")(
             x, cos, sin, k_cache, v_cache, layer, window, meta, attention)
-        mlp = (SparseMoE if cfg.num_experts else GatedMLP)(cfg, self.dtype, name="mlp")
+        mlp = (SparseMoE(cfg, self.dtype, name="mlp") if cfg.num_experts
+               else GatedMLP(cfg, self.dtype, dot_general=self.dot_general, name="mlp"))
         if cfg.sandwich_norms:  # Gemma 2: normalise each block's output before the residual add
             h = h + norm("post_attention_layernorm")(x)
             h = h + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(h)))
@@ -62,10 +64,13 @@ class LlamaForCausalLM:
     tokens picked by `logits_indices` (only those reach the LM head) and the updated cache.
     """
 
-    def __init__(self, config: ModelConfig, dtype: Any):
+    def __init__(self, config: ModelConfig, dtype: Any, dot_general=None):
+        """`dot_general` replaces lax.dot_general in the dense projections and the LM head (e.g. the native
+        CPU matmul for decode-sized steps); the parameters are the same either way."""
         self.config = config
         self.dtype = jnp.dtype(dtype)
-        self.layer = DecoderLayer(config, self.dtype)
+        self.dot_general = dot_general
+        self.layer = DecoderLayer(config, self.dtype, dot_general)
         self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype, config.norm_plus_one)
         rotary_dim = config.rotary_dim or config.head_dim
         self.inv_freq = config.rope.inv_freq(rotary_dim)
@@ -191,6 +196,8 @@ class LlamaForCausalLM:
         h = self.final_norm.apply({"params": params["norm"]}, h)
         if cfg.tie_word_embeddings:
             logits = jnp.einsum("sh,vh->sv", h, embed, preferred_element_type=jnp.float32)
+        elif self.dot_general is not None and h.dtype == jnp.float32:
+            logits = self.dot_general(h, params["lm_head"]["kernel"], (((1,), (0,)), ((), ())))
         else:
             logits = jnp.einsum("sh,hv->sv", h, params["lm_head"]["kernel"], preferred_element_type=jnp.float32)
         if cfg.final_soft_cap:

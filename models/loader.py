@@ -163,12 +163,14 @@ def _get_layer0(tree: dict, key: tuple[str, ...]):
     return _get(layers[0], key[1:])
 
 
-def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stacked_layers: bool = True):
-    """Returns (model_dir, config, model, params, numpy dtype); see load_params for `stacked_layers`."""
+def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stacked_layers: bool = True,
+               dot_general=None):
+    """Returns (model_dir, config, model, params, numpy dtype); see load_params for `stacked_layers` and
+    the model classes for `dot_general`."""
     model_dir = resolve_model_path(model)
     config = load_model_config(model_dir)
     cls = model_class(config.architecture)
     np_dtype = resolve_dtype(dtype, config)
-    instance = cls(config, np_dtype)
+    instance = cls(config, np_dtype, dot_general=dot_general)
     params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers)
     return model_dir, config, instance, params, np_dtype

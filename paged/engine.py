@@ -37,12 +37,13 @@ class LLMEngine:
         platform = jax.default_backend()
         attention = get_attention_backend(config.attention_backend, platform)
         unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and platform == "cpu")
+        dot_general = attention.dot_general  # the native CPU backend brings its decode-sized matmul
 
         from models.tiny import TINY_MODEL_NAME, default_tiny_model_dir
         if model == TINY_MODEL_NAME:
             model = default_tiny_model_dir()
         model_dir, self.model_config, self.model, params, self.dtype = load_model(
-            model, dtype, show_progress, stacked_layers=not unroll)
+            model, dtype, show_progress, stacked_layers=not unroll, dot_general=dot_general)
         self.config = config = config.resolved(self.model_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(tokenizer or model_dir)
         eos = self.model_config.eos_token_ids

@@ -30,6 +30,7 @@
 #include <immintrin.h>
 #endif
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -548,32 +549,19 @@ void run(const Problem& pb, const T* q, const T* k, const T* v, T* out, ffi::Thr
   items.insert(items.end(), singles.begin(), singles.end());
   const int64_t num_items = static_cast<int64_t>(items.size());
 
-  std::atomic<int64_t> next{0};
-  auto worker = [&]() {
-    std::vector<float> scratch(scratch_size);
-    // Items in chunks of 4: few enough atomics, fine enough to balance long and short contexts.
-    for (int64_t first; (first = next.fetch_add(4)) < num_items;) {
-      for (int64_t i = first; i < std::min(first + 4, num_items); ++i) {
-        const Item& it = items[i];
-        if (it.count == 1)
-          item_fn(pb, q, k, v, out, it.first, it.head, scratch.data());
-        else
-          tile_fn(pb, q, k, v, out, it.first, it.count, it.head, scratch.data());
-      }
-    }
+  // One scratch buffer per thread that runs items (thread_local: XLA's pool threads are long-lived).
+  auto run_item = [&](int64_t i) {
+    thread_local std::vector<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < scratch_size) scratch.resize(scratch_size);
+    const Item& it = items[i];
+    if (it.count == 1)
+      item_fn(pb, q, k, v, out, it.first, it.head, scratch.data());
+    else
+      tile_fn(pb, q, k, v, out, it.first, it.count, it.head, scratch.data());
   };
-  // One worker is this thread; helpers come from the pool, never all of it (if this thread is one of the
-  // pool's, waiting on a task only it could run would deadlock).
-  int64_t helpers = pool ? std::min<int64_t>(pool->num_threads() - 1, num_items / 8) : 0;
-  std::atomic<int64_t> done{0};
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool->Schedule([&]() {
-      worker();
-      done.fetch_add(1, std::memory_order_release);
-    });
-  }
-  worker();
-  while (done.load(std::memory_order_acquire) < helpers) std::this_thread::yield();
+  // Items in chunks of 4: few enough atomics, fine enough to balance long and short contexts. Helpers only
+  // when there are enough items to pay for waking them.
+  paged::run_parallel(pool, num_items, 4, num_items / 8, run_item);
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,

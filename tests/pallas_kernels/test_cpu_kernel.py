@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.cpu_kernel import available, paged_attention_cpu
+from pallas_kernels.cpu_kernel import available, matmul_cpu, paged_attention_cpu
 from tests.pallas_kernels.kernel_inputs import LAYER, attention_f64, random_pool, tolerance
 
 
@@ -179,3 +179,69 @@ def test_bad_inputs_are_refused_and_the_process_survives():
     # Still usable after the refusals.
     out = paged_attention_cpu(q + 1, k, v, 0, jnp.asarray(pool.page_tables), ids, pos, scale=0.125)
     assert np.isfinite(np.asarray(out)).all()
+
+
+# ---- the decode-sized matmul (cpu/matmul.cc) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 48, 64])
+@pytest.mark.parametrize("inner, cols", [(64, 64), (200, 192), (512, 1536)])
+def test_matmul_matches_float64(rows, inner, cols):
+    """Every remainder of the 6-row register tile, and inner sizes that end mid-block (200 = 128 + 72).
+    float32 sums of up to 512 products of N(0,1) values: errors stay near 1e-5 x sqrt(512); 2e-4 leaves room
+    without hiding a wrong product (which moves an output by ~1)."""
+    rng = np.random.default_rng(rows * 1000 + inner + cols)
+    x = rng.normal(size=(rows, inner)).astype(np.float32)
+    w = rng.normal(size=(inner, cols)).astype(np.float32)
+    got = np.asarray(matmul_cpu(jnp.asarray(x), jnp.asarray(w)), np.float64)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), atol=2e-4, rtol=2e-5)
+
+
+def test_matmul_portable_build_matches_float64(portable_target):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(13, 200)).astype(np.float32)
+    w = rng.normal(size=(200, 192)).astype(np.float32)
+    target = portable_target.replace("paged_attention_cpu", "matmul_cpu")
+    got = np.asarray(matmul_cpu(jnp.asarray(x), jnp.asarray(w), _target=target), np.float64)
+    np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), atol=2e-4, rtol=2e-5)
+
+
+def test_matmul_fast_path_follows_the_cpu():
+    """The AVX-512 matmul is built (and used by the model) exactly when the CPU has AVX-512."""
+    from pathlib import Path
+
+    from pallas_kernels import cpu_kernel
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to compare with")
+    assert available()[0]
+    assert cpu_kernel._VECTORIZED_MATMUL[0] == (" avx512f " in cpuinfo.read_text().replace("\n", " "))
+
+
+def test_matmul_refuses_what_it_cannot_do():
+    with pytest.raises(ValueError, match="multiple of 64"):
+        matmul_cpu(jnp.zeros((4, 8)), jnp.zeros((8, 100)))
+    with pytest.raises(ValueError, match="float32"):
+        matmul_cpu(jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8, 64), jnp.bfloat16))
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dtype, native", [
+    ((48, 512), (512, 128), np.float32, True),
+    ((2, 3, 64), (64, 64), np.float32, True),     # leading dims flattened into rows
+    ((65, 64), (64, 64), np.float32, False),      # a prompt-sized step: XLA's dot
+    ((8, 64), (64, 100), np.float32, False),      # N not a multiple of 64
+    ((8, 64), (64, 64), jnp.bfloat16, False),
+])
+def test_dense_dot_general_routes_and_matches_xla(monkeypatch, lhs_shape, rhs_shape, dtype, native):
+    from pallas_kernels import cpu_kernel
+    calls = []
+    real = cpu_kernel.matmul_cpu
+    monkeypatch.setattr(cpu_kernel, "matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rng = np.random.default_rng(1)
+    lhs = jnp.asarray(rng.normal(size=lhs_shape), dtype)
+    rhs = jnp.asarray(rng.normal(size=rhs_shape), dtype)
+    dims = (((lhs.ndim - 1,), (0,)), ((), ()))
+    got = cpu_kernel.dense_dot_general(lhs, rhs, dims)
+    want = jax.lax.dot_general(lhs, rhs, dims)
+    assert bool(calls) == (native and cpu_kernel._VECTORIZED_MATMUL[0])
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), atol=2e-3, rtol=2e-3)
