@@ -175,8 +175,9 @@ def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_ele
     rows = int(np.prod(lhs.shape[:-1])) if lhs.ndim else 0
     plain = (tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,) and not lhs_batch
              and not rhs_batch and rhs.ndim == 2)
-    if (plain and available()[0] and _VECTORIZED_MATMUL[0] and 0 < rows <= MATMUL_MAX_ROWS and rhs.shape[1] % 64 == 0 and lhs.dtype == jnp.float32
-            and rhs.dtype == jnp.float32 and preferred_element_type in (None, jnp.float32)):
+    fits = plain and (0 < rows <= MATMUL_MAX_ROWS and rhs.shape[1] % 64 == 0 and lhs.dtype == jnp.float32
+                      and rhs.dtype == jnp.float32 and preferred_element_type in (None, jnp.float32))
+    if fits and available()[0] and _VECTORIZED_MATMUL[0]:
         out = matmul_cpu(lhs.reshape(rows, lhs.shape[-1]), rhs)
         return out.reshape(*lhs.shape[:-1], rhs.shape[1])
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
