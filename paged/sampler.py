@@ -121,6 +121,18 @@ def _logprobs(raw_logits: jax.Array, tokens: jax.Array):
     return token_logp, ranks, jnp.pad(top_ids.astype(jnp.int32), pad), jnp.pad(top_logp, pad)
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` as int32 (the first maximum; a NaN counts as the maximum, as there).
+
+    XLA's CPU argmax is a variadic (value, index) reduction that does not vectorise: 0.84 ms of a 13 ms
+    decode step for 48 x 8192 logits. A max, then the smallest index holding it, are two plain reductions.
+    """
+    top = jnp.max(x, axis=-1, keepdims=True)
+    hit = (x == top) | jnp.isnan(x)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    return jnp.min(jnp.where(hit, index, x.shape[-1] - 1), axis=-1)
+
+
 def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     """Picks one token per row from float32 logits [S, V]."""
     raw_logits = logits
@@ -130,7 +142,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     rows = jnp.arange(logits.shape[0])[:, None]
     banned = jnp.where(meta.banned_ids >= 0, meta.banned_ids, logits.shape[-1])  # out of range -> dropped
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy_tokens = first_argmax(logits)
 
     def random_tokens(logits):
         filtered = filter_logits(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p)

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged.sampler import SamplingMetadata, filter_logits, sample
+from paged.sampler import SamplingMetadata, filter_logits, first_argmax, sample
 
 
 def numpy_filtered_probs(logits, temperature, top_k, top_p, min_p):
@@ -153,3 +153,14 @@ def test_logprobs_are_the_raw_log_softmax():
     order = np.argsort(-logp, axis=-1)[:, :20]
     np.testing.assert_array_equal(np.asarray(out.top_ids), order)
     np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(logp, order, -1), atol=1e-5)
+
+
+def test_first_argmax_equals_numpy_argmax():
+    """Ties go to the first maximum, an all -inf row to 0, and a NaN counts as the maximum (numpy's rules)."""
+    rng = np.random.default_rng(0)
+    x = rng.integers(-3, 4, size=(64, 1000)).astype(np.float32)  # many ties
+    x[1] = -np.inf
+    x[2, 17] = np.inf
+    x[3, [5, 900]] = np.nan
+    x[4] = rng.normal(size=1000)
+    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
