@@ -132,6 +132,31 @@ inline bool zero_if_padding(const Problem& pb, T* out_row, int64_t t, int64_t co
   return true;
 }
 
+// One row's online-softmax update over a page's scores s[0, bs), of which keys [lo, hi) are visible
+// (lo < hi): soft cap, running max m and sum l. Leaves the probabilities in s (0 outside [lo, hi), over
+// the whole page: a fixed trip count that vectorises) and returns the factor that rescales the row's
+// accumulator (0 at the first page, where m is -inf).
+inline float softmax_page(float* s, int64_t lo, int64_t hi, int64_t bs, float soft_cap, float& m, float& l) {
+  if (soft_cap > 0.0f) {
+    for (int64_t j = lo; j < hi; ++j) s[j] = soft_cap * std::tanh(s[j] / soft_cap);
+  }
+  float block_max = -INFINITY;
+  for (int64_t j = lo; j < hi; ++j) block_max = std::max(block_max, s[j]);
+  const float m_new = std::max(m, block_max);
+  const float correction = exp_nonpositive(m - m_new);
+  for (int64_t j = 0; j < lo; ++j) s[j] = -INFINITY;
+  for (int64_t j = hi; j < bs; ++j) s[j] = -INFINITY;
+  float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t j = 0; j < bs; ++j) {
+    s[j] = exp_nonpositive(s[j] - m_new);
+    sum += s[j];
+  }
+  l = l * correction + sum;
+  m = m_new;
+  return correction;
+}
+
 // Attention of one token's query heads that share KV head `h`.
 // Scratch: q_scaled [G*D], acc [G*D], scores [G*bs], m [G], l [G] (float).
 // FIXED_G / FIXED_D > 0 fix the GQA group and head_dim at compile time: the loops over them then unroll
@@ -185,24 +210,7 @@ void attend_item(const Problem& pb, const T* q, const T* k_cache, const T* v_cac
     }
     for (int64_t g = 0; g < G; ++g) {
       float* sg = s + g * bs;
-      if (pb.soft_cap > 0.0f) {
-        for (int64_t j = lo; j < hi; ++j) sg[j] = pb.soft_cap * std::tanh(sg[j] / pb.soft_cap);
-      }
-      float block_max = -INFINITY;
-      for (int64_t j = lo; j < hi; ++j) block_max = std::max(block_max, sg[j]);
-      const float m_new = std::max(m[g], block_max);
-      const float correction = exp_nonpositive(m[g] - m_new);  // m = -inf at first: 0
-      // Over the whole page (keys outside [lo, hi) give 0): a fixed trip count that vectorises.
-      for (int64_t j = 0; j < lo; ++j) sg[j] = -INFINITY;
-      for (int64_t j = hi; j < bs; ++j) sg[j] = -INFINITY;
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < bs; ++j) {
-        sg[j] = exp_nonpositive(sg[j] - m_new);
-        sum += sg[j];
-      }
-      l[g] = l[g] * correction + sum;
-      m[g] = m_new;
+      const float correction = softmax_page(sg, lo, hi, bs, pb.soft_cap, m[g], l[g]);
       // Weighted values: the head's accumulator row stays in registers over the page's keys (D / 16
       // independent chains when D is fixed).
       float row[FIXED_D > 0 ? FIXED_D : 1];
@@ -434,23 +442,7 @@ void attend_tile(const Problem& pb, const T* q, const T* k_cache, const T* v_cac
         std::fill(sr, sr + bs, 0.0f);
         continue;
       }
-      if (pb.soft_cap > 0.0f) {
-        for (int64_t j = lo; j < hi; ++j) sr[j] = pb.soft_cap * std::tanh(sr[j] / pb.soft_cap);
-      }
-      for (int64_t j = 0; j < lo; ++j) sr[j] = -INFINITY;
-      for (int64_t j = hi; j < bs; ++j) sr[j] = -INFINITY;
-      float block_max = -INFINITY;
-      for (int64_t j = lo; j < hi; ++j) block_max = std::max(block_max, sr[j]);
-      const float m_new = std::max(m[r], block_max);
-      const float correction = exp_nonpositive(m[r] - m_new);
-      float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < bs; ++j) {
-        sr[j] = exp_nonpositive(sr[j] - m_new);
-        sum += sr[j];
-      }
-      l[r] = l[r] * correction + sum;
-      m[r] = m_new;
+      const float correction = softmax_page(sr, lo, hi, bs, pb.soft_cap, m[r], l[r]);
       float* a = acc + r * D;
       for (int64_t d = 0; d < D; ++d) a[d] *= correction;
     }
