@@ -112,6 +112,11 @@ class GPT2LMHeadModel:
         shapes = jax.eval_shape(lambda: self.block.init(jax.random.key(0), h, kv, kv, 0, meta, ReferenceAttention()))
         return shapes["params"]
 
+    def precomputed(self, max_positions: int) -> dict:
+        """Nothing: GPT-2's positions are a learned table among the weights."""
+        del max_positions
+        return {}
+
     def forward(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
         """See LlamaForCausalLM.forward."""
         wte = params["wte"]["embedding"]

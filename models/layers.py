@@ -50,13 +50,34 @@ class RMSNorm(nn.Module):
         return scale * normed.astype(self.dtype)
 
 
-def rotary_cos_sin(positions: jax.Array, inv_freq: np.ndarray, interleaved: bool = False
-                   ) -> tuple[jax.Array, jax.Array]:
+def _rotary_angles(positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
+    return positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+
+
+def rotary_table(num_positions: int, inv_freq: np.ndarray) -> jax.Array:
+    """float32 [num_positions, 2, rotary_dim // 2]: cos and sin of each position's angles, computed as
+    `rotary_cos_sin` computes them, for it to look up instead (vLLM's cos/sin cache)."""
+    angles = _rotary_angles(jnp.arange(num_positions), inv_freq)
+    return jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
+
+
+def rotary_cos_sin(positions: jax.Array, inv_freq: np.ndarray, interleaved: bool = False,
+                   table: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """cos, sin float32 [T, rotary_dim]: each frequency twice, as [f0..fn, f0..fn] for the rotate-half
-    layout or [f0, f0, f1, f1, ...] for the interleaved one."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-    emb = jnp.repeat(freqs, 2, axis=-1) if interleaved else jnp.concatenate([freqs, freqs], axis=-1)
-    return jnp.cos(emb), jnp.sin(emb)
+    layout or [f0, f0, f1, f1, ...] for the interleaved one.
+
+    With a `rotary_table` the rows are looked up: computed here, XLA fuses cos and sin into every layer's
+    rotation of q and k and evaluates them once per element of each (7% of a CPU decode step).
+    """
+    if table is None:
+        angles = _rotary_angles(positions, inv_freq)
+        cos, sin = jnp.cos(angles), jnp.sin(angles)
+    else:
+        rows = table[positions]
+        cos, sin = rows[:, 0], rows[:, 1]
+    if interleaved:
+        return jnp.repeat(cos, 2, axis=-1), jnp.repeat(sin, 2, axis=-1)
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool = False) -> jax.Array:

@@ -16,6 +16,7 @@ unrolled loop that is faster on CPU, `layers` is a list of per-layer trees witho
     layers/mlp/gate/kernel [L, H, E], layers/mlp/experts_{gate,up,down}_proj [L, E, in, out]   (MoE)
     norm/scale                        [H]
     lm_head/kernel                    [H, V]   (absent when embeddings are tied)
+    rotary/{global,local}             [P, 2, rotary_dim / 2]   (optional: `precomputed`, not a checkpoint's)
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import jax.numpy as jnp
 
 from models.attention import AttentionMetadata, ReferenceAttention
 from models.config import ModelConfig
-from models.layers import GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin, run_layers
+from models.layers import GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin, rotary_table, run_layers
 from models.moe import SparseMoE
 
 
@@ -155,10 +156,19 @@ class LlamaForCausalLM:
                                                         ReferenceAttention()))
         return shapes["params"]
 
+    def precomputed(self, max_positions: int) -> dict:
+        """Arrays for `forward` to read beside the weights (add them to `params`): the rotary cos/sin tables
+        for positions [0, max_positions), float32 [max_positions, 2, rotary_dim / 2] each."""
+        tables = {"global": rotary_table(max_positions, self.inv_freq)}
+        if self.local_inv_freq is not None:
+            tables["local"] = rotary_table(max_positions, self.local_inv_freq)
+        return {"rotary": tables}
+
     def forward(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
         """
         Args:
-          params: the tree described in the module docstring.
+          params: the tree described in the module docstring; with `precomputed`'s arrays, positions must
+            lie below its max_positions.
           kv_cache: (k, v), each [L, num_kv_heads, num_blocks, block_size, head_dim].
           token_ids: int32 [T]; the step's packed new tokens.
           meta: AttentionMetadata for the step.
@@ -172,9 +182,11 @@ class LlamaForCausalLM:
         h = embed[token_ids].astype(self.dtype)
         if cfg.embed_scale:  # Gemma: the normaliser is rounded to the model dtype first, as transformers does
             h = h * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
-        cos, sin = rotary_cos_sin(meta.positions, self.inv_freq, cfg.rotary_interleaved)
+        tables = params.get("rotary", {})
+        cos, sin = rotary_cos_sin(meta.positions, self.inv_freq, cfg.rotary_interleaved, tables.get("global"))
         if self.local_inv_freq is not None:
-            local_cos, local_sin = rotary_cos_sin(meta.positions, self.local_inv_freq, cfg.rotary_interleaved)
+            local_cos, local_sin = rotary_cos_sin(meta.positions, self.local_inv_freq, cfg.rotary_interleaved,
+                                                  tables.get("local"))
         k_all, v_all = kv_cache
 
         def one_layer(carry, xs):

@@ -56,6 +56,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.block_size, config.max_num_seqs, max_blocks_per_seq,
                                           config.enable_prefix_caching)
         self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs)
+        params = {**params, **self.model.precomputed(config.max_model_len)}
         self.runner = ModelRunner(self.model, params, attention, num_blocks, config.block_size, self.dtype)
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.dtype)
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
