@@ -184,7 +184,7 @@ def test_bad_inputs_are_refused_and_the_process_survives():
 # ---- the decode-sized matmul (cpu/matmul.cc) ---------------------------------------------------------------
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 48, 64])
-@pytest.mark.parametrize("inner, cols", [(64, 64), (200, 192), (512, 1536)])
+@pytest.mark.parametrize("inner, cols", [(64, 64), (200, 192), (300, 320), (512, 1536)])
 def test_matmul_matches_float64(rows, inner, cols):
     """Every remainder of the 6-row register tile, and inner sizes that end mid-block (200 = 128 + 72).
     float32 sums of up to 512 products of N(0,1) values: errors stay near 1e-5 x sqrt(512); 2e-4 leaves room
