@@ -121,24 +121,64 @@ def _logprobs(raw_logits: jax.Array, tokens: jax.Array):
     return token_logp, ranks, jnp.pad(top_ids.astype(jnp.int32), pad), jnp.pad(top_logp, pad)
 
 
-def first_argmax(x: jax.Array) -> jax.Array:
-    """`jnp.argmax(x, axis=-1)` as int32 (the first maximum; a NaN counts as the maximum, as there).
+def first_argmax(x: jax.Array, chunk: int = 128) -> jax.Array:
+    """`jnp.argmax(x, axis=-1)` for x [S, V], as int32: the first maximum, a NaN counting as +inf (numpy's
+    argmax differs only for a row holding +inf before its first NaN).
 
-    XLA's CPU argmax is a variadic (value, index) reduction that does not vectorise: 0.84 ms of a 13 ms
-    decode step for 48 x 8192 logits. A max, then the smallest index holding it, are two plain reductions.
+    XLA's CPU argmax is a variadic (value, index) reduction that does not vectorise (0.84 ms for 48 x 8192
+    logits). Plain reductions instead, in two levels so that only one pass reads all of x: the maximum of
+    each `chunk` of a row, the first chunk that holds the row's maximum, then the first index inside it.
+    (A max and then a min over all matching indices in one level took 2-2.5x as long.)
     """
-    top = jnp.max(x, axis=-1, keepdims=True)
-    hit = (x == top) | jnp.isnan(x)
+    rows, vocab = x.shape
+    if vocab % chunk:  # -inf padding at the end never changes the first maximum
+        x = jnp.pad(x, ((0, 0), (0, chunk - vocab % chunk)), constant_values=-jnp.inf)
+    chunks = x.reshape(rows, -1, chunk)
+    best = _first_max_index(jnp.max(_nan_as_inf(chunks), axis=-1))
+    inside = _first_max_index(_nan_as_inf(jnp.take_along_axis(chunks, best[:, None, None], axis=1)[:, 0]))
+    return best * chunk + inside
+
+
+def _nan_as_inf(x: jax.Array) -> jax.Array:
+    # Whether XLA's float max propagates NaN differs between its CPU code paths; +inf is unambiguous.
+    return jnp.where(jnp.isnan(x), jnp.inf, x)
+
+
+def _first_max_index(x: jax.Array) -> jax.Array:
+    hit = x == jnp.max(x, axis=-1, keepdims=True)
     index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     return jnp.min(jnp.where(hit, index, x.shape[-1] - 1), axis=-1)
 
 
 def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
-    """Picks one token per row from float32 logits [S, V]."""
+    """Picks one token per row from float32 logits [S, V].
+
+    A step where every row is plain greedy (no penalties, banned ids or logprobs) only takes the argmax:
+    the full path's first change to the logits copies them (the raw ones stay live for logprobs), and on CPU
+    that copy and the passes over it were 3-7% of a decode step.
+    """
+    plain_greedy = ~(jnp.any(meta.temperature > 0) | _needs_penalty(meta) | jnp.any(meta.banned_ids >= 0)
+                     | jnp.any(meta.wants_logprobs))
+    return jax.lax.cond(plain_greedy, _greedy, _sample_full, logits, meta)
+
+
+def _needs_penalty(meta: SamplingMetadata) -> jax.Array:
+    return jnp.any((meta.presence_penalty != 0) | (meta.frequency_penalty != 0) | (meta.repetition_penalty != 1))
+
+
+def _no_logprobs(num_rows: int):
+    return (jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32),
+            jnp.zeros((num_rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32))
+
+
+def _greedy(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
+    del meta
+    return SamplerOutput(first_argmax(logits), *_no_logprobs(logits.shape[0]))
+
+
+def _sample_full(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     raw_logits = logits
-    needs_penalty = jnp.any((meta.presence_penalty != 0) | (meta.frequency_penalty != 0)
-                            | (meta.repetition_penalty != 1))
-    logits = jax.lax.cond(needs_penalty, lambda l: apply_penalties(l, meta), lambda l: l, logits)
+    logits = jax.lax.cond(_needs_penalty(meta), lambda l: apply_penalties(l, meta), lambda l: l, logits)
     rows = jnp.arange(logits.shape[0])[:, None]
     banned = jnp.where(meta.banned_ids >= 0, meta.banned_ids, logits.shape[-1])  # out of range -> dropped
     logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
@@ -152,9 +192,6 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
         return jnp.where(meta.temperature > 0, sampled.astype(jnp.int32), greedy_tokens)
 
     tokens = jax.lax.cond(jnp.any(meta.temperature > 0), random_tokens, lambda _: greedy_tokens, logits)
-    num_rows = logits.shape[0]
-    no_logprobs = (jnp.zeros(num_rows, jnp.float32), jnp.zeros(num_rows, jnp.int32),
-                   jnp.zeros((num_rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32))
     token_logp, ranks, top_ids, top_logp = jax.lax.cond(
-        jnp.any(meta.wants_logprobs), _logprobs, lambda *_: no_logprobs, raw_logits, tokens)
+        jnp.any(meta.wants_logprobs), _logprobs, lambda *_: _no_logprobs(logits.shape[0]), raw_logits, tokens)
     return SamplerOutput(tokens, token_logp, ranks, top_ids, top_logp)

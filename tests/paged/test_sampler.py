@@ -155,12 +155,40 @@ def test_logprobs_are_the_raw_log_softmax():
     np.testing.assert_allclose(np.asarray(out.top_logprobs), np.take_along_axis(logp, order, -1), atol=1e-5)
 
 
-def test_first_argmax_equals_numpy_argmax():
-    """Ties go to the first maximum, an all -inf row to 0, and a NaN counts as the maximum (numpy's rules)."""
-    rng = np.random.default_rng(0)
-    x = rng.integers(-3, 4, size=(64, 1000)).astype(np.float32)  # many ties
+@pytest.mark.parametrize("vocab", [1000, 1024, 8192])
+def test_first_argmax_equals_numpy_argmax(vocab):
+    """Ties go to the first maximum and an all -inf row to 0, also across the 128-wide chunks and the -inf
+    padding of a vocabulary that is not a multiple of them; a NaN counts as +inf."""
+    rng = np.random.default_rng(vocab)
+    x = rng.integers(-3, 4, size=(64, vocab)).astype(np.float32)  # many ties, within and across chunks
     x[1] = -np.inf
     x[2, 17] = np.inf
     x[3, [5, 900]] = np.nan
-    x[4] = rng.normal(size=1000)
-    np.testing.assert_array_equal(np.asarray(first_argmax(jnp.asarray(x))), np.argmax(x, axis=-1))
+    x[4] = rng.normal(size=vocab)
+    x[5, vocab - 1] = 10.0  # the last element, in the padded chunk when there is one
+    x[6, 300], x[6, 700] = 10.0, np.nan  # NaN after the maximum, in a later chunk
+    x[7, [200, 201, 900]] = 10.0
+    x[8, 150], x[8, 600] = np.inf, np.nan  # the one case where numpy differs: it would pick the NaN
+    got = np.asarray(first_argmax(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(np.where(np.isnan(x), np.inf, x), axis=-1))
+    np.testing.assert_array_equal(np.delete(got, 8), np.delete(np.argmax(x, axis=-1), 8))
+
+
+def test_greedy_rows_agree_on_the_plain_and_full_paths():
+    """An all-greedy batch takes only the argmax; the same rows beside a row that needs the full path
+    (temperature, banned ids, penalties or logprobs) get the same tokens."""
+    rng = np.random.default_rng(7)
+    logits = rng.normal(size=(4, 50)).astype(np.float32)
+    want = np.argmax(logits, axis=-1)
+    plain = sample(jnp.asarray(logits), _meta(4, 0.0))
+    np.testing.assert_array_equal(np.asarray(plain.tokens), want)
+    assert not np.asarray(plain.token_logprobs).any() and not np.asarray(plain.top_ids).any()
+    banned = -np.ones((4, 4))
+    banned[3, 0] = want[3]
+    for mixed in (_meta(4, np.array([0.0, 0.0, 0.0, 1.0])), _meta(4, 0.0, banned=banned),
+                  _meta(4, 0.0, repetition=np.array([1.0, 1.0, 1.0, 1.2]), penalty_ids=np.full((4, 1), want[3]),
+                        penalty_counts=np.ones((4, 1))),
+                  _meta(4, 0.0, logprobs=True)):
+        np.testing.assert_array_equal(np.asarray(sample(jnp.asarray(logits), mixed).tokens)[:3], want[:3])
+    full = sample(jnp.asarray(logits), _meta(4, 0.0, banned=banned))
+    assert np.asarray(full.tokens)[3] != want[3]
