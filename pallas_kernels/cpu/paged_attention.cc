@@ -290,6 +290,30 @@ inline __m512 transpose_sum16(__m512 v[16]) {
   return _mm512_add_ps(_mm512_permutex2var_ps(c[0], idx1a, c[1]), _mm512_permutex2var_ps(c[0], idx1b, c[1]));
 }
 
+// Pages ahead that the AVX-512 decode item requests, a few cache lines at a time over a page's work: a
+// burst of a page's 2 x 64 line requests stalls on the core's miss buffers. On 48 decodes over pages in
+// random order: 17 GB/s of K/V with bursts, 31 GB/s trickled (as fast as pages laid out in order).
+constexpr int64_t kTrickleDistance = 2;
+
+template <typename T, int64_t PAGE_ELEMS>
+struct PageTrickle {
+  const T* k_cache = nullptr;
+  const T* v_cache = nullptr;
+  int64_t offset = 0;
+
+  // Requests share `part` of `parts` of the page's K and V lines (nothing for an empty trickle).
+  __attribute__((always_inline)) void request(int64_t part, int64_t parts) const {
+    if (!k_cache) return;
+    constexpr int64_t lines = PAGE_ELEMS * static_cast<int64_t>(sizeof(T)) / 64;
+    const char* k = reinterpret_cast<const char*>(k_cache + offset);
+    const char* v = reinterpret_cast<const char*>(v_cache + offset);
+    for (int64_t line = part * lines / parts; line < (part + 1) * lines / parts; ++line) {
+      __builtin_prefetch(k + 64 * line, 0, 1);
+      __builtin_prefetch(v + 64 * line, 0, 1);
+    }
+  }
+};
+
 template <typename T, int G, int D>
 void attend_item_avx512(const Problem& pb, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t t,
                         int64_t h, float* scratch) {
@@ -318,12 +342,19 @@ void attend_item_avx512(const Problem& pb, const T* q, const T* k_cache, const T
     const __mmask16 visible = static_cast<__mmask16>(((1u << hi) - 1u) & ~((1u << lo) - 1u));
     const T* k_page = k_cache + (head_base + pages[page_index]) * bs * D;
     const T* v_page = v_cache + (head_base + pages[page_index]) * bs * D;
-    prefetch_ahead(k_cache, v_cache, pages, head_base, page_index, start / bs, end, bs, D);
+    if (page_index == start / bs)  // the pages before the first one trickled
+      for (int64_t pf = page_index + 1; pf < page_index + kTrickleDistance && pf * bs < end; ++pf)
+        prefetch_page(k_cache, v_cache, (head_base + pages[pf]) * bs * D, bs * D);
+    const int64_t ahead = page_index + kTrickleDistance;
+    const PageTrickle<T, bs * D> trickle =
+        ahead * bs < end ? PageTrickle<T, bs * D>{k_cache, v_cache, (head_base + pages[ahead]) * bs * D}
+                         : PageTrickle<T, bs * D>{};
     for (int g = 0; g < G; ++g) {
       __m512 qv[C];
       for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qs + g * D + c * 16);
       __m512 part[16];
       for (int j = 0; j < 16; ++j) {
+        trickle.request(g * 16 + j, G * 16);
         const T* k_row = k_page + j * D;
         __m512 sum = _mm512_mul_ps(qv[0], load16(k_row));
         for (int c = 1; c < C; ++c) sum = _mm512_fmadd_ps(qv[c], load16(k_row + c * 16), sum);
