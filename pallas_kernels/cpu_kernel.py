@@ -146,10 +146,11 @@ def paged_attention_cpu(
                 scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0))
 
 
-# Rows up to which `matmul_cpu` beats XLA's dot (decode steps); larger products (prompt steps) stay on XLA,
-# which reaches ~85% of its large-matmul rate there. Measured at K=512, N=1536 over 40 weight matrices:
-# M=48 316 -> 376 GFLOP/s, M=64 294 -> 371, M=8 equal (both bound by reading the weights).
-MATMUL_MAX_ROWS = 64
+# Rows up to which `matmul_cpu` beats XLA's dot (decode steps, small mixed steps); larger products stay on
+# XLA, which reaches ~90% of its large-matmul rate there. GFLOP/s on a decode step's own products (8 layers'
+# projections, 92 MB of weights) against XLA: 8 rows 135-163 vs 103-115, 48: 425-445 vs 305-320,
+# 128: 439 vs 374, 192: 418 vs 395, 256: 408 vs 433, 512: 409 vs 436.
+MATMUL_MAX_ROWS = 192
 
 
 def matmul_cpu(x: jax.Array, w: jax.Array, *, _target: str = _MATMUL_TARGET) -> jax.Array:

@@ -183,7 +183,7 @@ def test_bad_inputs_are_refused_and_the_process_survives():
 
 # ---- the decode-sized matmul (cpu/matmul.cc) ---------------------------------------------------------------
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 48, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 48, 64, 192])
 @pytest.mark.parametrize("inner, cols", [(64, 64), (200, 192), (300, 320), (512, 1536)])
 def test_matmul_matches_float64(rows, inner, cols):
     """Every remainder of the 6-row register tile, and inner sizes that end mid-block (200 = 128 + 72).
@@ -227,7 +227,8 @@ def test_matmul_refuses_what_it_cannot_do():
 @pytest.mark.parametrize("lhs_shape, rhs_shape, dtype, native", [
     ((48, 512), (512, 128), np.float32, True),
     ((2, 3, 64), (64, 64), np.float32, True),     # leading dims flattened into rows
-    ((65, 64), (64, 64), np.float32, False),      # a prompt-sized step: XLA's dot
+    ((192, 64), (64, 64), np.float32, True),      # the most rows it takes
+    ((193, 64), (64, 64), np.float32, False),     # a prompt-sized step: XLA's dot
     ((8, 64), (64, 100), np.float32, False),      # N not a multiple of 64
     ((8, 64), (64, 64), jnp.bfloat16, False),
 ])
