@@ -148,7 +148,7 @@ def paged_attention_cpu(
 
 # Rows up to which `matmul_cpu` beats XLA's dot (decode steps, small mixed steps); larger products stay on
 # XLA, which reaches ~90% of its large-matmul rate there. GFLOP/s on a decode step's own products (8 layers'
-# projections, 92 MB of weights) against XLA: 8 rows 135-163 vs 103-115, 48: 425-445 vs 305-320,
+# projections, 96 MB of weights) against XLA: 8 rows 135-163 vs 103-115, 48: 425-445 vs 305-320,
 # 128: 439 vs 374, 192: 418 vs 395, 256: 408 vs 433, 512: 409 vs 436.
 MATMUL_MAX_ROWS = 192
 
