@@ -155,7 +155,7 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
 
     A step where every row is plain greedy (no penalties, banned ids or logprobs) only takes the argmax:
     the full path's first change to the logits copies them (the raw ones stay live for logprobs), and on CPU
-    that copy and the passes over it were 3-7% of a decode step.
+    that copy and the passes over it were 1.5-6% of a decode step.
     """
     plain_greedy = ~(jnp.any(meta.temperature > 0) | _needs_penalty(meta) | jnp.any(meta.banned_ids >= 0)
                      | jnp.any(meta.wants_logprobs))
