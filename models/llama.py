@@ -208,10 +208,9 @@ class LlamaForCausalLM:
         h = self.final_norm.apply({"params": params["norm"]}, h)
         if cfg.tie_word_embeddings:
             logits = jnp.einsum("sh,vh->sv", h, embed, preferred_element_type=jnp.float32)
-        elif self.dot_general is not None and h.dtype == jnp.float32:
-            logits = self.dot_general(h, params["lm_head"]["kernel"], (((1,), (0,)), ((), ())))
-        else:
-            logits = jnp.einsum("sh,hv->sv", h, params["lm_head"]["kernel"], preferred_element_type=jnp.float32)
+        else:  # a `dot_general` takes what it can (the native CPU matmul: float32) and hands the rest to XLA
+            dot = self.dot_general or jax.lax.dot_general
+            logits = dot(h, params["lm_head"]["kernel"], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         if cfg.final_soft_cap:
             logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
         return logits, (k_all, v_all)
