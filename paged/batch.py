@@ -16,6 +16,7 @@ import numpy as np
 
 from models.attention import AttentionMetadata
 from paged.block_manager import SINK_BLOCK, BlockManager
+from paged.request import PLACEHOLDER
 from paged.sampler import SamplingMetadata
 from paged.sampling_params import MAX_MIN_TOKENS_BANNED_IDS
 from paged.scheduler import ScheduledBatch
@@ -58,6 +59,9 @@ class Buckets:
 @dataclasses.dataclass(frozen=True)
 class StepInputs:
     token_ids: np.ndarray  # int32 [T]
+    # int32 [T]: -1, or the row of the previous step's samples that holds this token (it was in flight when
+    # this step was prepared: async scheduling); the step then reads the token on the device.
+    token_source: np.ndarray
     attention: AttentionMetadata
     logits_indices: np.ndarray  # int32 [S]
     sampling: SamplingMetadata
@@ -82,6 +86,7 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
           s_pad: int) -> StepInputs:
     num_seqs = len(batch.requests)
     token_ids = np.zeros(t_pad, np.int32)
+    token_source = np.full(t_pad, -1, np.int32)
     positions = np.zeros(t_pad, np.int32)
     # Padded tokens write into the sink block and read as sequence 0 at position 0: harmless and NaN-free.
     slot_mapping = np.full(t_pad, SINK_BLOCK * block_manager.block_size, np.int32)
@@ -110,6 +115,9 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     for i, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
         start, stop = request.num_computed_tokens, request.num_computed_tokens + num_new
         token_ids[offset:offset + num_new] = request.token_ids[start:stop]
+        if request.token_ids[stop - 1] == PLACEHOLDER:  # only the last token can still be in flight
+            token_ids[offset + num_new - 1] = 0
+            token_source[offset + num_new - 1] = request.placeholder_row
         positions[offset:offset + num_new] = np.arange(start, stop)
         slot_mapping[offset:offset + num_new] = block_manager.slots(request, start, stop)
         token_seq_ids[offset:offset + num_new] = i
@@ -152,6 +160,7 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     page_tables = np.where(has_row[:, None], block_manager.page_table[rows], SINK_BLOCK).astype(np.int32)
     return StepInputs(
         token_ids=token_ids,
+        token_source=token_source,
         attention=AttentionMetadata(slot_mapping=slot_mapping, positions=positions, token_seq_ids=token_seq_ids,
                                     page_tables=page_tables, query_start=query_start, seq_lens=seq_lens,
                                     tail_split=np.asarray(len(tail_prefixes) <= 1),

@@ -1,7 +1,9 @@
-"""LLMEngine: requests in, outputs out; each `step()` is schedule -> prepare -> run -> postprocess."""
+"""LLMEngine: requests in, outputs out; each `step()` is schedule -> prepare -> launch -> postprocess (of the
+step launched before, with async scheduling)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
@@ -15,7 +17,7 @@ from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.config import EngineConfig
 from paged.detokenizer import IncrementalDetokenizer, find_stop_string
 from paged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from paged.request import ParentRequest, Request
+from paged.request import PLACEHOLDER, ParentRequest, Request, RequestStatus
 from paged.runner import BlockMover, ModelRunner, kv_block_bytes, kv_budget_bytes
 from paged.sampler import SamplerOutput
 from paged.sampling_params import SamplingParams
@@ -57,7 +59,8 @@ class LLMEngine:
                                           config.enable_prefix_caching)
         self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs)
         params = {**params, **self.model.precomputed(config.max_model_len)}
-        self.runner = ModelRunner(self.model, params, attention, num_blocks, config.block_size, self.dtype)
+        self.runner = ModelRunner(self.model, params, attention, num_blocks, config.block_size, self.dtype,
+                                  config.max_num_seqs)
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.dtype)
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
         self.mover = BlockMover(self.runner, self.block_manager, swap_blocks)
@@ -68,10 +71,12 @@ class LLMEngine:
         self.release_window = max(windows) if windows and all(w > 0 for w in windows) else 0
         self.requests: dict[str, ParentRequest] = {}
         self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model (not cache hits)
-        # Wall time per phase of step(), summed; "device" includes the wait for the jitted step's result.
+        # Host wall time per phase of step(), summed: "prepare" includes launching the jitted step, "device" is
+        # the wait for its result (with async scheduling, only what the host work did not hide).
         self.step_timings = dict.fromkeys(("schedule", "prepare", "device", "postprocess", "steps",
                                            "device_decode_only", "device_with_prefill"), 0.0)
         self._seed_rng = np.random.default_rng(config.seed)
+        self._in_flight: _InFlight | None = None  # the launched step not yet read back (async scheduling)
 
     def _num_blocks(self, config: EngineConfig, max_blocks_per_seq: int) -> int:
         if config.num_kv_blocks is not None:
@@ -115,6 +120,9 @@ class LLMEngine:
             raise ValueError(f"stop_token_ids {params.stop_token_ids} include ids outside the vocabulary [0, {vocab})")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        length_limit = self.config.max_model_len
+        if params.max_tokens is not None:
+            length_limit = min(length_limit, len(prompt_token_ids) + params.max_tokens)
         children = []
         for index in range(params.n):
             # Each sample gets its own stream: seed + index when seeded (as vLLM does), else a fresh draw.
@@ -123,7 +131,7 @@ class LLMEngine:
                            if self.tokenizer is not None else None)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             children.append(Request(child_id, prompt, [int(t) for t in prompt_token_ids], params, seed,
-                                    detokenizer, self.eos_token_ids, index=index))
+                                    detokenizer, self.eos_token_ids, index=index, length_limit=length_limit))
         return ParentRequest(request_id, children)
 
     def add_request(self, request: ParentRequest) -> None:
@@ -140,53 +148,88 @@ class LLMEngine:
                 self.scheduler.finish(child, "abort")
 
     def has_unfinished_requests(self) -> bool:
+        # A step still in flight holds only requests that are running (or finished: its rows are discarded).
         return self.scheduler.has_unfinished()
 
     # ---- the step -------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Runs one engine step; returns outputs of the requests that produced a token in it."""
+        """Runs one engine step; returns outputs of the requests that produced a token.
+
+        With `async_scheduling` (the default) the step launched by the previous call is still running on the
+        device while this one is scheduled, prepared and launched (its rows read the tokens still in flight
+        on the device); then the previous step is postprocessed and its outputs returned. Host work thus
+        overlaps device work, and outputs come back one call after their step was launched. Without it:
+        schedule -> prepare -> run -> postprocess, and the outputs are this step's. Tokens are the same.
+        """
         t0 = time.perf_counter()
+        previous, self._in_flight = self._in_flight, None
+        outputs = []
+        if previous is not None and not self._can_schedule_ahead():
+            outputs, previous = self._postprocess(previous), None
         batch = self.scheduler.schedule()
-        if not batch:
-            return []
-        self.num_computed_prompt_tokens += sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
-                                               for r, n in zip(batch.requests, batch.num_new_tokens))
         t1 = time.perf_counter()
-        inputs = prepare_inputs(batch, self.block_manager, self.buckets)
+        launched = self._launch(batch, previous) if batch else None
         t2 = time.perf_counter()
-        sampled = self.runner.run(inputs)  # waits for the device: only token ids come back
-        t3 = time.perf_counter()
-        outputs = self._postprocess(batch, sampled)
-        t4 = time.perf_counter()
-        timings = self.step_timings
-        timings["schedule"] += t1 - t0
-        timings["prepare"] += t2 - t1
-        timings["device"] += t3 - t2
-        # Decode-only steps (every sequence computes one token) are bound by reading the weights and the
-        # K/V; steps carrying prompt chunks by compute. Keeping them apart shows which one limits a run.
-        kind = "device_decode_only" if batch.total_tokens == len(batch.requests) else "device_with_prefill"
-        timings[kind] += t3 - t2
-        timings["postprocess"] += t4 - t3
-        timings["steps"] += 1
+        self.step_timings["schedule"] += t1 - t0
+        self.step_timings["prepare"] += t2 - t1
+        if previous is not None:
+            outputs += self._postprocess(previous)
+        if launched is not None:
+            if self.config.async_scheduling:
+                self._in_flight = launched
+            else:
+                outputs += self._postprocess(launched)
         return outputs
 
-    def _postprocess(self, batch: ScheduledBatch, sampled: SamplerOutput) -> list[RequestOutput]:
+    def _can_schedule_ahead(self) -> bool:
+        """Whether the next step can be scheduled before the one in flight is read back. Penalties count the
+        tokens a request produced, so requests with penalties wait for their last token to be known."""
+        return not any(r.params.has_penalties for r in self.scheduler.running)
+
+    def _launch(self, batch: ScheduledBatch, previous: "_InFlight | None") -> "_InFlight":
+        """Prepares and launches `batch`; advances each request's computed tokens, and gives each request
+        whose sample is a real next token a PLACEHOLDER for it (filled by _postprocess)."""
+        self.num_computed_prompt_tokens += sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
+                                               for r, n in zip(batch.requests, batch.num_new_tokens))
+        inputs = prepare_inputs(batch, self.block_manager, self.buckets)
+        out, tokens = self.runner.launch(inputs, previous.tokens if previous is not None else None)
+        token_index = []
+        for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens < request.num_tokens:
+                token_index.append(-1)  # a prefill chunk: its sample is not a real next token
+                continue
+            token_index.append(request.num_tokens)
+            request.token_ids.append(PLACEHOLDER)
+            request.placeholder_row = row
+        decode_only = batch.total_tokens == len(batch.requests)
+        return _InFlight(batch, token_index, out, tokens, decode_only)
+
+    def _postprocess(self, flight: "_InFlight") -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sampled = self.runner.fetch(flight.out)  # waits for the device: only token ids come back
+        t1 = time.perf_counter()
         touched: dict[str, ParentRequest] = {}
         copies = []
-        for i, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
-            request.num_computed_tokens += num_new
+        for i, (request, index) in enumerate(zip(flight.batch.requests, flight.token_index)):
+            if request.finished:
+                continue  # stopped or aborted while this step ran: its row is discarded
+            if index >= 0:
+                request.token_ids[index] = int(sampled.tokens[i])
             self.block_manager.cache_full_blocks(request)
             if self.release_window:
                 self.block_manager.free_outside_window(request, self.release_window)
-            if request.num_computed_tokens < request.num_tokens:
-                continue  # a prefill chunk: its sample is not a real next token
+            if index < 0:
+                continue
             parent = request.parent
-            if parent.pending_forks and request is parent.leader:
+            # The samples fork from the leader's prompt blocks; a leader preempted while this step ran (async
+            # scheduling) has none now, and forks them at its next token instead.
+            if parent.pending_forks and request is parent.leader and request.status is RequestStatus.RUNNING:
                 copies += self._fork(parent)
             if request.logprobs is not None:
                 self._record_logprobs(request, sampled, i)
-            self._append_token(request, int(sampled.tokens[i]))
+            self._accept_token(request, index)
             if request.finished and request.detokenizer is not None and not isinstance(request.stop_reason, str):
                 request.text += request.detokenizer.flush()
             touched[parent.request_id] = parent
@@ -197,6 +240,13 @@ class LLMEngine:
             outputs.append(self.output_of(parent))
             if parent.finished:
                 self.requests.pop(parent.request_id, None)
+        timings = self.step_timings
+        timings["device"] += t1 - t0
+        # Decode-only steps (every sequence computes one token) are bound by reading the weights and the
+        # K/V; steps carrying prompt chunks by compute. Keeping them apart shows which one limits a run.
+        timings["device_decode_only" if flight.decode_only else "device_with_prefill"] += t1 - t0
+        timings["postprocess"] += time.perf_counter() - t1
+        timings["steps"] += 1
         return outputs
 
     def _record_logprobs(self, request: Request, sampled: SamplerOutput, row: int) -> None:
@@ -221,30 +271,33 @@ class LLMEngine:
         parent.pending_forks = []
         return copies
 
-    def _append_token(self, request: Request, token: int) -> None:
+    def _accept_token(self, request: Request, index: int) -> None:
+        """Checks the token just read into token_ids[index] against the request's stop conditions."""
         params = request.params
-        request.token_ids.append(token)
+        token = request.token_ids[index]
         if request.first_token_time is None:
             request.first_token_time = time.monotonic()
         delta = request.detokenizer.add(token) if request.detokenizer is not None else ""
         request.text += delta
-        num_out = request.num_output_tokens
+        num_out = index + 1 - request.num_prompt_tokens
         if num_out >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
-                return self.scheduler.finish(request, "stop")
+                return self._finish(request, index, "stop")
             if token in params.stop_token_ids:
-                return self.scheduler.finish(request, "stop", token)
+                return self._finish(request, index, "stop", token)
             if params.stop and delta:
                 match = find_stop_string(request.text, len(delta), params.stop)
                 if match is not None:
-                    stop, index = match
-                    end = index + len(stop) if params.include_stop_str_in_output else index
+                    stop, position = match
+                    end = position + len(stop) if params.include_stop_str_in_output else position
                     request.text = request.text[:end]
-                    return self.scheduler.finish(request, "stop", stop)
-        if params.max_tokens is not None and num_out >= params.max_tokens:
-            return self.scheduler.finish(request, "length")
-        if request.num_tokens >= self.config.max_model_len:
-            return self.scheduler.finish(request, "length")
+                    return self._finish(request, index, "stop", stop)
+        if index + 1 >= request.length_limit:
+            return self._finish(request, index, "length")
+
+    def _finish(self, request: Request, index: int, reason: str, stop_reason: int | str | None = None) -> None:
+        del request.token_ids[index + 1:]  # a token sampled after this one (async scheduling) is dropped
+        self.scheduler.finish(request, reason, stop_reason)
 
     def output_of(self, parent: ParentRequest) -> RequestOutput:
         completions = [CompletionOutput(index=c.index, text=c.text, token_ids=c.output_token_ids,
@@ -308,6 +361,18 @@ class LLMEngine:
             stats["num_held_blocks"] = len(held)
             stats["kv_utilization"] = live / (len(held) * bm.block_size) if held else 1.0
         return stats
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step: its batch, where each row's sample goes (index into the request's token_ids, -1 for
+    a prefill chunk), and its device outputs."""
+
+    batch: ScheduledBatch
+    token_index: list[int]
+    out: SamplerOutput
+    tokens: jax.Array  # int32 [max_num_seqs]: the samples, for the next step to read on the device
+    decode_only: bool
 
 
 def _load_tokenizer(path: str):

@@ -9,6 +9,11 @@ from paged.detokenizer import IncrementalDetokenizer
 from paged.sampling_params import SamplingParams
 
 
+# Stands in token_ids for a token the device has sampled but the host has not read yet (async scheduling):
+# the next step takes that token straight from the previous step's output on the device.
+PLACEHOLDER = -1
+
+
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -18,18 +23,24 @@ class RequestStatus(enum.Enum):
 class Request:
     """One sequence: token ids (prompt then output), progress, and the KV blocks it holds.
 
-    `num_computed_tokens` counts tokens whose K/V are in the cache. The scheduler computes tokens until it
-    catches up with `len(token_ids)`; that one rule covers prefill, chunked prefill, prefix hits and decode.
+    `num_computed_tokens` counts tokens whose K/V are in the cache (or will be, once the steps already
+    launched finish). The scheduler computes tokens until it catches up with `len(token_ids)`; that one rule
+    covers prefill, chunked prefill, prefix hits and decode. With async scheduling the last token may be a
+    PLACEHOLDER, sampled by the step in flight at row `placeholder_row` of its batch.
     """
 
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, detokenizer: IncrementalDetokenizer | None,
-                 eos_token_ids: tuple[int, ...] = (), index: int = 0, parent: "ParentRequest | None" = None):
+                 eos_token_ids: tuple[int, ...] = (), index: int = 0, parent: "ParentRequest | None" = None,
+                 length_limit: int | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
+        # Total tokens at which it finishes by length (max_tokens or max_model_len); None: no limit.
+        self.length_limit = length_limit
+        self.placeholder_row = -1
         self.seed = seed
         self.index = index  # position among the n samples of its parent
         self.parent = parent
@@ -64,15 +75,25 @@ class Request:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens:]
+        """The tokens produced and read back so far (without those still in flight)."""
+        end = len(self.token_ids)
+        while end > self.num_prompt_tokens and self.token_ids[end - 1] == PLACEHOLDER:
+            end -= 1
+        return self.token_ids[self.num_prompt_tokens:end]
 
     @property
     def num_output_tokens(self) -> int:
+        """Tokens produced, counting those still in flight (what the next sample's index depends on)."""
         return len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    def drop_placeholders(self) -> None:
+        """Removes tokens still in flight from the end (a finished request keeps only what it produced)."""
+        while self.token_ids and self.token_ids[-1] == PLACEHOLDER:
+            self.token_ids.pop()
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "

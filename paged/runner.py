@@ -32,7 +32,7 @@ def kv_budget_bytes(memory_utilization: float) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model, params, attention, num_blocks: int, block_size: int, dtype):
+    def __init__(self, model, params, attention, num_blocks: int, block_size: int, dtype, max_num_seqs: int):
         cfg = model.config
         self.model = model
         self.params = params
@@ -40,19 +40,40 @@ class ModelRunner:
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         self.kv_cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         self.num_compilations = 0
+        # Each step's samples padded to one fixed width, so the next step's input of them has one shape.
+        self.max_num_seqs = max_num_seqs
+        self.no_tokens = jnp.zeros(max_num_seqs, jnp.int32)
         # The pool is donated: XLA writes the new K/V into the same buffers instead of copying the pool.
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
 
-    def _step_impl(self, params, kv_cache, inputs: StepInputs):
+    def _step_impl(self, params, kv_cache, inputs: StepInputs, previous_tokens):
         self.num_compilations += 1  # runs only while tracing, i.e. once per new input shape
-        logits, kv_cache = self.model.forward(params, kv_cache, inputs.token_ids, inputs.attention,
+        source = inputs.token_source
+        token_ids = jnp.where(source >= 0, previous_tokens[jnp.maximum(source, 0)], inputs.token_ids)
+        logits, kv_cache = self.model.forward(params, kv_cache, token_ids, inputs.attention,
                                               inputs.logits_indices, self.attention)
-        return kv_cache, sample(logits, inputs.sampling)
+        out = sample(logits, inputs.sampling)
+        return kv_cache, out, self.no_tokens.at[:out.tokens.shape[0]].set(out.tokens)
+
+    def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None = None) -> tuple[SamplerOutput, jax.Array]:
+        """Starts one step without waiting for it (JAX dispatches asynchronously).
+
+        `previous_tokens` is the padded token array the previous launch returned: the tokens `inputs` marks in
+        `token_source` are read from it on the device. Returns the sampler's output (device arrays; `fetch` reads
+        them) and this step's padded tokens for the next launch.
+        """
+        previous = self.no_tokens if previous_tokens is None else previous_tokens
+        self.kv_cache, out, tokens = self._step(self.params, self.kv_cache, inputs, previous)
+        return out, tokens
+
+    @staticmethod
+    def fetch(out: SamplerOutput) -> SamplerOutput:
+        """Waits for a launched step; its sampler output as host numpy arrays."""
+        return jax.tree.map(np.asarray, out)
 
     def run(self, inputs: StepInputs) -> SamplerOutput:
-        """Runs one step; returns the sampler's output as host numpy arrays."""
-        self.kv_cache, out = self._step(self.params, self.kv_cache, inputs)
-        return jax.tree.map(np.asarray, out)
+        """Runs one step and waits for it; returns the sampler's output as host numpy arrays."""
+        return self.fetch(self.launch(inputs)[0])
 
 
 def _blocks_bucket(n: int) -> int:

@@ -64,6 +64,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if request.length_limit is not None and request.num_tokens >= request.length_limit:
+                index += 1  # its token in flight is its last: it finishes once that token is read
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, batch):
                 break  # `request` itself was preempted; everything after it already was
@@ -167,6 +170,7 @@ class Scheduler:
         self.block_manager.free(request)
         if self.swapper is not None:
             self.swapper.release(request)
+        request.drop_placeholders()
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason

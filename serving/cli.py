@@ -28,6 +28,9 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="scan the decoder layers (fast compiles) or unroll them (faster steps on CPU); "
                              "auto: unroll on CPU")
     parser.add_argument("--no-chunked-prefill", action="store_true")
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="wait for each step before scheduling the next (default: schedule the next one while "
+                             "it runs)")
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -54,7 +57,8 @@ def _generate(args: argparse.Namespace) -> int:
               num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-              layer_loop=args.layer_loop, enable_chunked_prefill=not args.no_chunked_prefill)
+              layer_loop=args.layer_loop, enable_chunked_prefill=not args.no_chunked_prefill,
+              async_scheduling=not args.no_async_scheduling)
     loaded = time.perf_counter()
     outputs = llm.generate(args.prompts, params, use_tqdm=not args.json)
     done = time.perf_counter()
@@ -90,7 +94,8 @@ def _serve(args: argparse.Namespace) -> int:
                        max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
                        attention_backend=args.attention_backend, enable_chunked_prefill=not args.no_chunked_prefill,
                        enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
-                       swap_space=args.swap_space, layer_loop=args.layer_loop)
+                       swap_space=args.swap_space, layer_loop=args.layer_loop,
+                       async_scheduling=not args.no_async_scheduling)
     if args.precompile:
         engine.precompile(show_progress=True)
     name = args.served_model_name or args.model
