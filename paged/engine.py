@@ -162,11 +162,11 @@ class LLMEngine:
         overlaps device work, and outputs come back one call after their step was launched. Without it:
         schedule -> prepare -> run -> postprocess, and the outputs are this step's. Tokens are the same.
         """
-        t0 = time.perf_counter()
         previous, self._in_flight = self._in_flight, None
         outputs = []
         if previous is not None and not self._can_schedule_ahead():
             outputs, previous = self._postprocess(previous), None
+        t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         t1 = time.perf_counter()
         launched = self._launch(batch, previous) if batch else None
@@ -203,8 +203,7 @@ class LLMEngine:
             token_index.append(request.num_tokens)
             request.token_ids.append(PLACEHOLDER)
             request.placeholder_row = row
-        decode_only = batch.total_tokens == len(batch.requests)
-        return _InFlight(batch, token_index, out, tokens, decode_only)
+        return _InFlight(batch, token_index, out, tokens)
 
     def _postprocess(self, flight: "_InFlight") -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -244,7 +243,8 @@ class LLMEngine:
         timings["device"] += t1 - t0
         # Decode-only steps (every sequence computes one token) are bound by reading the weights and the
         # K/V; steps carrying prompt chunks by compute. Keeping them apart shows which one limits a run.
-        timings["device_decode_only" if flight.decode_only else "device_with_prefill"] += t1 - t0
+        decode_only = flight.batch.total_tokens == len(flight.batch.requests)
+        timings["device_decode_only" if decode_only else "device_with_prefill"] += t1 - t0
         timings["postprocess"] += time.perf_counter() - t1
         timings["steps"] += 1
         return outputs
@@ -272,7 +272,8 @@ class LLMEngine:
         return copies
 
     def _accept_token(self, request: Request, index: int) -> None:
-        """Checks the token just read into token_ids[index] against the request's stop conditions."""
+        """Checks the token just read into token_ids[index] against the request's stop conditions (finishing
+        drops a token sampled after it, still in flight with async scheduling)."""
         params = request.params
         token = request.token_ids[index]
         if request.first_token_time is None:
@@ -282,22 +283,18 @@ class LLMEngine:
         num_out = index + 1 - request.num_prompt_tokens
         if num_out >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
-                return self._finish(request, index, "stop")
+                return self.scheduler.finish(request, "stop")
             if token in params.stop_token_ids:
-                return self._finish(request, index, "stop", token)
+                return self.scheduler.finish(request, "stop", token)
             if params.stop and delta:
                 match = find_stop_string(request.text, len(delta), params.stop)
                 if match is not None:
                     stop, position = match
                     end = position + len(stop) if params.include_stop_str_in_output else position
                     request.text = request.text[:end]
-                    return self._finish(request, index, "stop", stop)
+                    return self.scheduler.finish(request, "stop", stop)
         if index + 1 >= request.length_limit:
-            return self._finish(request, index, "length")
-
-    def _finish(self, request: Request, index: int, reason: str, stop_reason: int | str | None = None) -> None:
-        del request.token_ids[index + 1:]  # a token sampled after this one (async scheduling) is dropped
-        self.scheduler.finish(request, reason, stop_reason)
+            return self.scheduler.finish(request, "length")
 
     def output_of(self, parent: ParentRequest) -> RequestOutput:
         completions = [CompletionOutput(index=c.index, text=c.text, token_ids=c.output_token_ids,
@@ -372,7 +369,6 @@ class _InFlight:
     token_index: list[int]
     out: SamplerOutput
     tokens: jax.Array  # int32 [max_num_seqs]: the samples, for the next step to read on the device
-    decode_only: bool
 
 
 def _load_tokenizer(path: str):
