@@ -152,6 +152,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--no-async-scheduling", action="store_true",
+                        help="run paged with synchronous steps (to see what async scheduling hides)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
     args = parser.parse_args(argv)
@@ -168,7 +170,7 @@ def main(argv=None) -> int:
     max_len = max(p + o for p, o in zip(workload.prompt_lens, workload.output_lens))
     engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        block_size=args.block_size, max_model_len=args.max_model_len or max_len,
-                       enable_prefix_caching=False)
+                       enable_prefix_caching=False, async_scheduling=not args.no_async_scheduling)
     rate = matmul_rate()
     bandwidth = copy_bandwidth()
     flops = workload_flops(config, workload)
