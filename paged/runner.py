@@ -41,7 +41,6 @@ class ModelRunner:
         self.kv_cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
         self.num_compilations = 0
         # Each step's samples padded to one fixed width, so the next step's input of them has one shape.
-        self.max_num_seqs = max_num_seqs
         self.no_tokens = jnp.zeros(max_num_seqs, jnp.int32)
         # The pool is donated: XLA writes the new K/V into the same buffers instead of copying the pool.
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
@@ -55,7 +54,8 @@ class ModelRunner:
         out = sample(logits, inputs.sampling)
         return kv_cache, out, self.no_tokens.at[:out.tokens.shape[0]].set(out.tokens)
 
-    def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None = None) -> tuple[SamplerOutput, jax.Array]:
+    def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None = None
+               ) -> tuple[SamplerOutput, jax.Array]:
         """Starts one step without waiting for it (JAX dispatches asynchronously).
 
         `previous_tokens` is the padded token array the previous launch returned: the tokens `inputs` marks in

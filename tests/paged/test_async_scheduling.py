@@ -47,7 +47,7 @@ def _summary(outputs):
     """Per request and sample: what must match exactly, and the logprobs, which may differ in the last bits
     (the speculative rows change the steps' batch sizes, so the same rows can run in other kernels)."""
     exact = [[(c.token_ids, c.text, c.finish_reason, c.stop_reason,
-               [sorted(step) for step in c.logprobs or []], [[lp.rank for lp in step.values()] for step in c.logprobs or []])
+               [sorted((token, lp.rank) for token, lp in step.items()) for step in c.logprobs or []])
               for c in o.outputs] for o in outputs]
     logprobs = [lp.logprob for o in outputs for c in o.outputs for step in c.logprobs or [] for lp in step.values()]
     cumulative = [c.cumulative_logprob or 0.0 for o in outputs for c in o.outputs]
