@@ -164,7 +164,8 @@ class LLMEngine:
         """
         previous, self._in_flight = self._in_flight, None
         outputs = []
-        if previous is not None and not self._can_schedule_ahead():
+        if previous is not None and previous.penalised:
+            # Penalties count a request's tokens on the host: its token in flight must be read first.
             outputs, previous = self._postprocess(previous), None
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
@@ -182,11 +183,6 @@ class LLMEngine:
                 outputs += self._postprocess(launched)
         return outputs
 
-    def _can_schedule_ahead(self) -> bool:
-        """Whether the next step can be scheduled before the one in flight is read back. Penalties count the
-        tokens a request produced, so requests with penalties wait for their last token to be known."""
-        return not any(r.params.has_penalties for r in self.scheduler.running)
-
     def _launch(self, batch: ScheduledBatch, previous: "_InFlight | None") -> "_InFlight":
         """Prepares and launches `batch`; advances each request's computed tokens, and gives each request
         whose sample is a real next token a PLACEHOLDER for it (filled by _postprocess)."""
@@ -195,6 +191,7 @@ class LLMEngine:
         inputs = prepare_inputs(batch, self.block_manager, self.buckets)
         out, tokens = self.runner.launch(inputs, previous.tokens if previous is not None else None)
         token_index = []
+        penalised = False
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             request.num_computed_tokens += num_new
             if request.num_computed_tokens < request.num_tokens:
@@ -203,7 +200,8 @@ class LLMEngine:
             token_index.append(request.num_tokens)
             request.token_ids.append(PLACEHOLDER)
             request.placeholder_row = row
-        return _InFlight(batch, token_index, out, tokens)
+            penalised = penalised or request.params.has_penalties
+        return _InFlight(batch, token_index, out, tokens, penalised)
 
     def _postprocess(self, flight: "_InFlight") -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -369,6 +367,7 @@ class _InFlight:
     token_index: list[int]
     out: SamplerOutput
     tokens: jax.Array  # int32 [max_num_seqs]: the samples, for the next step to read on the device
+    penalised: bool  # a request with penalties has a token in flight: read it before scheduling again
 
 
 def _load_tokenizer(path: str):
