@@ -18,7 +18,7 @@ from models.attention import AttentionMetadata
 from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.request import PLACEHOLDER
 from paged.sampler import SamplingMetadata
-from paged.sampling_params import MAX_MIN_TOKENS_BANNED_IDS
+from paged.sampling_params import MIN_LOGIT_ADJUSTMENTS
 from paged.scheduler import ScheduledBatch
 
 
@@ -103,12 +103,12 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     min_p = np.zeros(s_pad, np.float32)
     seeds = np.zeros(s_pad, np.uint32)
     output_index = np.zeros(s_pad, np.int32)
-    banned_ids = np.full((s_pad, MAX_MIN_TOKENS_BANNED_IDS), -1, np.int32)
     presence = np.zeros(s_pad, np.float32)
     frequency = np.zeros(s_pad, np.float32)
     repetition = np.ones(s_pad, np.float32)
     wants_logprobs = np.zeros(s_pad, bool)
     penalty_rows: list[tuple[int, np.ndarray, np.ndarray]] = []
+    adjustment_rows: list[tuple[int, list[int], list[float]]] = []  # (row, token ids, biases)
 
     offset = 0
     tail_prefixes = []  # sequences with tokens past the first S slots that need cached context
@@ -137,12 +137,12 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         min_p[i] = params.min_p
         seeds[i] = request.seed
         output_index[i] = request.num_output_tokens
-        if request.num_output_tokens < params.min_tokens:
-            stop_ids = list(params.stop_token_ids)
-            if not params.ignore_eos:
-                stop_ids += list(request.eos_token_ids)
-            stop_ids = stop_ids[:MAX_MIN_TOKENS_BANNED_IDS]
-            banned_ids[i, :len(stop_ids)] = stop_ids
+        ids, biases = list(params.logit_bias), list(params.logit_bias.values())
+        if request.num_output_tokens < params.min_tokens:  # stop ids are banned until min_tokens
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
+            ids, biases = ids + banned, biases + [-np.inf] * len(banned)
+        if ids:
+            adjustment_rows.append((i, ids, biases))
         wants_logprobs[i] = params.logprobs is not None
         if params.has_penalties:
             presence[i], frequency[i] = params.presence_penalty, params.frequency_penalty
@@ -157,6 +157,13 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     for i, ids, counts in penalty_rows:
         penalty_ids[i, :len(ids)] = ids
         penalty_counts[i, :len(ids)] = counts
+    width = _next_power_of_two(max((len(ids) for _, ids, _ in adjustment_rows), default=1),
+                               MIN_LOGIT_ADJUSTMENTS, 1 << 30)
+    bias_ids = np.full((s_pad, width), -1, np.int32)
+    bias_values = np.zeros((s_pad, width), np.float32)
+    for i, ids, biases in adjustment_rows:
+        bias_ids[i, :len(ids)] = ids
+        bias_values[i, :len(ids)] = biases
     page_tables = np.where(has_row[:, None], block_manager.page_table[rows], SINK_BLOCK).astype(np.int32)
     return StepInputs(
         token_ids=token_ids,
@@ -168,7 +175,7 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
                                     tail_prefix_len=np.asarray(tail_prefixes[0][1] if tail_prefixes else 0, np.int32)),
         logits_indices=logits_indices,
         sampling=SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
-                                  output_index=output_index, banned_ids=banned_ids,
+                                  output_index=output_index, bias_ids=bias_ids, bias_values=bias_values,
                                   presence_penalty=presence, frequency_penalty=frequency,
                                   repetition_penalty=repetition, penalty_ids=penalty_ids,
                                   penalty_counts=penalty_counts, wants_logprobs=wants_logprobs),

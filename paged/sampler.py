@@ -4,8 +4,9 @@ Each row carries its own temperature, filters, penalties and seed; a row's rando
 with the number of tokens it has generated, so its samples do not depend on what else shares the batch (or
 on preemption, which recomputes but does not re-sample).
 
-Order of operations on a row's logits: penalties (repetition, then frequency and presence), banned ids
-(min_tokens), then greedy argmax or temperature -> min_p -> top_k -> top_p -> draw. Logprobs report the
+Order of operations on a row's logits (vLLM's): logit biases (logit_bias, and -inf for the stop ids that
+min_tokens holds back), penalties (repetition, then frequency and presence), then greedy argmax or
+temperature -> min_p -> top_k -> top_p -> draw. Logprobs report the
 model's raw distribution (log-softmax of the logits before any of that), as vLLM does by default.
 """
 
@@ -31,7 +32,8 @@ class SamplingMetadata:
       min_p: float32 [S]; 0 disables.
       seeds: uint32 [S]; the request's seed.
       output_index: int32 [S]; how many tokens the request has generated (folded into its key).
-      banned_ids: int32 [S, B]; token ids that must not be sampled (min_tokens), -1 = unused.
+      bias_ids: int32 [S, B]; token ids whose logits get `bias_values` added, -1 = unused.
+      bias_values: float32 [S, B]; logit_bias entries, and -inf for ids min_tokens bans.
       presence_penalty, frequency_penalty, repetition_penalty: float32 [S] (0, 0, 1 disable).
       penalty_ids: int32 [S, W]; distinct tokens of the row's prompt and output, -1 = unused.
       penalty_counts: int32 [S, W]; how often each of them occurs in the output so far.
@@ -44,7 +46,8 @@ class SamplingMetadata:
     min_p: jax.Array
     seeds: jax.Array
     output_index: jax.Array
-    banned_ids: jax.Array
+    bias_ids: jax.Array
+    bias_values: jax.Array
     presence_penalty: jax.Array
     frequency_penalty: jax.Array
     repetition_penalty: jax.Array
@@ -153,11 +156,11 @@ def _first_max_index(x: jax.Array) -> jax.Array:
 def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     """Picks one token per row from float32 logits [S, V].
 
-    A step where every row is plain greedy (no penalties, banned ids or logprobs) only takes the argmax:
+    A step where every row is plain greedy (no penalties, biases or logprobs) only takes the argmax:
     the full path's first change to the logits copies them (the raw ones stay live for logprobs), and on CPU
     that copy and the passes over it were 1.5-6% of a decode step.
     """
-    plain_greedy = ~(jnp.any(meta.temperature > 0) | _needs_penalty(meta) | jnp.any(meta.banned_ids >= 0)
+    plain_greedy = ~(jnp.any(meta.temperature > 0) | _needs_penalty(meta) | jnp.any(meta.bias_ids >= 0)
                      | jnp.any(meta.wants_logprobs))
     return jax.lax.cond(plain_greedy, _greedy, _sample_full, logits, meta)
 
@@ -178,10 +181,10 @@ def _greedy(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
 
 def _sample_full(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     raw_logits = logits
-    logits = jax.lax.cond(_needs_penalty(meta), lambda l: apply_penalties(l, meta), lambda l: l, logits)
     rows = jnp.arange(logits.shape[0])[:, None]
-    banned = jnp.where(meta.banned_ids >= 0, meta.banned_ids, logits.shape[-1])  # out of range -> dropped
-    logits = logits.at[rows, banned].set(-jnp.inf, mode="drop")
+    biased = jnp.where(meta.bias_ids >= 0, meta.bias_ids, logits.shape[-1])  # out of range -> dropped
+    logits = logits.at[rows, biased].add(meta.bias_values, mode="drop")  # adds up an id listed twice
+    logits = jax.lax.cond(_needs_penalty(meta), lambda l: apply_penalties(l, meta), lambda l: l, logits)
     greedy_tokens = first_argmax(logits)
 
     def random_tokens(logits):

@@ -7,9 +7,13 @@ import dataclasses
 # Must match paged.sampler.MAX_LOGPROBS (kept here so validating params does not import jax).
 MAX_LOGPROBS = 20
 
-# Stop ids that `min_tokens` must keep out of the sample are passed to the device as a fixed-width row,
-# so the step's shapes never depend on a request's stop list.
-MAX_MIN_TOKENS_BANNED_IDS = 16
+# Stop ids that `min_tokens` must keep out of the sample and `logit_bias` entries reach the device as one
+# row of (token id, bias) per request, MIN_LOGIT_ADJUSTMENTS wide unless a step needs more (then a power of
+# two, one compiled shape per width), so the common case never changes the step's shapes.
+MIN_LOGIT_ADJUSTMENTS = 16
+# OpenAI's range for a bias; vLLM's server enforces the same.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
 @dataclasses.dataclass
@@ -39,12 +43,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    # token id -> bias added to its logit before penalties and sampling (-100 bans it in practice, 100
+    # all but forces it), as OpenAI's and vLLM's logit_bias.
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
         self.validate()
@@ -74,9 +82,6 @@ class SamplingParams:
               f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        check(self.min_tokens == 0 or len(self.stop_token_ids) < MAX_MIN_TOKENS_BANNED_IDS,
-              f"min_tokens with more than {MAX_MIN_TOKENS_BANNED_IDS - 1} stop_token_ids is not supported, "
-              f"got {len(self.stop_token_ids)}")
         check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
@@ -85,6 +90,14 @@ class SamplingParams:
               f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
               f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES,
+              f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
+        for token, bias in self.logit_bias.items():
+            check(isinstance(token, int) and not isinstance(token, bool) and token >= 0,
+                  f"logit_bias keys must be non-negative token ids, got {token!r}")
+            check(_is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
+                  f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                  f"got {bias!r} for token {token}")
         if self.prompt_logprobs is not None:
             raise NotImplementedError("prompt_logprobs is not implemented yet")
 

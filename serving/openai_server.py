@@ -109,6 +109,18 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             raise APIError(404, f"the model `{model}` does not exist; this server serves `{served_model_name}`",
                            param="model", code="model_not_found")
 
+    def sampling_params(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        try:
+            params = body.sampling_params(max_tokens, logprobs)
+        except ValueError as exc:
+            raise APIError(400, str(exc))
+        vocab = llm_engine.model_config.vocab_size
+        outside = sorted(t for t in params.logit_bias if t >= vocab)
+        if outside:
+            raise APIError(400, f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab})",
+                           param="logit_bias")
+        return params
+
     async def submit_all(prompts: list[tuple[str | None, list[int] | None]], params: SamplingParams,
                          request_id: str) -> list[RequestStream]:
         streams = []
@@ -210,10 +222,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             raise APIError(400, "best_of different from n is not supported", param="best_of")
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
-        try:
-            params = body.sampling_params(body.max_tokens, body.logprobs)
-        except ValueError as exc:
-            raise APIError(400, str(exc))
+        params = sampling_params(body, body.max_tokens, body.logprobs)
         prompt = body.prompt
         if isinstance(prompt, str):
             prompts = [(prompt, None)]
@@ -298,10 +307,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         if body.top_logprobs and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
         max_tokens = body.max_completion_tokens or body.max_tokens
-        try:
-            params = body.sampling_params(max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        except ValueError as exc:
-            raise APIError(400, str(exc))
+        params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
         try:
             ids = tokenizer.apply_chat_template(message_dicts(body.messages), chat_template=body.chat_template,
                                                 add_generation_prompt=body.add_generation_prompt, tokenize=True,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged import SamplingParams
 
@@ -24,7 +24,8 @@ class _Request(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=-2, le=2)
     frequency_penalty: float = Field(default=0.0, ge=-2, le=2)
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    # Token ids as JSON object keys (strings), each bias in OpenAI's range.
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # Extensions vLLM users rely on.
     top_k: int | None = Field(default=None, ge=-1)
     min_p: float | None = Field(default=None, ge=0, le=1)
@@ -39,8 +40,6 @@ class _Request(BaseModel):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
@@ -48,7 +47,18 @@ class _Request(BaseModel):
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty or 1.0, logprobs=logprobs)
+            repetition_penalty=self.repetition_penalty or 1.0, logprobs=logprobs, logit_bias=self._logit_bias())
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
+        bad = [key for key in bias or {} if not key.strip().isdigit()]
+        if bad:
+            raise ValueError(f"keys must be token ids (non-negative integers), got {bad[0]!r}")
+        return bias
+
+    def _logit_bias(self) -> dict[int, float]:
+        return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
 
 class CompletionRequest(_Request):

@@ -105,6 +105,23 @@ def test_repetition_penalty_matches_transformers(tmp_path_factory):
 
 
 @pytest.mark.torch
+def test_logit_bias_matches_transformers(tmp_path_factory):
+    """logit_bias against transformers' sequence_bias with one-token sequences (an added bias per id)."""
+    directory = build_checkpoint("llama-gqa", str(tmp_path_factory.mktemp("bias")))
+    prompts = _prompts(400)[:4]
+    unbiased = hf_greedy(directory, prompts, MAX_NEW)
+    # Push down what the model would pick first and raise a few others, so the outputs must move.
+    bias = {t: -4.0 for t in {out[0] for out in unbiased}} | {7: 2.5, 123: 3.0, 250: 1.5}
+    expected = hf_greedy(directory, prompts, MAX_NEW, sequence_bias=[[[t], b] for t, b in bias.items()])
+    assert expected != unbiased, "the bias must change something"
+    llm = LLM(directory, dtype="float32", block_size=8, show_progress=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True, logit_bias=bias)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                        use_tqdm=False)]
+    assert got == expected
+
+
+@pytest.mark.torch
 def test_logprobs_match_transformers(tmp_path_factory):
     directory = build_checkpoint("qwen2-tied", str(tmp_path_factory.mktemp("logprobs")))
     prompt = _prompts(400)[4]

@@ -88,6 +88,25 @@ def test_stop_token_ids_and_eos(tiny_llm):
         engine.eos_token_ids = saved
 
 
+def test_logit_bias_and_min_tokens_rows_beside_plain_ones(tiny_llm):
+    """A forcing bias, a 40-entry ban list (wider than the step's default row of 16) and min_tokens over 20
+    stop ids, in one batch with an unbiased row that must come out as it does alone."""
+    plain = _greedy(tiny_llm, "Hello world", max_tokens=12)
+    forced = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={17: 100.0})
+    avoided = sorted(set(plain.token_ids))
+    banned = dict.fromkeys(avoided + list(range(300, 340 - len(avoided))), -100.0)
+    avoid = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logit_bias=banned)
+    stops = [plain.token_ids[0]] + list(range(400, 420))
+    held = SamplingParams(temperature=0, max_tokens=12, min_tokens=6, stop_token_ids=stops)
+    unbiased = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = [o.outputs[0] for o in tiny_llm.generate(["Hello world"] * 4, [forced, avoid, held, unbiased],
+                                                    use_tqdm=False)]
+    assert outs[0].token_ids == [17] * 12
+    assert len(banned) == 40 and not set(outs[1].token_ids) & set(banned)
+    assert plain.token_ids[0] not in outs[2].token_ids[:6] and len(outs[2].token_ids) >= 6
+    assert outs[3].token_ids == plain.token_ids
+
+
 def test_seed_reproducible_whatever_shares_the_batch(tiny_llm):
     params = SamplingParams(temperature=1.0, top_p=0.95, max_tokens=20, seed=1234, ignore_eos=True)
     alone = tiny_llm.generate("Hello world", params, use_tqdm=False)[0].outputs[0].token_ids
@@ -128,6 +147,11 @@ def test_chat_applies_the_template(tiny_llm):
     (dict(seed=-1), "seed"),
     (dict(stop=[""]), "stop"),
     (dict(stop_token_ids=[-4]), "stop_token_ids"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias keys"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias keys"),
+    (dict(logit_bias={5: 100.5}), "logit_bias values"),
+    (dict(logit_bias={5: float("nan")}), "logit_bias values"),
+    (dict(logit_bias=dict.fromkeys(range(1025), 1.0)), "at most 1024"),
 ])
 def test_invalid_sampling_params_raise_value_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -144,6 +168,8 @@ def test_bad_prompt_rejected_before_any_work(tiny_llm):
         tiny_llm.generate([{"prompt_token_ids": [1, 10**6]}], use_tqdm=False)
     with pytest.raises(ValueError, match="empty"):
         tiny_llm.generate([{"prompt_token_ids": []}], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"logit_bias names token ids \[1000000\] outside the vocabulary"):
+        tiny_llm.generate("fine", SamplingParams(logit_bias={3: 1.0, 10**6: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         tiny_llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
     assert not engine.has_unfinished_requests()

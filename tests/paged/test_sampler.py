@@ -55,14 +55,20 @@ def test_filtered_distribution_matches_float64_reference(seed):
 
 
 def _meta(n, temperature, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_index=None, banned=None,
-          presence=0.0, frequency=0.0, repetition=1.0, penalty_ids=None, penalty_counts=None, logprobs=False):
+          presence=0.0, frequency=0.0, repetition=1.0, penalty_ids=None, penalty_counts=None, logprobs=False,
+          bias_ids=None, bias_values=None):
+    """`banned` [n, B] ids become -inf biases; `bias_ids`/`bias_values` [n, B] are passed as they are."""
     full = lambda v, dtype: jnp.full((n,), v, dtype)
+    if banned is not None:
+        bias_ids, bias_values = banned, np.where(np.asarray(banned) >= 0, -np.inf, 0.0)
+    if bias_ids is None:
+        bias_ids, bias_values = -np.ones((n, 4)), np.zeros((n, 4))
     return SamplingMetadata(
         temperature=full(temperature, jnp.float32), top_k=full(top_k, jnp.int32), top_p=full(top_p, jnp.float32),
         min_p=full(min_p, jnp.float32),
         seeds=jnp.asarray(seeds if seeds is not None else np.arange(n), jnp.uint32),
         output_index=jnp.asarray(output_index if output_index is not None else np.zeros(n), jnp.int32),
-        banned_ids=jnp.asarray(banned if banned is not None else -np.ones((n, 4)), jnp.int32),
+        bias_ids=jnp.asarray(bias_ids, jnp.int32), bias_values=jnp.asarray(bias_values, jnp.float32),
         presence_penalty=jnp.asarray(np.broadcast_to(presence, (n,)), jnp.float32),
         frequency_penalty=jnp.asarray(np.broadcast_to(frequency, (n,)), jnp.float32),
         repetition_penalty=jnp.asarray(np.broadcast_to(repetition, (n,)), jnp.float32),
@@ -112,6 +118,46 @@ def test_banned_ids_are_never_sampled():
     for temperature in (0.0, 1.0):
         tokens = np.asarray(sample(jnp.asarray(logits), _meta(2, temperature, banned=banned)).tokens)
         assert tokens[0] != 4 and tokens[1] == 4
+
+
+def test_logit_bias_shifts_greedy_and_sampled_tokens_as_float64_numpy():
+    """Greedy rows pick argmax(logits + bias); a sampled row draws from softmax(logits + bias) (4,000 draws
+    against the float64 probabilities); an id listed twice gets both biases, -inf included."""
+    rng = np.random.default_rng(11)
+    vocab = 8
+    logits = rng.normal(size=(3, vocab)).astype(np.float32)
+    ids = np.array([[2, 5, -1, -1], [0, 0, 7, -1], [1, 6, 3, -1]])
+    values = np.array([[4.0, -2.5, 0, 0], [-np.inf, 3.0, 1.5, 0], [2.0, -1.0, 0.5, 0]], np.float32)
+    biased = logits.astype(np.float64).copy()
+    for r in range(3):
+        for i, v in zip(ids[r], values[r]):
+            if i >= 0:
+                biased[r, i] += v
+    greedy = np.asarray(sample(jnp.asarray(logits), _meta(3, 0.0, bias_ids=ids, bias_values=values)).tokens)
+    np.testing.assert_array_equal(greedy, np.argmax(biased, axis=-1))
+    assert greedy[1] != 0  # banned, whatever else was added
+    n = 4000
+    tokens = np.asarray(sample(jnp.asarray(np.tile(logits[2], (n, 1))),
+                               _meta(n, 1.0, seeds=np.full(n, 3), output_index=np.arange(n),
+                                     bias_ids=np.tile(ids[2], (n, 1)), bias_values=np.tile(values[2], (n, 1)))).tokens)
+    probs = np.exp(biased[2] - biased[2].max())
+    probs /= probs.sum()
+    assert np.abs(np.bincount(tokens, minlength=vocab) / n - probs).max() < 0.03
+
+
+def test_logit_bias_applies_before_penalties():
+    """vLLM's order: the repetition penalty sees the biased logit (dividing a positive one, multiplying a
+    negative one), so a bias that flips a logit's sign changes how the penalty acts on it."""
+    logits = np.array([[1.0, 0.5, -0.2, 0.0]], np.float32)
+    ids, values = np.array([[0, 2]]), np.array([[-3.0, 1.0]], np.float32)
+    rep = 2.0
+    want = logits.astype(np.float64)[0] + np.array([-3.0, 0.0, 1.0, 0.0])
+    for i in (0, 2):  # both seen in the prompt
+        want[i] = want[i] / rep if want[i] > 0 else want[i] * rep
+    meta = _meta(1, 0.0, bias_ids=ids, bias_values=values, repetition=rep, penalty_ids=np.array([[0, 2]]),
+                 penalty_counts=np.zeros((1, 2)), logprobs=True)
+    out = sample(jnp.asarray(logits), meta)
+    assert int(np.asarray(out.tokens)[0]) == int(np.argmax(want))  # token 1: 0.5 beats 0.4 and -4.0
 
 
 def test_penalties_match_numpy_reference():
@@ -176,7 +222,7 @@ def test_first_argmax_equals_numpy_argmax(vocab):
 
 def test_greedy_rows_agree_on_the_plain_and_full_paths():
     """An all-greedy batch takes only the argmax; the same rows beside a row that needs the full path
-    (temperature, banned ids, penalties or logprobs) get the same tokens."""
+    (temperature, biases, penalties or logprobs) get the same tokens."""
     rng = np.random.default_rng(7)
     logits = rng.normal(size=(4, 50)).astype(np.float32)
     want = np.argmax(logits, axis=-1)

@@ -133,6 +133,9 @@ def test_models_tokenize_detokenize(server, client):
     (json.dumps({"prompt": "hi " * 400}).encode(), 400, "prompt"),
     (json.dumps({"prompt": [10**7]}).encode(), 400, "prompt"),
     (json.dumps({"prompt": "hi", "model": "gpt-4"}).encode(), 404, "model"),
+    (json.dumps({"prompt": "hi", "logit_bias": {"abc": 1}}).encode(), 400, "logit_bias"),
+    (json.dumps({"prompt": "hi", "logit_bias": {"5": 101}}).encode(), 400, "logit_bias"),
+    (json.dumps({"prompt": "hi", "logit_bias": {"9999999": 1}}).encode(), 400, "logit_bias"),
 ])
 def test_bad_input_gets_openai_shaped_4xx(server, client, body, status, param):
     response = httpx.post(server.url + "/v1/completions", content=body,
@@ -262,6 +265,26 @@ def test_echo_and_penalties_reach_the_sampler(client):
                                           **{**base, "max_tokens": 40}).choices[0].text
     repeated = client.completions.create(**{**base, "max_tokens": 40}).choices[0].text
     assert penalised != repeated
+
+
+def test_logit_bias_through_the_client(client, tiny_model_dir):
+    """The official client's logit_bias (token ids as keys) on both endpoints gives what LLM.generate gives
+    with the same biases; the bias must change the output."""
+    base = dict(model="tiny", max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+    plain = client.completions.create(prompt="Hello world", **base).choices[0].text
+    llm = LLM(tiny_model_dir, block_size=8, max_model_len=256, show_progress=False)
+    first = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    bias = {first.outputs[0].token_ids[0]: -100.0, 42: 5.0}
+    want = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logit_bias=bias),
+                        use_tqdm=False)[0].outputs[0].text
+    wire = {str(t): b for t, b in bias.items()}
+    got = client.completions.create(prompt="Hello world", logit_bias=wire, **base).choices[0].text
+    assert got == want and got != plain
+    messages = [{"role": "user", "content": "hi"}]
+    chat = client.chat.completions.create(messages=messages, logit_bias={"42": 100}, **base)
+    want_chat = llm.chat(messages, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                  logit_bias={42: 100.0}), use_tqdm=False)[0].outputs[0]
+    assert chat.choices[0].message.content == want_chat.text and want_chat.token_ids == [42] * 10
 
 
 def test_serving_benchmark_against_the_server(server, tmp_path):
