@@ -118,9 +118,9 @@ class LLMEngine:
                              f"within max_model_len={self.config.max_model_len}")
         if any(t >= vocab for t in params.stop_token_ids):
             raise ValueError(f"stop_token_ids {params.stop_token_ids} include ids outside the vocabulary [0, {vocab})")
-        if any(t >= vocab for t in params.logit_bias):
-            bad = sorted(t for t in params.logit_bias if t >= vocab)
-            raise ValueError(f"logit_bias names token ids {bad[:5]} outside the vocabulary [0, {vocab})")
+        outside = sorted(t for t in params.logit_bias if t >= vocab)
+        if outside:
+            raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab})")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         length_limit = self.config.max_model_len

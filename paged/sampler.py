@@ -6,8 +6,8 @@ on preemption, which recomputes but does not re-sample).
 
 Order of operations on a row's logits (vLLM's): logit biases (logit_bias, and -inf for the stop ids that
 min_tokens holds back), penalties (repetition, then frequency and presence), then greedy argmax or
-temperature -> min_p -> top_k -> top_p -> draw. Logprobs report the
-model's raw distribution (log-softmax of the logits before any of that), as vLLM does by default.
+temperature -> min_p -> top_k -> top_p -> draw. Logprobs report the model's raw distribution (log-softmax of
+the logits before any of that), as vLLM does by default.
 """
 
 from __future__ import annotations

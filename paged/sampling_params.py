@@ -13,6 +13,7 @@ MAX_LOGPROBS = 20
 MIN_LOGIT_ADJUSTMENTS = 16
 # OpenAI's range for a bias; vLLM's server enforces the same.
 MAX_LOGIT_BIAS = 100.0
+# Bounds a step's (id, bias) row width, hence how many step shapes logit_bias can compile.
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
