@@ -3,8 +3,9 @@
 from paged.engine import LLMEngine
 from paged.llm import LLM
 from paged.outputs import CompletionOutput, Logprob, RequestOutput
-from paged.sampling_params import SamplingParams
+from paged.sampling_params import InvalidTokenIds, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "Logprob", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "InvalidTokenIds", "Logprob", "RequestOutput", "SamplingParams",
+           "__version__"]

@@ -137,12 +137,12 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         min_p[i] = params.min_p
         seeds[i] = request.seed
         output_index[i] = request.num_output_tokens
-        ids, biases = list(params.logit_bias), list(params.logit_bias.values())
-        if request.num_output_tokens < params.min_tokens:  # stop ids are banned until min_tokens
-            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(request.eos_token_ids))
-            ids, biases = ids + banned, biases + [-np.inf] * len(banned)
-        if ids:
-            adjustment_rows.append((i, ids, biases))
+        banned = []  # stop ids are banned until min_tokens
+        if request.num_output_tokens < params.min_tokens:
+            banned = [*params.stop_token_ids, *(() if params.ignore_eos else request.eos_token_ids)]
+        if params.logit_bias or banned:
+            adjustment_rows.append((i, [*params.logit_bias, *banned],
+                                    [*params.logit_bias.values(), *[-np.inf] * len(banned)]))
         wants_logprobs[i] = params.logprobs is not None
         if params.has_penalties:
             presence[i], frequency[i] = params.presence_penalty, params.frequency_penalty

@@ -116,11 +116,7 @@ class LLMEngine:
         if len(prompt_token_ids) >= self.config.max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
                              f"within max_model_len={self.config.max_model_len}")
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids {params.stop_token_ids} include ids outside the vocabulary [0, {vocab})")
-        outside = sorted(t for t in params.logit_bias if t >= vocab)
-        if outside:
-            raise ValueError(f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab})")
+        params.check_vocab(vocab)
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         length_limit = self.config.max_model_len

@@ -17,6 +17,14 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
+class InvalidTokenIds(ValueError):
+    """Token ids outside the model's vocabulary; `field` names the parameter that holds them."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """Sampling and stopping controls for one request.
@@ -101,6 +109,14 @@ class SamplingParams:
                   f"got {bias!r} for token {token}")
         if self.prompt_logprobs is not None:
             raise NotImplementedError("prompt_logprobs is not implemented yet")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Raises InvalidTokenIds if stop_token_ids or logit_bias name ids outside [0, vocab_size)."""
+        for field, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+            outside = sorted(t for t in ids if t >= vocab_size)
+            if outside:
+                raise InvalidTokenIds(field, f"{field} names token ids {outside[:5]} outside the vocabulary "
+                                             f"[0, {vocab_size})")
 
     @property
     def greedy(self) -> bool:

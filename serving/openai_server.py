@@ -14,7 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from paged import RequestOutput, SamplingParams
+from paged import InvalidTokenIds, RequestOutput, SamplingParams
 from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from serving.metrics import EngineMetrics
 from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -114,11 +114,10 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
             params = body.sampling_params(max_tokens, logprobs)
         except ValueError as exc:
             raise APIError(400, str(exc))
-        vocab = llm_engine.model_config.vocab_size
-        outside = sorted(t for t in params.logit_bias if t >= vocab)
-        if outside:
-            raise APIError(400, f"logit_bias names token ids {outside[:5]} outside the vocabulary [0, {vocab})",
-                           param="logit_bias")
+        try:  # the engine checks again on submit, but its errors would name the prompt
+            params.check_vocab(llm_engine.model_config.vocab_size)
+        except InvalidTokenIds as exc:
+            raise APIError(400, str(exc), param=exc.field)
         return params
 
     async def submit_all(prompts: list[tuple[str | None, list[int] | None]], params: SamplingParams,
