@@ -3,8 +3,10 @@
     python -m benchmarks.serve --base-url http://127.0.0.1:8000 [--num-prompts 200] [--request-rate 4 | inf]
         [--max-concurrency 32] [--input-len 16 256] [--output-len 16 256] [--json out.json] [--png out.png]
 
-Sends random token-id prompts to /v1/completions with streaming, arrivals at a Poisson rate (or all at once
-with `inf`), optionally capped at a number in flight. Measures per request: TTFT (time to first token),
+Sends prompts to /v1/completions with streaming, arrivals at a Poisson rate (or all at once with `inf`),
+optionally capped at a number in flight. Prompts are random token ids (lengths uniform in --input-len, as
+vLLM's random dataset), or the first --num-prompts lines of a JSONL --dataset of {"prompt": text or
+"prompt_token_ids": [ids], "output_len": n}, the format `paged bench throughput --dataset` reads. Measures per request: TTFT (time to first token),
 TPOT (time per output token after the first), ITL (gaps between streamed chunks) and end-to-end latency;
 reports mean, median and p99 of each, request and token throughput, and failures.
 """
@@ -46,10 +48,36 @@ async def _one(client, url: str, headers: dict, payload: dict) -> dict:
     if error or not chunks:
         return {"ok": False, "error": error or "no tokens streamed"}
     out_tokens = usage["completion_tokens"] if usage else len(chunks)
+    prompt = payload["prompt"]
+    prompt_tokens = usage["prompt_tokens"] if usage else len(prompt) if isinstance(prompt, list) else None
     ttft = chunks[0] - start
-    return {"ok": True, "ttft": ttft, "e2e": end - start, "output_tokens": out_tokens,
+    return {"ok": True, "ttft": ttft, "e2e": end - start, "output_tokens": out_tokens, "prompt_tokens": prompt_tokens,
             "tpot": (end - start - ttft) / (out_tokens - 1) if out_tokens > 1 else None,
             "itl": list(np.diff(chunks))}
+
+
+def load_dataset(path: str, limit: int) -> list[tuple[str | list[int], int]]:
+    """The first `limit` (prompt, output_len) pairs of a JSONL file; a bad line is an error naming it."""
+    items = []
+    with open(path) as f:
+        for number, line in enumerate(f, 1):
+            if len(items) == limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+                prompt = item["prompt_token_ids"] if "prompt_token_ids" in item else item["prompt"]
+                output_len = int(item["output_len"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: want {{\"prompt\" or \"prompt_token_ids\", \"output_len\"}}, "
+                                 f"got {line.strip()[:80]!r} ({type(exc).__name__}: {exc})") from None
+            if not isinstance(prompt, (str, list)) or not prompt or output_len < 1:
+                raise ValueError(f"{path}:{number}: want a non-empty prompt and output_len >= 1, got {line.strip()[:80]!r}")
+            items.append((prompt, output_len))
+    if not items:
+        raise ValueError(f"{path}: no requests")
+    return items
 
 
 def _stats(values) -> dict:
@@ -70,11 +98,14 @@ async def run(args) -> dict:
         if model is None:
             model = (await client.get(args.base_url + "/v1/models", headers=headers)).json()["data"][0]["id"]
         rng = np.random.default_rng(args.seed)
-        in_lens = rng.integers(args.input_len[0], args.input_len[1] + 1, args.num_prompts)
-        out_lens = rng.integers(args.output_len[0], args.output_len[1] + 1, args.num_prompts)
-        payloads = [{"model": model, "prompt": rng.integers(10, args.vocab, int(n)).tolist(), "max_tokens": int(o),
-                     "temperature": 0, "stream": True, "ignore_eos": True,
-                     "stream_options": {"include_usage": True}} for n, o in zip(in_lens, out_lens)]
+        if args.dataset:
+            requests = load_dataset(args.dataset, args.num_prompts)
+        else:
+            in_lens = rng.integers(args.input_len[0], args.input_len[1] + 1, args.num_prompts)
+            out_lens = rng.integers(args.output_len[0], args.output_len[1] + 1, args.num_prompts)
+            requests = [(rng.integers(10, args.vocab, int(n)).tolist(), int(o)) for n, o in zip(in_lens, out_lens)]
+        payloads = [{"model": model, "prompt": prompt, "max_tokens": out_len, "temperature": 0, "stream": True,
+                     "ignore_eos": True, "stream_options": {"include_usage": True}} for prompt, out_len in requests]
         gate = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
         bar = tqdm(total=len(payloads), desc="requests", unit="req")
         url = args.base_url + "/v1/completions"
@@ -100,13 +131,14 @@ async def run(args) -> dict:
     ok = [r for r in results if r["ok"]]
     out_tokens = sum(r["output_tokens"] for r in ok)
     return {
-        "base_url": args.base_url, "model": model, "num_prompts": args.num_prompts,
+        "base_url": args.base_url, "model": model, "num_prompts": len(payloads), "dataset": args.dataset,
         "request_rate": args.request_rate, "max_concurrency": args.max_concurrency,
         "duration_s": duration, "completed": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r["error"] for r in results if not r["ok"]})[:5],
         "request_throughput": len(ok) / duration, "output_token_throughput": out_tokens / duration,
-        "total_token_throughput": (out_tokens + sum(len(p["prompt"]) for p, r in zip(payloads, results)
-                                                    if r["ok"])) / duration,
+        # None when a text prompt's server sent no usage: its prompt tokens are unknown here.
+        "total_token_throughput": (None if any(r["prompt_tokens"] is None for r in ok)
+                                   else (out_tokens + sum(r["prompt_tokens"] for r in ok)) / duration),
         "ttft_ms": _stats(r["ttft"] for r in ok), "tpot_ms": _stats(r["tpot"] for r in ok),
         "itl_ms": _stats(x for r in ok for x in r["itl"]), "e2e_ms": _stats(r["e2e"] for r in ok),
         "_samples": {"ttft": [r["ttft"] for r in ok], "itl": [x for r in ok for x in r["itl"]]},
@@ -135,6 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     parser.add_argument("--vocab", type=int, default=400, help="token ids are drawn from [10, vocab)")
+    parser.add_argument("--dataset", default=None, help="JSONL of {prompt, output_len} instead of random prompts")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (Poisson); inf = all at once")
     parser.add_argument("--max-concurrency", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=600)
@@ -142,6 +175,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
     args = parser.parse_args(argv)
+    if args.dataset:
+        try:  # a bad file fails here, before any request is sent
+            load_dataset(args.dataset, args.num_prompts)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
     result = asyncio.run(run(args))
     if args.png:
         plot(result, args.png)

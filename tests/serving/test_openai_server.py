@@ -295,3 +295,31 @@ def test_serving_benchmark_against_the_server(server, tmp_path):
     result = json.loads(out.read_text())
     assert code == 0 and result["completed"] == 6 and result["failed"] == 0
     assert result["ttft_ms"]["median"] > 0 and result["output_token_throughput"] > 0
+
+
+def test_serving_benchmark_reads_a_dataset(server, tmp_path, tiny_model_dir):
+    """--dataset sends the file's prompts (text or token ids) with their output lengths; the token counts
+    come from the server's usage, so text prompts count what the server's tokenizer made of them."""
+    from benchmarks.serve import main
+    data = tmp_path / "requests.jsonl"
+    lines = [{"prompt": "Hello world", "output_len": 5}, {"prompt_token_ids": [11, 12, 13], "output_len": 3},
+             {"prompt": "The quick brown fox", "output_len": 7}]
+    data.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    out = tmp_path / "serve.json"
+    code = main(["--base-url", server.url, "--api-key", KEY, "--dataset", str(data), "--num-prompts", "10",
+                 "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert code == 0 and result["completed"] == 3 and result["failed"] == 0 and result["num_prompts"] == 3
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)  # the completions endpoint adds special tokens
+    prompt_tokens = sum(len(tokenizer.encode(p)) for p in ("Hello world", "The quick brown fox")) + 3
+    assert result["total_token_throughput"] * result["duration_s"] == pytest.approx(prompt_tokens + 15)
+
+
+def test_serving_benchmark_refuses_a_bad_dataset(tmp_path, capsys):
+    from benchmarks.serve import main
+    data = tmp_path / "bad.jsonl"
+    data.write_text(json.dumps({"prompt": "hi", "output_len": 2}) + "\n" + json.dumps({"text": "hi"}) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--base-url", "http://127.0.0.1:9", "--dataset", str(data)])
+    assert exit_info.value.code == 2 and "bad.jsonl:2" in capsys.readouterr().err
