@@ -7,10 +7,10 @@ Backends are stateless objects selected by name; the model calls them inside the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import jax
-
 import jax.numpy as jnp
 
 from pallas_kernels import cpu_kernel
@@ -61,6 +61,14 @@ class ReferenceAttention:
     name = "reference"
     # A backend may also supply the matmul of the model's dense projections (None: XLA's dot).
     dot_general = None
+
+    @staticmethod
+    def live_rows(padded_rows: int, live: jax.Array):
+        """A context in which `dot_general`'s products over `padded_rows` rows may skip the rows from `live`
+        (int32 scalar) on: the model wraps the parts whose rows are the step's padded tokens or sequences
+        in it. Rows it skips come out as zeros; with XLA's dot nothing is skipped."""
+        del padded_rows, live
+        return contextlib.nullcontext()
 
     def write_kv(self, k_cache, v_cache, layer, k, v, meta: AttentionMetadata):
         return write_kv_to_cache(k_cache, v_cache, layer, k, v, meta.slot_mapping)
@@ -121,8 +129,10 @@ class CpuKernelAttention(XlaAttention):
     """
 
     name = "cpu"
-    # Decode-sized float32 projections go to the native matmul (pallas_kernels/cpu/matmul.cc).
+    # Decode-sized float32 projections go to the native matmul (pallas_kernels/cpu/matmul.cc), which skips
+    # the rows of padding that `live_rows` marks.
     dot_general = staticmethod(cpu_kernel.dense_dot_general)
+    live_rows = staticmethod(cpu_kernel.live_rows)
 
     def __init__(self):
         ok, reason = cpu_kernel.available()

@@ -203,14 +203,19 @@ class LlamaForCausalLM:
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         windows = jnp.asarray(cfg.layer_windows or (0,) * cfg.num_layers, jnp.int32)
-        h, k_all, v_all = run_layers(one_layer, (h, k_all, v_all), params["layers"], (layer_ids, windows))
+        # Tokens past query_start[-1] and sequences with seq_lens 0 are the buckets' padding: the backend's
+        # matmul may skip their rows (their outputs are never read).
+        with attention.live_rows(h.shape[0], meta.query_start[-1]):
+            h, k_all, v_all = run_layers(one_layer, (h, k_all, v_all), params["layers"], (layer_ids, windows))
         h = h[logits_indices]
         h = self.final_norm.apply({"params": params["norm"]}, h)
         if cfg.tie_word_embeddings:
             logits = jnp.einsum("sh,vh->sv", h, embed, preferred_element_type=jnp.float32)
         else:  # a `dot_general` takes what it can (the native CPU matmul: float32) and hands the rest to XLA
             dot = self.dot_general or jax.lax.dot_general
-            logits = dot(h, params["lm_head"]["kernel"], (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+            with attention.live_rows(h.shape[0], jnp.sum(meta.seq_lens > 0, dtype=jnp.int32)):
+                logits = dot(h, params["lm_head"]["kernel"], (((1,), (0,)), ((), ())),
+                             preferred_element_type=jnp.float32)
         if cfg.final_soft_cap:
             logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
         return logits, (k_all, v_all)

@@ -13,6 +13,8 @@ source, the compiler, the flags and jaxlib's version; `available()` says whether
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import hashlib
 import importlib.metadata
@@ -153,8 +155,13 @@ def paged_attention_cpu(
 MATMUL_MAX_ROWS = 192
 
 
-def matmul_cpu(x: jax.Array, w: jax.Array, *, _target: str = _MATMUL_TARGET) -> jax.Array:
-    """x [M, K] @ w [K, N] in float32 by the native kernel; N must be a multiple of 64."""
+def matmul_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = None, *,
+               _target: str = _MATMUL_TARGET) -> jax.Array:
+    """x [M, K] @ w [K, N] in float32 by the native kernel; N must be a multiple of 64.
+
+    live_rows: int32 scalar (may be traced); only rows [0, live_rows) are computed and the rest of the result
+      is zeros (rows past a step's real tokens are padding). None: all M.
+    """
     ok, reason = available()
     if not ok:
         raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
@@ -162,7 +169,27 @@ def matmul_cpu(x: jax.Array, w: jax.Array, *, _target: str = _MATMUL_TARGET) -> 
         raise ValueError(f"expected x [M, K] and w [K, N] with N a multiple of 64; got {x.shape} and {w.shape}")
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"matmul_cpu takes float32; got {x.dtype} and {w.dtype}")
-    return jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))(x, w)
+    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
+    if live.shape != () or not jnp.issubdtype(live.dtype, jnp.integer):
+        raise ValueError(f"live_rows must be an integer scalar; got {live.dtype}{list(live.shape)}")
+    call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
+    return call(x, w, live.astype(jnp.int32))
+
+
+# (padded rows, live rows) for dense_dot_general's products, set by `live_rows` while a model traces.
+_LIVE_ROWS: contextvars.ContextVar[tuple[int, jax.Array] | None] = contextvars.ContextVar("live_rows", default=None)
+
+
+@contextlib.contextmanager
+def live_rows(padded_rows: int, live: jax.Array):
+    """While tracing inside it, `dense_dot_general`'s native products over exactly `padded_rows` rows compute
+    only the first `live` (int32 scalar, may be traced) and give zeros after them. A model wraps the part of
+    its step whose rows are the step's padded tokens (or sequences) in it."""
+    token = _LIVE_ROWS.set((padded_rows, live))
+    try:
+        yield
+    finally:
+        _LIVE_ROWS.reset(token)
 
 
 def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
@@ -170,7 +197,7 @@ def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_ele
 
     Only the plain case is rerouted (lhs [..., K] contracted with rhs [K, N], no batch dimensions, at most
     MATMUL_MAX_ROWS rows, N a multiple of 64, float32 in and out), and only where the kernel was built with
-    its AVX-512 path; every other call is XLA's own.
+    its AVX-512 path; every other call is XLA's own. Inside `live_rows` the padding rows are skipped.
     """
     (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
     rows = int(np.prod(lhs.shape[:-1])) if lhs.ndim else 0
@@ -179,7 +206,8 @@ def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_ele
     fits = plain and (0 < rows <= MATMUL_MAX_ROWS and rhs.shape[1] % 64 == 0 and lhs.dtype == jnp.float32
                       and rhs.dtype == jnp.float32 and preferred_element_type in (None, jnp.float32))
     if fits and available()[0] and _VECTORIZED_MATMUL[0]:
-        out = matmul_cpu(lhs.reshape(rows, lhs.shape[-1]), rhs)
+        live = _LIVE_ROWS.get()
+        out = matmul_cpu(lhs.reshape(rows, lhs.shape[-1]), rhs, live[1] if live and live[0] == rows else None)
         return out.reshape(*lhs.shape[:-1], rhs.shape[1])
     return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
                                preferred_element_type=preferred_element_type, **kwargs)

@@ -8,9 +8,13 @@
 // contiguous piece; while a block computes, its tiles prefetch the block that comes next.
 //
 // Contract:
-//   x  [M, K]  float32 (row-major)
-//   w  [K, N]  float32, N a multiple of 64
-//   y  [M, N]  float32
+//   x     [M, K]  float32 (row-major)
+//   w     [K, N]  float32, N a multiple of 64
+//   live  []      int32: rows [0, live) are computed, rows [live, M) of y are zeros. A step's products are
+//                 padded to a bucket of rows; the padding is 8-12% of the rows of its compute-bound decode
+//                 steps on the benchmark workload, and skipping it leaves every live row's result as it was
+//                 (each row's sums run in the same order whatever the tile it falls in).
+//   y     [M, N]  float32
 // AVX-512 machines run the register-blocked path; elsewhere a plain loop keeps the call correct, and
 // MatmulCpuIsVectorized() tells the model to keep XLA's dot.
 
@@ -131,15 +135,19 @@ void panels(const float* x, const float* w, float* y, int64_t M, int64_t K, int6
 #endif
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wd[1] % kPanel)
     return ffi::Error::InvalidArgument("matmul_cpu: expected x [M, K] and w [K, N] with N a multiple of 64");
-  const int64_t M = xd[0], K = xd[1], N = wd[1];
+  if (live.element_count() != 1) return ffi::Error::InvalidArgument("matmul_cpu: expected a scalar live row count");
+  const int64_t K = xd[1], N = wd[1];
+  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
+  std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
+  if (M == 0) return ffi::Error::Success();
   const int64_t num_panels = N / kPanel;
   // One contiguous range of panels per thread (see panels()).
   const int64_t parts = std::min<int64_t>(num_panels, std::max<int64_t>(1, pool.num_threads()));
@@ -165,4 +173,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulCpu, MatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -205,6 +205,48 @@ def test_matmul_portable_build_matches_float64(portable_target):
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), atol=2e-4, rtol=2e-5)
 
 
+@pytest.mark.parametrize("live", [0, 1, 7, 40, 47, 48, 100])
+def test_matmul_live_rows(live):
+    """Rows from live_rows on are zeros (the input there holds garbage, NaN included); the rows before are
+    the float64 product and bit for bit what the whole product gives them. A traced count (as in the jitted
+    step) and counts past M behave the same."""
+    rng = np.random.default_rng(live)
+    x = rng.normal(size=(48, 200)).astype(np.float32)
+    x[live:] = np.nan
+    w = rng.normal(size=(200, 192)).astype(np.float32)
+    got = np.asarray(jax.jit(matmul_cpu)(jnp.asarray(x), jnp.asarray(w), jnp.int32(live)))
+    n = min(live, 48)
+    assert not np.any(got[n:])
+    np.testing.assert_allclose(got[:n].astype(np.float64), x[:n].astype(np.float64) @ w.astype(np.float64),
+                               atol=2e-4, rtol=2e-5)
+    whole = np.asarray(matmul_cpu(jnp.asarray(np.nan_to_num(x)), jnp.asarray(w)))
+    np.testing.assert_array_equal(got[:n], whole[:n])
+
+
+def test_dense_dot_general_skips_padding_only_for_the_marked_size():
+    """Inside live_rows(48, n) products over 48 rows compute n of them; other products are whole."""
+    from pallas_kernels import cpu_kernel
+    if not cpu_kernel._VECTORIZED_MATMUL[0]:
+        pytest.skip("no AVX-512: the model keeps XLA's dot, which skips nothing")
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.normal(size=(64, 128)), jnp.float32)
+    dims = (((1,), (0,)), ((), ()))
+
+    @jax.jit
+    def step(a, b, n):
+        with cpu_kernel.live_rows(48, n):
+            return cpu_kernel.dense_dot_general(a, w, dims), cpu_kernel.dense_dot_general(b, w, dims)
+
+    a = jnp.asarray(rng.normal(size=(48, 64)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(16, 64)), jnp.float32)
+    got_a, got_b = step(a, b, jnp.int32(30))
+    want_a, want_b = np.asarray(a) @ np.asarray(w), np.asarray(b) @ np.asarray(w)
+    np.testing.assert_allclose(np.asarray(got_a[:30]), want_a[:30], atol=2e-4, rtol=2e-5)
+    assert not np.any(np.asarray(got_a[30:]))
+    np.testing.assert_allclose(np.asarray(got_b), want_b, atol=2e-4, rtol=2e-5)
+    assert cpu_kernel._LIVE_ROWS.get() is None  # the context does not outlive the trace
+
+
 def test_matmul_fast_path_follows_the_cpu():
     """The AVX-512 matmul is built (and used by the model) exactly when the CPU has AVX-512."""
     from pathlib import Path
@@ -222,6 +264,10 @@ def test_matmul_refuses_what_it_cannot_do():
         matmul_cpu(jnp.zeros((4, 8)), jnp.zeros((8, 100)))
     with pytest.raises(ValueError, match="float32"):
         matmul_cpu(jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8, 64), jnp.bfloat16))
+    with pytest.raises(ValueError, match="live_rows must be an integer scalar"):
+        matmul_cpu(jnp.zeros((4, 8)), jnp.zeros((8, 64)), jnp.zeros(2, jnp.int32))
+    with pytest.raises(ValueError, match="live_rows must be an integer scalar"):
+        matmul_cpu(jnp.zeros((4, 8)), jnp.zeros((8, 64)), 2.5)
 
 
 @pytest.mark.parametrize("lhs_shape, rhs_shape, dtype, native", [
