@@ -32,8 +32,22 @@ def _result(name: str, workload, seconds: float, warmup: float, flops: float, ra
             "total_tokens_per_s": total / seconds, "mfu": flops / seconds / rate, **extra}
 
 
+_CACHE_HITS: list[int] = []  # persistent compilation cache hits so far in this process
+
+
+def _count_cache_hits() -> int:
+    import jax
+    if not _CACHE_HITS:
+        _CACHE_HITS.append(0)
+        jax.monitoring.register_event_listener(
+            lambda event, **kwargs: _CACHE_HITS.__setitem__(0, _CACHE_HITS[0] + 1)
+            if event == "/jax/compilation_cache/cache_hits" else None)
+    return _CACHE_HITS[0]
+
+
 def run_paged(model_dir: str, workload, engine_args: dict) -> tuple[float, float, dict]:
     from paged import LLM, SamplingParams
+    hits = _count_cache_hits()
     start = time.perf_counter()
     llm = LLM(model_dir, show_progress=False, **engine_args)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in workload.output_lens]
@@ -50,7 +64,9 @@ def run_paged(model_dir: str, workload, engine_args: dict) -> tuple[float, float
     by_kind = {k: split.pop(k) for k in ("device_decode_only", "device_with_prefill")}
     extra = {"compilations_in_timed_run": engine.num_compilations - compiles, "shapes_compiled": compiles,
              "steps": int(split.pop("steps")), "step_time_split_s": split, "device_time_by_step_kind_s": by_kind,
-             "preemptions": engine.num_preemptions}
+             "preemptions": engine.num_preemptions, "compilation_cache_dir": engine.compilation_cache_dir,
+             # Shapes loaded from the persistent cache during warm-up (a rerun's warm-up skips their compile).
+             "warmup_compilation_cache_hits": _count_cache_hits() - hits}
     return seconds, warmup, extra
 
 
@@ -214,6 +230,8 @@ def main(argv=None) -> int:
     kinds = results[0]["device_time_by_step_kind_s"]
     print("paged device time: " + ", ".join(f"{k} {v:.2f} s" for k, v in kinds.items())
           + f"; copy bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"paged warm-up: {results[0]['shapes_compiled']} shapes, {results[0]['warmup_compilation_cache_hits']} "
+          f"executables loaded from the compilation cache ({results[0]['compilation_cache_dir']})")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -33,6 +33,9 @@ class EngineConfig:
     # benchmark +5% output tokens/s; more where the device is not the host's own cores). step() returns each
     # step's outputs one call later. Same tokens either way.
     async_scheduling: bool = True
+    # Where compiled steps are kept between runs (paged/compilation_cache.py): "auto" = JAX's own setting if
+    # the user made one, else $PAGED_CACHE_DIR/xla (~/.cache/paged/xla); a path; or None to leave JAX alone.
+    compilation_cache_dir: str | None = "auto"
     seed: int = 0
 
     def validate(self) -> None:
@@ -59,6 +62,9 @@ class EngineConfig:
               f"layer_loop must be 'auto', 'scan' or 'unroll', got {self.layer_loop!r}")
         check(isinstance(self.async_scheduling, bool),
               f"async_scheduling must be True or False, got {self.async_scheduling!r}")
+        check(self.compilation_cache_dir is None or (isinstance(self.compilation_cache_dir, str)
+                                                      and self.compilation_cache_dir.strip() != ""),
+              f"compilation_cache_dir must be 'auto', a directory or None, got {self.compilation_cache_dir!r}")
         check(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
               f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
 

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from models import get_attention_backend, load_model
+from paged import compilation_cache
 from paged.batch import Buckets, padding_inputs, prepare_inputs
 from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.config import EngineConfig
@@ -36,6 +37,7 @@ class LLMEngine:
             raise NotImplementedError(f"quantization={quantization!r} is not implemented yet")
         config = EngineConfig(**engine_args)
         config.validate()
+        self.compilation_cache_dir = compilation_cache.configure(config.compilation_cache_dir)
         platform = jax.default_backend()
         attention = get_attention_backend(config.attention_backend, platform)
         unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and platform == "cpu")

@@ -26,8 +26,8 @@ class LLM:
                  max_model_len: int | None = None, attention_backend: str = "auto",
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
                  preemption_mode: str = "recompute", swap_space: float = 4.0, layer_loop: str = "auto",
-                 async_scheduling: bool = True, tensor_parallel_size: int = 1, quantization: str | None = None,
-                 show_progress: bool = True):
+                 async_scheduling: bool = True, compilation_cache_dir: str | None = "auto",
+                 tensor_parallel_size: int = 1, quantization: str | None = None, show_progress: bool = True):
         self.engine = LLMEngine(
             model, tokenizer=tokenizer, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
             quantization=quantization, show_progress=show_progress, seed=seed, block_size=block_size,
@@ -36,7 +36,7 @@ class LLM:
             max_model_len=max_model_len, attention_backend=attention_backend,
             enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
             preemption_mode=preemption_mode, swap_space=swap_space, layer_loop=layer_loop,
-            async_scheduling=async_scheduling)
+            async_scheduling=async_scheduling, compilation_cache_dir=compilation_cache_dir)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

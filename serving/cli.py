@@ -31,6 +31,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-async-scheduling", action="store_true",
                         help="wait for each step before scheduling the next (default: schedule the next one while "
                              "it runs)")
+    parser.add_argument("--compilation-cache-dir", default="auto",
+                        help="where compiled steps are kept between runs (auto: JAX's own setting, else "
+                             "$PAGED_CACHE_DIR/xla, i.e. ~/.cache/paged/xla); 'none' to leave JAX's settings alone")
+
+
+def _cache_dir_arg(value: str) -> str | None:
+    return None if value.lower() == "none" else value
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +65,8 @@ def _generate(args: argparse.Namespace) -> int:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=args.max_model_len, attention_backend=args.attention_backend,
               layer_loop=args.layer_loop, enable_chunked_prefill=not args.no_chunked_prefill,
-              async_scheduling=not args.no_async_scheduling)
+              async_scheduling=not args.no_async_scheduling,
+              compilation_cache_dir=_cache_dir_arg(args.compilation_cache_dir))
     loaded = time.perf_counter()
     outputs = llm.generate(args.prompts, params, use_tqdm=not args.json)
     done = time.perf_counter()
@@ -95,7 +103,8 @@ def _serve(args: argparse.Namespace) -> int:
                        attention_backend=args.attention_backend, enable_chunked_prefill=not args.no_chunked_prefill,
                        enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
                        swap_space=args.swap_space, layer_loop=args.layer_loop,
-                       async_scheduling=not args.no_async_scheduling)
+                       async_scheduling=not args.no_async_scheduling,
+                       compilation_cache_dir=_cache_dir_arg(args.compilation_cache_dir))
     if args.precompile:
         engine.precompile(show_progress=True)
     name = args.served_model_name or args.model

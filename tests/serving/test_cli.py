@@ -18,3 +18,16 @@ def test_generate_reports_bad_input(tiny_model_dir, capsys):
     code = main(["generate", "--model", tiny_model_dir, "--temperature", "-1", "hi"])
     assert code == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_generate_takes_a_compilation_cache_dir(tiny_model_dir, tmp_path, capsys):
+    import jax
+    saved = jax.config.jax_compilation_cache_dir
+    try:
+        code = main(["generate", "--model", tiny_model_dir, "--max-tokens", "3", "--block-size", "8",
+                     "--max-model-len", "64", "--compilation-cache-dir", str(tmp_path / "cache"), "--json", "hi"])
+        assert code == 0 and any((tmp_path / "cache").iterdir())
+    finally:
+        from jax.experimental.compilation_cache.compilation_cache import reset_cache
+        jax.config.update("jax_compilation_cache_dir", saved)
+        reset_cache()
