@@ -32,22 +32,29 @@ def _result(name: str, workload, seconds: float, warmup: float, flops: float, ra
             "total_tokens_per_s": total / seconds, "mfu": flops / seconds / rate, **extra}
 
 
-_CACHE_HITS: list[int] = []  # persistent compilation cache hits so far in this process
+class _CacheHits:
+    """Executables loaded from JAX's persistent compilation cache so far in this process."""
 
+    count = 0
+    _listening = False
 
-def _count_cache_hits() -> int:
-    import jax
-    if not _CACHE_HITS:
-        _CACHE_HITS.append(0)
-        jax.monitoring.register_event_listener(
-            lambda event, **kwargs: _CACHE_HITS.__setitem__(0, _CACHE_HITS[0] + 1)
-            if event == "/jax/compilation_cache/cache_hits" else None)
-    return _CACHE_HITS[0]
+    @classmethod
+    def so_far(cls) -> int:
+        if not cls._listening:
+            import jax
+            jax.monitoring.register_event_listener(cls._on_event)
+            cls._listening = True
+        return cls.count
+
+    @classmethod
+    def _on_event(cls, event: str, **kwargs) -> None:
+        if event == "/jax/compilation_cache/cache_hits":
+            cls.count += 1
 
 
 def run_paged(model_dir: str, workload, engine_args: dict) -> tuple[float, float, dict]:
     from paged import LLM, SamplingParams
-    hits = _count_cache_hits()
+    hits = _CacheHits.so_far()
     start = time.perf_counter()
     llm = LLM(model_dir, show_progress=False, **engine_args)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in workload.output_lens]
@@ -66,7 +73,7 @@ def run_paged(model_dir: str, workload, engine_args: dict) -> tuple[float, float
              "steps": int(split.pop("steps")), "step_time_split_s": split, "device_time_by_step_kind_s": by_kind,
              "preemptions": engine.num_preemptions, "compilation_cache_dir": engine.compilation_cache_dir,
              # Shapes loaded from the persistent cache during warm-up (a rerun's warm-up skips their compile).
-             "warmup_compilation_cache_hits": _count_cache_hits() - hits}
+             "warmup_compilation_cache_hits": _CacheHits.so_far() - hits}
     return seconds, warmup, extra
 
 

@@ -22,5 +22,10 @@ def test_throughput_benchmark_reports_every_system(tiny_model_dir, tmp_path):
         assert systems == ["paged"]
     paged = report["results"][0]
     assert paged["compilations_in_timed_run"] == 0, "warm-up must have compiled everything the run needs"
+    # Run again: this time paged's warm-up loads what the first run compiled.
+    assert main(args) == 0
+    again = json.loads(out.read_text())["results"][0]
+    assert again["compilation_cache_dir"] == paged["compilation_cache_dir"]
+    assert again["warmup_compilation_cache_hits"] > 0
     assert paged["output_tokens_per_s"] > 0 and 0 < paged["mfu"] < 1
     assert report["workload"]["requests"] == 4
