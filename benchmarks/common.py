@@ -62,17 +62,37 @@ def random_workload(num_requests: int, input_range: tuple[int, int], output_rang
     return Workload(prompts, [int(o) for o in out_lens])
 
 
-def jsonl_workload(path: str, tokenizer) -> Workload:
-    """Lines of {"prompt": str, "output_len": int} (or "prompt_token_ids")."""
-    prompts, outs = [], []
+def read_jsonl_requests(path: str, limit: int | None = None) -> list[tuple[str | list[int], int]]:
+    """(prompt text or token ids, output_len) from lines of {"prompt" or "prompt_token_ids", "output_len"}, the
+    first `limit` of them (None: all); a bad line is an error naming it."""
+    items = []
     with open(path) as f:
-        for line in f:
-            if line.strip():
+        for number, line in enumerate(f, 1):
+            if len(items) == limit:
+                break
+            if not line.strip():
+                continue
+            try:
                 item = json.loads(line)
-                ids = item.get("prompt_token_ids") or tokenizer.encode(item["prompt"])
-                prompts.append(list(ids))
-                outs.append(int(item["output_len"]))
-    return Workload(prompts, outs)
+                prompt = item["prompt_token_ids"] if "prompt_token_ids" in item else item["prompt"]
+                output_len = int(item["output_len"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ValueError(f"{path}:{number}: want {{\"prompt\" or \"prompt_token_ids\", \"output_len\"}}, "
+                                 f"got {line.strip()[:80]!r} ({type(exc).__name__}: {exc})") from None
+            if not isinstance(prompt, (str, list)) or not prompt or output_len < 1:
+                raise ValueError(f"{path}:{number}: want a non-empty prompt and output_len >= 1, "
+                                 f"got {line.strip()[:80]!r}")
+            items.append((prompt, output_len))
+    if not items:
+        raise ValueError(f"{path}: no requests")
+    return items
+
+
+def jsonl_workload(path: str, tokenizer) -> Workload:
+    """read_jsonl_requests' lines, text prompts tokenized."""
+    requests = read_jsonl_requests(path)
+    return Workload([list(p) if isinstance(p, list) else tokenizer.encode(p) for p, _ in requests],
+                    [n for _, n in requests])
 
 
 def matmul_rate(dtype="float32", size: int = 1024, repeats: int = 20) -> float:

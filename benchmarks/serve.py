@@ -6,9 +6,10 @@
 Sends prompts to /v1/completions with streaming, arrivals at a Poisson rate (or all at once with `inf`),
 optionally capped at a number in flight. Prompts are random token ids (lengths uniform in --input-len, as
 vLLM's random dataset), or the first --num-prompts lines of a JSONL --dataset of {"prompt": text or
-"prompt_token_ids": [ids], "output_len": n}, the format `paged bench throughput --dataset` reads. Measures per request: TTFT (time to first token),
-TPOT (time per output token after the first), ITL (gaps between streamed chunks) and end-to-end latency;
-reports mean, median and p99 of each, request and token throughput, and failures.
+"prompt_token_ids": [ids], "output_len": n}, the format `paged bench throughput --dataset` reads.
+Measures per request: TTFT (time to first token), TPOT (time per output token after the first), ITL (gaps
+between streamed chunks) and end-to-end latency; reports mean, median and p99 of each, request and token
+throughput, and failures.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import pyplot
+from benchmarks.common import pyplot, read_jsonl_requests
 
 
 async def _one(client, url: str, headers: dict, payload: dict) -> dict:
@@ -56,30 +57,6 @@ async def _one(client, url: str, headers: dict, payload: dict) -> dict:
             "itl": list(np.diff(chunks))}
 
 
-def load_dataset(path: str, limit: int) -> list[tuple[str | list[int], int]]:
-    """The first `limit` (prompt, output_len) pairs of a JSONL file; a bad line is an error naming it."""
-    items = []
-    with open(path) as f:
-        for number, line in enumerate(f, 1):
-            if len(items) == limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-                prompt = item["prompt_token_ids"] if "prompt_token_ids" in item else item["prompt"]
-                output_len = int(item["output_len"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{number}: want {{\"prompt\" or \"prompt_token_ids\", \"output_len\"}}, "
-                                 f"got {line.strip()[:80]!r} ({type(exc).__name__}: {exc})") from None
-            if not isinstance(prompt, (str, list)) or not prompt or output_len < 1:
-                raise ValueError(f"{path}:{number}: want a non-empty prompt and output_len >= 1, got {line.strip()[:80]!r}")
-            items.append((prompt, output_len))
-    if not items:
-        raise ValueError(f"{path}: no requests")
-    return items
-
-
 def _stats(values) -> dict:
     values = [v for v in values if v is not None]
     if not values:
@@ -99,7 +76,7 @@ async def run(args) -> dict:
             model = (await client.get(args.base_url + "/v1/models", headers=headers)).json()["data"][0]["id"]
         rng = np.random.default_rng(args.seed)
         if args.dataset:
-            requests = load_dataset(args.dataset, args.num_prompts)
+            requests = read_jsonl_requests(args.dataset, args.num_prompts)
         else:
             in_lens = rng.integers(args.input_len[0], args.input_len[1] + 1, args.num_prompts)
             out_lens = rng.integers(args.output_len[0], args.output_len[1] + 1, args.num_prompts)
@@ -177,7 +154,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.dataset:
         try:  # a bad file fails here, before any request is sent
-            load_dataset(args.dataset, args.num_prompts)
+            read_jsonl_requests(args.dataset, args.num_prompts)
         except (OSError, ValueError) as exc:
             parser.error(str(exc))
     result = asyncio.run(run(args))
