@@ -29,3 +29,18 @@ def test_throughput_benchmark_reports_every_system(tiny_model_dir, tmp_path):
     assert again["warmup_compilation_cache_hits"] > 0
     assert paged["output_tokens_per_s"] > 0 and 0 < paged["mfu"] < 1
     assert report["workload"]["requests"] == 4
+
+
+def test_throughput_benchmark_reads_a_dataset(tiny_model_dir, tmp_path):
+    """--dataset takes text prompts (tokenized with the model's tokenizer) and token-id prompts."""
+    from transformers import AutoTokenizer
+    data = tmp_path / "requests.jsonl"
+    data.write_text(json.dumps({"prompt": "Hello world", "output_len": 3}) + "\n"
+                    + json.dumps({"prompt_token_ids": [11, 12, 13, 14], "output_len": 5}) + "\n")
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", tiny_model_dir, "--dataset", str(data), "--no-hf-continuous",
+                 "--hf-batch-sizes", "--json", str(out)]) == 0
+    workload = json.loads(out.read_text())["workload"]
+    text_tokens = len(AutoTokenizer.from_pretrained(tiny_model_dir).encode("Hello world"))
+    assert workload["requests"] == 2 and workload["output_tokens"] == 8
+    assert workload["prompt_tokens"] == text_tokens + 4
