@@ -35,7 +35,7 @@ def check(name, got, expected, tol):
 def correctness() -> bool:
     from pallas_kernels import (paged_decode_attention, paged_decode_reference, ragged_paged_attention,
                                 ragged_paged_attention_reference)
-    from pallas_kernels.decode_mgpu import paged_decode_attention_mgpu
+    from pallas_kernels.gpu.decode_mgpu import paged_decode_attention_mgpu
     rng = np.random.default_rng(0)
     on_cpu = jax.default_backend() == "cpu"  # a dry run here: the Mosaic kernel under its interpreter
     ok = True

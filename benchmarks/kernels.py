@@ -88,7 +88,7 @@ def decode_implementations(on_gpu: bool, group: int, head_dim: int, dtype: str) 
 
     impls["cpu"] = _native_cpu(on_gpu, cpu)
     if on_gpu:
-        from pallas_kernels.decode_mgpu import paged_decode_attention_mgpu
+        from pallas_kernels.gpu.decode_mgpu import paged_decode_attention_mgpu
         if dtype in ("bfloat16", "float16") and head_dim % 64 == 0:
             impls["pallas-mosaic"] = lambda q, k, v, t, n, s: paged_decode_attention_mgpu(q, k, v, t, n, scale=s)
         else:
@@ -139,7 +139,7 @@ def prefill_implementations() -> dict:
 
 
 def _cpu_kernel():
-    from pallas_kernels import cpu_kernel
+    from pallas_kernels import cpu as cpu_kernel
     return cpu_kernel
 
 

@@ -7,13 +7,14 @@ Backends are stateless objects selected by name; the model calls them inside the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels import cpu_kernel
+from pallas_kernels import cpu, select_backends
 from pallas_kernels import (packed_causal_attention, paged_attention_chunked, paged_attention_reference,
                             paged_decode_attention, ragged_paged_attention, write_kv_to_cache)
 
@@ -21,54 +22,52 @@ from pallas_kernels import (packed_causal_attention, paged_attention_chunked, pa
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class AttentionMetadata:
-    """Per-step attention inputs; every array is padded to the step's bucket sizes.
+    """What every attention kernel reads for one step: the contract between `paged/batch.py` and the backends.
+
+    Arrays are host numpy when `paged/batch.py` builds them and device arrays inside the step, padded to the
+    step's buckets: T tokens, S sequence rows, P pages per row (the full page-table width). Padded tokens
+    write into the sink block and read as row 0 at position 0; padded rows have no tokens and length 0.
 
     Attributes:
       slot_mapping: int32 [T]; where each new token's K/V is written (block * block_size + offset).
       positions: int32 [T]; each token's position in its sequence.
       token_seq_ids: int32 [T]; the row of `page_tables` each token belongs to.
-      page_tables: int32 [S, P]; block ids of each scheduled sequence (0 = sink block).
-      query_start: int32 [S + 1]; packed offsets of each sequence's new tokens.
-      seq_lens: int32 [S]; context length of each sequence after this step (0 for padded rows).
-      tail_split: bool scalar; tokens packed at index >= S may attend among the new tokens (plus the cached
-        prefix of at most one sequence, `tail_prefix_seq`) instead of going through the pages one by one.
-      tail_prefix_seq: int32 scalar; that sequence's row in `page_tables` (-1: none).
-      tail_prefix_len: int32 scalar; how many of its tokens were cached before this step.
+      page_tables: int32 [S, P]; block ids of each row's sequence, in order (0 = the sink block).
+      query_start: int32 [S + 1]; packed offsets of each row's new tokens; query_start[-1] is the number of
+        real tokens (tokens from it on are padding).
+      seq_lens: int32 [S]; context length of each row after this step, new tokens included (0: padded row).
+      num_decode_rows: int32 scalar; rows with exactly one new token.
+      num_prefill_rows: int32 scalar; rows with more than one (prompts or prompt chunks).
+      backend_data: whatever one backend alone needs, built from the fields above by its `prepare` hook on
+        the host (None for backends that need nothing).
     """
 
-    slot_mapping: jax.Array
-    positions: jax.Array
-    token_seq_ids: jax.Array
-    page_tables: jax.Array
-    query_start: jax.Array
-    seq_lens: jax.Array
-    tail_split: jax.Array
-    tail_prefix_seq: jax.Array
-    tail_prefix_len: jax.Array
+    slot_mapping: Any
+    positions: Any
+    token_seq_ids: Any
+    page_tables: Any
+    query_start: Any
+    seq_lens: Any
+    num_decode_rows: Any
+    num_prefill_rows: Any
+    backend_data: Any = None
 
     @classmethod
     def placeholder(cls) -> "AttentionMetadata":
         """One token, one sequence, one page: enough to trace a layer (e.g. for its parameter shapes)."""
         zeros = lambda *shape: jnp.zeros(shape, jnp.int32)
         return cls(slot_mapping=zeros(1), positions=zeros(1), token_seq_ids=zeros(1), page_tables=zeros(1, 1),
-                   query_start=zeros(2), seq_lens=zeros(1), tail_split=jnp.zeros((), bool),
-                   tail_prefix_seq=zeros(), tail_prefix_len=zeros())
+                   query_start=zeros(2), seq_lens=zeros(1), num_decode_rows=zeros(), num_prefill_rows=zeros())
 
 
 class ReferenceAttention:
     """`jax.numpy` paged attention: gathers each token's pages and masks by position."""
 
     name = "reference"
-    # A backend may also supply the matmul of the model's dense projections (None: XLA's dot).
-    dot_general = None
 
-    @staticmethod
-    def live_rows(padded_rows: int, live: jax.Array):
-        """A context in which `dot_general`'s products over `padded_rows` rows may skip the rows from `live`
-        (int32 scalar) on: the model wraps the parts whose rows are the step's padded tokens or sequences
-        in it. Rows it skips come out as zeros; with XLA's dot nothing is skipped."""
-        del padded_rows, live
-        return contextlib.nullcontext()
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        """Host-side hook: fills `backend_data` from the common fields (numpy). Nothing for most backends."""
+        return meta
 
     def write_kv(self, k_cache, v_cache, layer, k, v, meta: AttentionMetadata):
         return write_kv_to_cache(k_cache, v_cache, layer, k, v, meta.slot_mapping)
@@ -81,16 +80,44 @@ class ReferenceAttention:
             scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TailSplit:
+    """XlaAttention's `backend_data`: whether tokens packed at index >= S may attend among the new tokens
+    (plus the cached prefix of at most one sequence) instead of going through the pages one by one.
+
+    Attributes:
+      enabled: bool scalar; at most one row with tokens past the first S slots has cached context.
+      prefix_seq: int32 scalar; that row (-1: none).
+      prefix_len: int32 scalar; how many of its tokens were cached before this step.
+    """
+
+    enabled: Any
+    prefix_seq: Any
+    prefix_len: Any
+
+
 class XlaAttention(ReferenceAttention):
     """XLA attention, the fast path on CPU.
 
-    Paged attention with an online softmax over chunks of pages; and when the step allows it (`tail_split`),
+    Paged attention with an online softmax over chunks of pages; and when the step allows it (`TailSplit`),
     only the first S token slots (one per sequence: the decode tokens come first) go through the pages, while
     the rest, prompt chunks, attend among the new tokens with one dense causal matrix plus, for at most one
     continuing prompt, its cached prefix read once for all its tokens: no per-token page gathers.
     """
 
     name = "xla"
+
+    def prepare(self, meta: AttentionMetadata) -> AttentionMetadata:
+        num_rows = len(meta.seq_lens)
+        query_lens = np.diff(meta.query_start)
+        cached = meta.seq_lens - query_lens  # tokens each row had in the pool before this step
+        tail_rows = np.flatnonzero((meta.query_start[1:] > num_rows) & (cached > 0) & (query_lens > 0))
+        first = tail_rows[0] if len(tail_rows) else -1
+        data = TailSplit(enabled=np.asarray(len(tail_rows) <= 1),
+                         prefix_seq=np.asarray(first, np.int32),
+                         prefix_len=np.asarray(cached[first] if len(tail_rows) else 0, np.int32))
+        return dataclasses.replace(meta, backend_data=data)
 
     def paged_attention(self, q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions, *, scale,
                         sliding_window, soft_cap):
@@ -107,21 +134,21 @@ class XlaAttention(ReferenceAttention):
             return paged(num_rows)
 
         def split(_):
-            prefix_row = meta.page_tables[jnp.maximum(meta.tail_prefix_seq, 0)]
+            tail = meta.backend_data
+            prefix_row = meta.page_tables[jnp.maximum(tail.prefix_seq, 0)]
             dense = packed_causal_attention(
                 q, k, v, meta.token_seq_ids, meta.positions, scale=scale, sliding_window=sliding_window,
                 soft_cap=soft_cap,
                 k_cache=k_cache, v_cache=v_cache, layer=layer, prefix_page_row=prefix_row,
-                prefix_seq_id=meta.tail_prefix_seq, prefix_len=meta.tail_prefix_len,
+                prefix_seq_id=tail.prefix_seq, prefix_len=tail.prefix_len,
                 num_real_tokens=meta.query_start[-1])
             return jnp.concatenate([paged(num_rows), dense[num_rows:]], axis=0)
 
-        return jax.lax.cond(meta.tail_split, split, lambda _: paged(q.shape[0]), None)
+        return jax.lax.cond(meta.backend_data.enabled, split, lambda _: paged(q.shape[0]), None)
 
 
 class CpuKernelAttention(XlaAttention):
-    """Every token through the native CPU kernel (pallas_kernels/cpu_kernel.py), prompt chunks included;
-    and the native matmul for the dense projections of decode-sized steps.
+    """Every token through the native CPU kernel (pallas_kernels/cpu), prompt chunks included.
 
     The kernel takes each prompt chunk as tiles of consecutive tokens that read their pages once per tile,
     which beats the XLA path's dense causal matrix (quadratic in the step's tokens, mostly masked).
@@ -129,13 +156,9 @@ class CpuKernelAttention(XlaAttention):
     """
 
     name = "cpu"
-    # Decode-sized float32 projections go to the native matmul (pallas_kernels/cpu/matmul.cc), which skips
-    # the rows of padding that `live_rows` marks.
-    dot_general = staticmethod(cpu_kernel.dense_dot_general)
-    live_rows = staticmethod(cpu_kernel.live_rows)
 
     def __init__(self):
-        ok, reason = cpu_kernel.available()
+        ok, reason = cpu.available()
         if not ok:
             raise RuntimeError(f"attention_backend='cpu' needs the native CPU kernel, which is unavailable: "
                                f"{reason}")
@@ -157,7 +180,7 @@ class CpuKernelAttention(XlaAttention):
         if not self._kernel_takes(q, k_cache):
             return super().paged_attention(q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions,
                                            scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
-        return cpu_kernel.paged_attention_cpu(q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions,
+        return cpu.paged_attention_cpu(q, k_cache, v_cache, layer, page_tables, token_seq_ids, positions,
                                               scale=scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
@@ -196,7 +219,7 @@ class PallasAttention(ReferenceAttention):
                 q, k_cache, v_cache, meta.page_tables, meta.query_start, meta.seq_lens, layer, sliding_window,
                 scale=scale, soft_cap=soft_cap, interpret=self.interpret)
 
-        return jax.lax.cond(jnp.max(q_lens) <= 1, decode, ragged, None)
+        return jax.lax.cond(meta.num_prefill_rows == 0, decode, ragged, None)
 
 
 class MosaicPallasAttention(PallasAttention):
@@ -209,7 +232,7 @@ class MosaicPallasAttention(PallasAttention):
     name = "pallas-mosaic"
 
     def decode_kernel(self, q, k_cache, v_cache, page_tables, lengths, layer, sliding_window, scale, soft_cap):
-        from pallas_kernels.decode_mgpu import paged_decode_attention_mgpu  # Mosaic GPU: imported only when used
+        from pallas_kernels.gpu.decode_mgpu import paged_decode_attention_mgpu  # Mosaic GPU: imported only when used
         interpret = jax.default_backend() == "cpu" if self.interpret is None else self.interpret
         return paged_decode_attention_mgpu(q, k_cache, v_cache, page_tables, lengths, layer, sliding_window,
                                            scale=scale, soft_cap=soft_cap, num_splits=self.decode_splits,
@@ -221,18 +244,7 @@ _BACKENDS = {"reference": ReferenceAttention, "xla": XlaAttention, "cpu": CpuKer
 
 
 def get_attention_backend(name: str, platform: str):
-    """Resolves `attention_backend=` ("auto", "pallas", "cpu", "xla", "reference") for a platform.
-
-    "auto" picks the Pallas kernels on GPU; on CPU the native kernel when it builds here, else the chunked
-    XLA path (Pallas kernels would run in interpret mode: correct, but a sequential loop over the grid).
-    """
-    if name == "auto":
-        if platform in ("gpu", "cuda", "rocm"):
-            name = "pallas"
-        else:  # the native kernel when this machine can build it; else XLA's chunked loop
-            name = "cpu" if platform == "cpu" and cpu_kernel.available()[0] else "xla"
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown attention_backend {name!r}; choose one of {['auto', *_BACKENDS]}")
-    if name == "cpu" and platform != "cpu":  # its FFI target exists only for the host platform
-        raise ValueError(f"attention_backend='cpu' runs on the CPU only; this engine runs on {platform!r}")
+    """The backend object for `attention_backend=` on a platform ("auto" resolved by
+    `pallas_kernels.select_backends`)."""
+    name, _ = select_backends(platform, name)
     return _BACKENDS[name]()

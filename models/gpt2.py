@@ -20,51 +20,58 @@ import jax.numpy as jnp
 from models.attention import AttentionMetadata, ReferenceAttention
 from models.config import ModelConfig
 from models.layers import activation, run_layers
+from models.linear import Embedding, Linear
 
 
 class GPT2Block(nn.Module):
     config: ModelConfig
     dtype: Any
+    linear_backend: str = "xla"
 
     @nn.compact
-    def __call__(self, h, k_cache, v_cache, layer, meta, attention):
+    def __call__(self, h, k_cache, v_cache, layer, meta, attention, live_rows=None):
         cfg = self.config
         norm = lambda name: nn.LayerNorm(epsilon=cfg.rms_norm_eps, dtype=self.dtype, param_dtype=self.dtype,
                                          name=name)
-        out, k_cache, v_cache = _Attention(cfg, self.dtype, name="attn")(norm("ln_1")(h), k_cache, v_cache, layer,
-                                                                         meta, attention)
+        out, k_cache, v_cache = _Attention(cfg, self.dtype, self.linear_backend, name="attn")(
+            norm("ln_1")(h), k_cache, v_cache, layer, meta, attention, live_rows)
         h = h + out
-        h = h + _MLP(cfg, self.dtype, name="mlp")(norm("ln_2")(h))
+        h = h + _MLP(cfg, self.dtype, self.linear_backend, name="mlp")(norm("ln_2")(h), live_rows)
         return h, k_cache, v_cache
 
 
 class _Attention(nn.Module):
+    """c_attn's fused q|k|v columns are not split for tensor parallelism (a shard would hold a slice of q and
+    none of k and v), so it is replicated; c_proj is row-parallel."""
+
     config: ModelConfig
     dtype: Any
+    linear_backend: str = "xla"
 
     @nn.compact
-    def __call__(self, x, k_cache, v_cache, layer, meta, attention):
+    def __call__(self, x, k_cache, v_cache, layer, meta, attention, live_rows=None):
         cfg = self.config
         num_tokens = x.shape[0]
-        qkv = nn.Dense(3 * cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="c_attn")(x)
+        linear = lambda n, name, parallel: Linear(n, self.dtype, True, parallel, self.linear_backend, name=name)
+        qkv = linear(3 * cfg.hidden_size, "c_attn", "replicated")(x, live_rows)
         q, k, v = (part.reshape(num_tokens, cfg.num_heads, cfg.head_dim) for part in jnp.split(qkv, 3, axis=-1))
         k_cache, v_cache = attention.write_kv(k_cache, v_cache, layer, k, v, meta)
         out = attention.attend(q, k, v, k_cache, v_cache, layer, meta, scale=cfg.head_dim ** -0.5)
-        out = nn.Dense(cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="c_proj")(
-            out.reshape(num_tokens, cfg.hidden_size))
+        out = linear(cfg.hidden_size, "c_proj", "row")(out.reshape(num_tokens, cfg.hidden_size), live_rows)
         return out, k_cache, v_cache
 
 
 class _MLP(nn.Module):
     config: ModelConfig
     dtype: Any
+    linear_backend: str = "xla"
 
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, live_rows=None):
         cfg = self.config
-        x = nn.Dense(cfg.intermediate_size, dtype=self.dtype, param_dtype=self.dtype, name="c_fc")(x)
-        return nn.Dense(cfg.hidden_size, dtype=self.dtype, param_dtype=self.dtype, name="c_proj")(
-            activation(cfg.hidden_act)(x))
+        linear = lambda n, name, parallel: Linear(n, self.dtype, True, parallel, self.linear_backend, name=name)
+        x = linear(cfg.intermediate_size, "c_fc", "column")(x, live_rows)
+        return linear(cfg.hidden_size, "c_proj", "row")(activation(cfg.hidden_act)(x), live_rows)
 
 
 class GPT2LMHeadModel:
@@ -72,18 +79,22 @@ class GPT2LMHeadModel:
 
     _LAYER_RE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(.+)\.(weight|bias)$")
 
-    def __init__(self, config: ModelConfig, dtype: Any, dot_general=None):
-        del dot_general  # GPT-2's blocks keep XLA's dot (see LlamaForCausalLM)
+    def __init__(self, config: ModelConfig, dtype: Any, linear_backend: str = "xla"):
         self.config = config
         self.dtype = jnp.dtype(dtype)
-        self.block = GPT2Block(config, self.dtype)
+        self.block = GPT2Block(config, self.dtype, linear_backend)
         self.final_norm = nn.LayerNorm(epsilon=config.rms_norm_eps, dtype=self.dtype, param_dtype=self.dtype)
+        self.wte = Embedding(config.vocab_size, config.hidden_size, self.dtype)
+        self.wpe = Embedding(config.max_position_embeddings, config.hidden_size, self.dtype, vocab_parallel=False)
 
-    def global_param_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
+    def global_params(self) -> dict:
+        """See LlamaForCausalLM.global_params."""
         c = self.config
-        return {("wte", "embedding"): (c.vocab_size, c.hidden_size),
-                ("wpe", "embedding"): (c.max_position_embeddings, c.hidden_size),
-                ("ln_f", "scale"): (c.hidden_size,), ("ln_f", "bias"): (c.hidden_size,)}
+        key = jax.random.key(0)
+        ids = jnp.zeros((1,), jnp.int32)
+        init = lambda module, x: jax.eval_shape(lambda: module.init(key, x))["params"]
+        return {"wte": init(self.wte, ids), "wpe": init(self.wpe, ids),
+                "ln_f": init(self.final_norm, jnp.zeros((1, c.hidden_size), self.dtype))}
 
     def checkpoint_target(self, name: str):
         name = name.removeprefix("transformer.")
@@ -104,7 +115,7 @@ class GPT2LMHeadModel:
     def split_fused(self, name: str, f):
         yield name, lambda: f.get_tensor(name)
 
-    def layer_param_shapes(self) -> dict:
+    def layer_params(self) -> dict:
         cfg = self.config
         h = jnp.zeros((1, cfg.hidden_size), self.dtype)
         kv = jnp.zeros((1, cfg.num_kv_heads, 2, 1, cfg.head_dim), self.dtype)
@@ -119,16 +130,17 @@ class GPT2LMHeadModel:
 
     def forward(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
         """See LlamaForCausalLM.forward."""
-        wte = params["wte"]["embedding"]
-        h = (wte[token_ids] + params["wpe"]["embedding"][meta.positions]).astype(self.dtype)
+        wte = {"params": params["wte"]}
+        h = (params["wte"]["embedding"][token_ids] + params["wpe"]["embedding"][meta.positions]).astype(self.dtype)
+        live_tokens = meta.query_start[-1]  # rows from it on are padding (see LlamaForCausalLM.forward)
 
         def one_layer(carry, xs):
             h, k_all, v_all = carry
             layer_params, index = xs
-            return self.block.apply({"params": layer_params}, h, k_all, v_all, index, meta, attention)
+            return self.block.apply({"params": layer_params}, h, k_all, v_all, index, meta, attention, live_tokens)
 
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         h, k_all, v_all = run_layers(one_layer, (h, *kv_cache), params["layers"], (layer_ids,))
         h = self.final_norm.apply({"params": params["ln_f"]}, h[logits_indices])
-        logits = jnp.einsum("sh,vh->sv", h, wte, preferred_element_type=jnp.float32)
+        logits = self.wte.apply(wte, h, method="attend")
         return logits, (k_all, v_all)

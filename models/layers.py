@@ -1,4 +1,7 @@
-"""Building blocks shared by the model families: RMSNorm, rotary embedding, gated MLP, GQA attention."""
+"""Building blocks shared by the model families: RMSNorm, rotary embedding, gated MLP, GQA attention.
+
+Every projection is a `models.linear.Linear`; `live_rows` (the step's real token count) passes through to it.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.config import ModelConfig
+from models.linear import Linear
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
@@ -98,41 +102,48 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool
 
 
 class GatedMLP(nn.Module):
+    """act(x @ gate) * (x @ up) @ down: gate and up column-parallel, down row-parallel."""
+
     config: ModelConfig
     dtype: Any
     intermediate_size: int | None = None  # default: the config's (MoE shared experts have their own)
-    dot_general: Callable | None = None  # the projections' matmul (None: lax.dot_general)
+    linear_backend: str = "xla"
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
         cfg = self.config
         inter = self.intermediate_size or cfg.intermediate_size
-        dense = lambda n, name: nn.Dense(n, use_bias=cfg.mlp_bias, dtype=self.dtype, param_dtype=self.dtype,
-                                         dot_general=self.dot_general or jax.lax.dot_general, name=name)
+        linear = lambda n, name, parallel: Linear(n, self.dtype, cfg.mlp_bias, parallel, self.linear_backend,
+                                                  name=name)
         act = activation(cfg.hidden_act)
-        hidden = act(dense(inter, "gate_proj")(x)) * dense(inter, "up_proj")(x)
-        return dense(cfg.hidden_size, "down_proj")(hidden)
+        hidden = act(linear(inter, "gate_proj", "column")(x, live_rows)) * linear(inter, "up_proj", "column")(
+            x, live_rows)
+        return linear(cfg.hidden_size, "down_proj", "row")(hidden, live_rows)
 
 
 class PagedSelfAttention(nn.Module):
     """GQA self-attention whose keys and values live in the paged KV pool.
 
     `attention` is the backend (models.attention); the pool is the whole stacked cache, `layer` selects ours.
+    q/k/v are column-parallel (whole heads per shard), o row-parallel.
     """
 
     config: ModelConfig
     dtype: Any
-    dot_general: Callable | None = None  # the projections' matmul (None: lax.dot_general)
+    linear_backend: str = "xla"
 
     @nn.compact
-    def __call__(self, x, cos, sin, k_cache, v_cache, layer, window, meta, attention):
+    def __call__(self, x, cos, sin, k_cache, v_cache, layer, window, meta, attention, live_rows=None):
         cfg = self.config
         num_tokens = x.shape[0]
-        dense = lambda n, name, bias: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype,
-                                               dot_general=self.dot_general or jax.lax.dot_general, name=name)
-        q = dense(cfg.q_size, "q_proj", cfg.attention_bias)(x).reshape(num_tokens, cfg.num_heads, cfg.head_dim)
-        k = dense(cfg.kv_size, "k_proj", cfg.attention_bias)(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-        v = dense(cfg.kv_size, "v_proj", cfg.attention_bias)(x).reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        linear = lambda n, name, bias, parallel: Linear(n, self.dtype, bias, parallel, self.linear_backend,
+                                                        name=name)
+        q = linear(cfg.q_size, "q_proj", cfg.attention_bias, "column")(x, live_rows)
+        k = linear(cfg.kv_size, "k_proj", cfg.attention_bias, "column")(x, live_rows)
+        v = linear(cfg.kv_size, "v_proj", cfg.attention_bias, "column")(x, live_rows)
+        q = q.reshape(num_tokens, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(num_tokens, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one, name="q_norm")(q)
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one, name="k_norm")(k)
@@ -142,7 +153,8 @@ class PagedSelfAttention(nn.Module):
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         out = attention.attend(q, k, v, k_cache, v_cache, layer, meta, scale=scale,
                                sliding_window=window if cfg.layer_windows else None, soft_cap=cfg.attn_soft_cap)
-        out = dense(cfg.hidden_size, "o_proj", cfg.o_proj_bias)(out.reshape(num_tokens, cfg.q_size))
+        out = linear(cfg.hidden_size, "o_proj", cfg.o_proj_bias, "row")(out.reshape(num_tokens, cfg.q_size),
+                                                                        live_rows)
         return out, k_cache, v_cache
 
 

@@ -13,7 +13,7 @@ unrolled loop that is faster on CPU, `layers` is a list of per-layer trees witho
     layers/post_attention_layernorm/scale
     layers/{pre,post}_feedforward_layernorm/scale     (Gemma 2 and 3)
     layers/mlp/{gate,up,down}_proj/kernel
-    layers/mlp/gate/kernel [L, H, E], layers/mlp/experts_{gate,up,down}_proj [L, E, in, out]   (MoE)
+    layers/mlp/gate/kernel [L, H, E], layers/mlp/experts_{gate,up,down}_proj/kernel [L, E, in, out]   (MoE)
     norm/scale                        [H]
     lm_head/kernel                    [H, V]   (absent when embeddings are tied)
     rotary/{global,local}             [P, 2, rotary_dim / 2]   (optional: `precomputed`, not a checkpoint's)
@@ -31,48 +31,52 @@ import jax.numpy as jnp
 from models.attention import AttentionMetadata, ReferenceAttention
 from models.config import ModelConfig
 from models.layers import GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin, rotary_table, run_layers
+from models.linear import Embedding, Linear
 from models.moe import SparseMoE
 
 
 class DecoderLayer(nn.Module):
     config: ModelConfig
     dtype: Any
-    dot_general: Any = None  # the dense projections' matmul (None: lax.dot_general)
+    linear_backend: str = "xla"
 
     @nn.compact
-    def __call__(self, h, cos, sin, k_cache, v_cache, layer, window, meta, attention):
+    def __call__(self, h, cos, sin, k_cache, v_cache, layer, window, meta, attention, live_rows=None):
         cfg = self.config
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one, name=name)
         x = norm("input_layernorm")(h)
-        x, k_cache, v_cache = PagedSelfAttention(cfg, self.dtype, self.dot_general, name="self_attn")(
-            x, cos, sin, k_cache, v_cache, layer, window, meta, attention)
-        mlp = (SparseMoE(cfg, self.dtype, name="mlp") if cfg.num_experts
-               else GatedMLP(cfg, self.dtype, dot_general=self.dot_general, name="mlp"))
+        x, k_cache, v_cache = PagedSelfAttention(cfg, self.dtype, self.linear_backend, name="self_attn")(
+            x, cos, sin, k_cache, v_cache, layer, window, meta, attention, live_rows)
+        mlp_cls = SparseMoE if cfg.num_experts else GatedMLP
+        mlp = mlp_cls(cfg, self.dtype, linear_backend=self.linear_backend, name="mlp")
         if cfg.sandwich_norms:  # Gemma 2: normalise each block's output before the residual add
             h = h + norm("post_attention_layernorm")(x)
-            h = h + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(h)))
+            h = h + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(h), live_rows))
             return h, k_cache, v_cache
         h = h + x
         x = norm("post_attention_layernorm")(h)
-        h = h + mlp(x)
+        h = h + mlp(x, live_rows)
         return h, k_cache, v_cache
 
 
 class LlamaForCausalLM:
     """Functional causal LM over a paged KV cache.
 
-    `forward(params, kv_cache, token_ids, meta, logits_indices)` returns logits float32 [S, V] for the
-    tokens picked by `logits_indices` (only those reach the LM head) and the updated cache.
+    `forward(params, kv_cache, token_ids, meta, logits_indices, attention)` returns logits float32 [S, V] for
+    the tokens picked by `logits_indices` (only those reach the LM head) and the updated cache.
     """
 
-    def __init__(self, config: ModelConfig, dtype: Any, dot_general=None):
-        """`dot_general` replaces lax.dot_general in the dense projections and the LM head (e.g. the native
-        CPU matmul for decode-sized steps); the parameters are the same either way."""
+    def __init__(self, config: ModelConfig, dtype: Any, linear_backend: str = "xla"):
+        """`linear_backend` names the matmul every projection and the LM head run (models.linear); the
+        parameters are the same whichever it is."""
         self.config = config
         self.dtype = jnp.dtype(dtype)
-        self.dot_general = dot_general
-        self.layer = DecoderLayer(config, self.dtype, dot_general)
+        self.linear_backend = linear_backend
+        self.layer = DecoderLayer(config, self.dtype, linear_backend)
         self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype, config.norm_plus_one)
+        self.embed = Embedding(config.vocab_size, config.hidden_size, self.dtype)
+        self.lm_head = Linear(config.vocab_size, self.dtype, parallel="column", backend=linear_backend,
+                              out_dtype=jnp.float32)
         rotary_dim = config.rotary_dim or config.head_dim
         self.inv_freq = config.rope.inv_freq(rotary_dim)
         self.local_inv_freq = config.local_rope.inv_freq(rotary_dim) if config.local_rope else None
@@ -87,13 +91,17 @@ class LlamaForCausalLM:
                    "post_attention_layernorm": "pre_feedforward_layernorm",
                    "post_mlp_layernorm": "post_feedforward_layernorm"}
 
-    def global_param_shapes(self) -> dict[tuple[str, ...], tuple[int, ...]]:
+    def global_params(self) -> dict:
+        """The parameters outside the decoder layers as Flax's init makes them (shapes and partition specs,
+        as `jax.ShapeDtypeStruct`s inside `nn.Partitioned`)."""
         cfg = self.config
-        shapes = {("embed_tokens", "embedding"): (cfg.vocab_size, cfg.hidden_size),
-                  ("norm", "scale"): (cfg.hidden_size,)}
+        key = jax.random.key(0)
+        h = jnp.zeros((1, cfg.hidden_size), self.dtype)
+        init = lambda module, *args: jax.eval_shape(lambda: module.init(key, *args))["params"]
+        params = {"embed_tokens": init(self.embed, jnp.zeros((1,), jnp.int32)), "norm": init(self.final_norm, h)}
         if not cfg.tie_word_embeddings:
-            shapes[("lm_head", "kernel")] = (cfg.hidden_size, cfg.vocab_size)
-        return shapes
+            params["lm_head"] = init(self.lm_head, h)
+        return params
 
     def checkpoint_target(self, name: str) -> tuple[tuple[str, ...], int | None, bool] | None:
         """HF tensor name -> (path in our tree, index or None, transpose?). None = not ours to load.
@@ -113,7 +121,7 @@ class LlamaForCausalLM:
         expert = self._EXPERT_RE.match(module)
         if expert:
             proj = self._EXPERT_NAMES.get(expert.group(2), expert.group(2))
-            return ("layers", "mlp", f"experts_{proj}"), (layer, int(expert.group(1))), True
+            return ("layers", "mlp", f"experts_{proj}", "kernel"), (layer, int(expert.group(1))), True
         if module == "block_sparse_moe.gate":
             module = "mlp.gate"
         if self.config.model_type == "glm4":  # its sandwich norms, in Gemma's names
@@ -145,8 +153,9 @@ class LlamaForCausalLM:
         for part, tensor in parts:
             yield f"{prefix}{part}.weight", lambda tensor=tensor: tensor
 
-    def layer_param_shapes(self) -> dict:
-        """Shapes of one decoder layer's parameters, from Flax's own init (used to validate checkpoints)."""
+    def layer_params(self) -> dict:
+        """One decoder layer's parameters as Flax's init makes them (shapes and partition specs; the loader
+        validates checkpoints against them)."""
         cfg = self.config
         h = jnp.zeros((1, cfg.hidden_size), self.dtype)
         cos = jnp.zeros((1, cfg.head_dim), jnp.float32)
@@ -178,8 +187,8 @@ class LlamaForCausalLM:
           (logits float32 [S, V], kv_cache)
         """
         cfg = self.config
-        embed = params["embed_tokens"]["embedding"]
-        h = embed[token_ids].astype(self.dtype)
+        embed = {"params": params["embed_tokens"]}
+        h = self.embed.apply(embed, token_ids)
         if cfg.embed_scale:  # Gemma: the normaliser is rounded to the model dtype first, as transformers does
             h = h * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
         tables = params.get("rotary", {})
@@ -188,6 +197,9 @@ class LlamaForCausalLM:
             local_cos, local_sin = rotary_cos_sin(meta.positions, self.local_inv_freq, cfg.rotary_interleaved,
                                                   tables.get("local"))
         k_all, v_all = kv_cache
+        # Tokens from query_start[-1] on are the buckets' padding: the linear layers may skip their rows
+        # (their outputs are never read).
+        live_tokens = meta.query_start[-1]
 
         def one_layer(carry, xs):
             h, k_all, v_all = carry
@@ -199,23 +211,18 @@ class LlamaForCausalLM:
             # The whole pool rides in the scan carry and each layer scatters into it, so with the pool
             # donated the update happens in place (no per-layer copies).
             return self.layer.apply({"params": layer_params}, h, layer_cos, layer_sin, k_all, v_all,
-                                    index, window, meta, attention)
+                                    index, window, meta, attention, live_tokens)
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         windows = jnp.asarray(cfg.layer_windows or (0,) * cfg.num_layers, jnp.int32)
-        # Tokens past query_start[-1] and sequences with seq_lens 0 are the buckets' padding: the backend's
-        # matmul may skip their rows (their outputs are never read).
-        with attention.live_rows(h.shape[0], meta.query_start[-1]):
-            h, k_all, v_all = run_layers(one_layer, (h, k_all, v_all), params["layers"], (layer_ids, windows))
+        h, k_all, v_all = run_layers(one_layer, (h, k_all, v_all), params["layers"], (layer_ids, windows))
         h = h[logits_indices]
         h = self.final_norm.apply({"params": params["norm"]}, h)
         if cfg.tie_word_embeddings:
-            logits = jnp.einsum("sh,vh->sv", h, embed, preferred_element_type=jnp.float32)
-        else:  # a `dot_general` takes what it can (the native CPU matmul: float32) and hands the rest to XLA
-            dot = self.dot_general or jax.lax.dot_general
-            with attention.live_rows(h.shape[0], jnp.sum(meta.seq_lens > 0, dtype=jnp.int32)):
-                logits = dot(h, params["lm_head"]["kernel"], (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+            logits = self.embed.apply(embed, h, method="attend")
+        else:  # rows of padded sequences (seq_lens 0) may be skipped
+            logits = self.lm_head.apply({"params": params["lm_head"]}, h,
+                                        jnp.sum(meta.seq_lens > 0, dtype=jnp.int32))
         if cfg.final_soft_cap:
             logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
         return logits, (k_all, v_all)

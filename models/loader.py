@@ -11,9 +11,11 @@ import json
 import os
 from typing import Any
 
+import flax.linen as nn
 import jax
 import ml_dtypes
 import numpy as np
+from jax.sharding import PartitionSpec
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
@@ -82,12 +84,26 @@ def _safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, f) for f in files]
 
 
+def _flat(tree) -> dict[tuple[str, ...], Any]:
+    return {tuple(p.key for p in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
 def _expected_shapes(model) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Every parameter the model needs: its global ones and its decoder layer's, stacked over layers."""
-    shapes = dict(model.global_param_shapes())
-    for path, leaf in jax.tree_util.tree_flatten_with_path(model.layer_param_shapes())[0]:
-        shapes[("layers", *(p.key for p in path))] = (model.config.num_layers, *leaf.shape)
+    """Every parameter the model needs: its global ones and its decoder layer's, stacked over layers (from
+    the modules' own init)."""
+    shapes = {key: leaf.shape for key, leaf in _flat(nn.unbox(model.global_params())).items()}
+    for key, leaf in _flat(nn.unbox(model.layer_params())).items():
+        shapes[("layers", *key)] = (model.config.num_layers, *leaf.shape)
     return shapes
+
+
+def partition_specs(model) -> dict[tuple[str, ...], PartitionSpec]:
+    """Each parameter's `PartitionSpec` over mesh axes (models.linear), keyed as `_expected_shapes` is: the
+    stacked layers' leading layer axis is not split."""
+    specs = {key: spec for key, spec in _flat(nn.get_partition_spec(model.global_params())).items()}
+    for key, spec in _flat(nn.get_partition_spec(model.layer_params())).items():
+        specs[("layers", *key)] = PartitionSpec(None, *spec)
+    return specs
 
 
 def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, show_progress: bool = True,
@@ -164,13 +180,13 @@ def _get_layer0(tree: dict, key: tuple[str, ...]):
 
 
 def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stacked_layers: bool = True,
-               dot_general=None):
+               linear_backend: str = "xla"):
     """Returns (model_dir, config, model, params, numpy dtype); see load_params for `stacked_layers` and
-    the model classes for `dot_general`."""
+    models.linear for `linear_backend`."""
     model_dir = resolve_model_path(model)
     config = load_model_config(model_dir)
     cls = model_class(config.architecture)
     np_dtype = resolve_dtype(dtype, config)
-    instance = cls(config, np_dtype, dot_general=dot_general)
+    instance = cls(config, np_dtype, linear_backend=linear_backend)
     params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers)
     return model_dir, config, instance, params, np_dtype

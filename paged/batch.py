@@ -111,7 +111,6 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     adjustment_rows: list[tuple[int, list[int], list[float]]] = []  # (row, token ids, biases)
 
     offset = 0
-    tail_prefixes = []  # sequences with tokens past the first S slots that need cached context
     for i, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
         start, stop = request.num_computed_tokens, request.num_computed_tokens + num_new
         token_ids[offset:offset + num_new] = request.token_ids[start:stop]
@@ -121,8 +120,6 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         positions[offset:offset + num_new] = np.arange(start, stop)
         slot_mapping[offset:offset + num_new] = block_manager.slots(request, start, stop)
         token_seq_ids[offset:offset + num_new] = i
-        if offset + num_new > s_pad and start > 0:
-            tail_prefixes.append((i, start))
         offset += num_new
         query_start[i + 1] = offset
         seq_lens[i] = stop
@@ -170,9 +167,8 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         token_source=token_source,
         attention=AttentionMetadata(slot_mapping=slot_mapping, positions=positions, token_seq_ids=token_seq_ids,
                                     page_tables=page_tables, query_start=query_start, seq_lens=seq_lens,
-                                    tail_split=np.asarray(len(tail_prefixes) <= 1),
-                                    tail_prefix_seq=np.asarray(tail_prefixes[0][0] if tail_prefixes else -1, np.int32),
-                                    tail_prefix_len=np.asarray(tail_prefixes[0][1] if tail_prefixes else 0, np.int32)),
+                                    num_decode_rows=np.asarray(sum(n == 1 for n in batch.num_new_tokens), np.int32),
+                                    num_prefill_rows=np.asarray(sum(n > 1 for n in batch.num_new_tokens), np.int32)),
         logits_indices=logits_indices,
         sampling=SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
                                   output_index=output_index, bias_ids=bias_ids, bias_values=bias_values,

@@ -24,6 +24,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space: float = 4.0  # GiB of host memory for swapped-out K/V (preemption_mode="swap")
     attention_backend: str = "auto"
+    linear_backend: str = "auto"
     # How the decoder layers run: "scan" compiles one layer and loops over stacked weights; "unroll" compiles
     # every layer with its own weights. "auto" unrolls on CPU, where XLA copies each scanned layer's weights
     # out of the stacked arrays on every step (unrolled decode steps are 10-30% faster there, compiles slower).

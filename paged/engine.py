@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from models import get_attention_backend, load_model
+from pallas_kernels import select_backends
 from paged import compilation_cache
 from paged.batch import Buckets, padding_inputs, prepare_inputs
 from paged.block_manager import SINK_BLOCK, BlockManager
@@ -39,15 +40,16 @@ class LLMEngine:
         config.validate()
         self.compilation_cache_dir = compilation_cache.configure(config.compilation_cache_dir)
         platform = jax.default_backend()
-        attention = get_attention_backend(config.attention_backend, platform)
+        attention_name, self.linear_backend = select_backends(platform, config.attention_backend,
+                                                              config.linear_backend)
+        attention = get_attention_backend(attention_name, platform)
         unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and platform == "cpu")
-        dot_general = attention.dot_general  # the native CPU backend brings its decode-sized matmul
 
         from models.tiny import TINY_MODEL_NAME, default_tiny_model_dir
         if model == TINY_MODEL_NAME:
             model = default_tiny_model_dir()
         model_dir, self.model_config, self.model, params, self.dtype = load_model(
-            model, dtype, show_progress, stacked_layers=not unroll, dot_general=dot_general)
+            model, dtype, show_progress, stacked_layers=not unroll, linear_backend=self.linear_backend)
         self.config = config = config.resolved(self.model_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(tokenizer or model_dir)
         eos = self.model_config.eos_token_ids

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import jax
@@ -63,6 +64,7 @@ class ModelRunner:
         them) and this step's padded tokens for the next launch.
         """
         previous = self.no_tokens if previous_tokens is None else previous_tokens
+        inputs = dataclasses.replace(inputs, attention=self.attention.prepare(inputs.attention))
         self.kv_cache, out, tokens = self._step(self.params, self.kv_cache, inputs, previous)
         return out, tokens
 

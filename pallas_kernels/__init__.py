@@ -1,17 +1,21 @@
-"""Paged attention kernels and their plain `jax.numpy` references.
+"""Paged attention kernels and their plain `jax.numpy` references, arranged by where they run.
 
 This package imports nothing from the rest of the project: kernels are usable on their own.
 
-- `paged_decode_attention`, `ragged_paged_attention`: portable Pallas kernels (Triton lowering on NVIDIA
-  GPUs, interpret mode on CPU); `paged_decode_reference`, `ragged_paged_attention_reference` beside them.
-- `cpu_kernel.paged_attention_cpu`: a native CPU kernel (C++ through XLA's FFI, built on first use), the
-  fastest paged read on CPU; `cpu_kernel.available()` says whether it built here.
-- `paged_attention_chunked`, `packed_causal_attention`: the XLA path (prompt chunks on CPU; the fallback).
-- `paged_attention_reference`, `write_kv_to_cache`: the token-level reference and the pool write.
+- `gpu/`: portable Pallas kernels, `paged_decode_attention` and `ragged_paged_attention` (Triton lowering on
+  NVIDIA GPUs, interpret mode on CPU), and the Hopper decode kernel (`gpu/decode_mgpu.py`, Mosaic GPU).
+- `cpu/`: the native CPU kernels (C++ through XLA's FFI, built on first use): `cpu.paged_attention_cpu`, the
+  fastest paged read on CPU, and `cpu.matmul_cpu`; `cpu.available()` says whether they built here.
+- `xla.py`: `paged_attention_chunked`, `packed_causal_attention`, the XLA path (prompt chunks; the fallback).
+- `reference.py`: `paged_attention_reference` and the per-kernel references; `write_kv_to_cache`.
+- `page_walk.py`: the page walk and online softmax the Pallas kernels share.
+- `platform.py`: `select_backends`, which kernels "auto" means on each platform.
+- `cache.py`: `cache_root()`, where builds and caches are kept (`$PAGED_CACHE_DIR`).
 """
 
-from pallas_kernels.decode import paged_decode_attention
-from pallas_kernels.ragged import ragged_paged_attention
+from pallas_kernels.gpu.decode import paged_decode_attention
+from pallas_kernels.gpu.ragged import ragged_paged_attention
+from pallas_kernels.platform import select_backends
 from pallas_kernels.reference import (
     paged_attention_reference,
     paged_decode_reference,
@@ -22,4 +26,4 @@ from pallas_kernels.xla import packed_causal_attention, paged_attention_chunked
 
 __all__ = ["packed_causal_attention", "paged_attention_chunked", "paged_attention_reference",
            "paged_decode_attention", "paged_decode_reference", "ragged_paged_attention",
-           "ragged_paged_attention_reference", "write_kv_to_cache"]
+           "ragged_paged_attention_reference", "select_backends", "write_kv_to_cache"]

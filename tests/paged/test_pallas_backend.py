@@ -62,8 +62,8 @@ def test_mosaic_backend_decode_step_matches_reference():
     meta = AttentionMetadata(
         slot_mapping=jnp.zeros(5, jnp.int32), positions=jnp.asarray([4, 39, 0, 0, 0], jnp.int32),
         token_seq_ids=jnp.asarray([0, 1, 0, 0, 0], jnp.int32), page_tables=tables,
-        query_start=jnp.asarray([0, 1, 2, 2, 2], jnp.int32), seq_lens=seq_lens, tail_split=jnp.zeros((), bool),
-        tail_prefix_seq=jnp.int32(-1), tail_prefix_len=jnp.int32(0))
+        query_start=jnp.asarray([0, 1, 2, 2, 2], jnp.int32), seq_lens=seq_lens, num_decode_rows=jnp.int32(2),
+        num_prefill_rows=jnp.int32(0))
     q = jnp.asarray(rng.normal(size=(5, num_kv_heads * group, head_dim)), jnp.bfloat16)
     args = (q, None, None, k_cache, v_cache, 1, meta)
     got = get_attention_backend("pallas-mosaic", "cpu").attend(*args, scale=0.125, sliding_window=jnp.int32(0))

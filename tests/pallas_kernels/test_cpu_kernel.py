@@ -1,4 +1,4 @@
-"""The native CPU kernel (pallas_kernels/cpu_kernel.py) against a float64 numpy loop over the same pages.
+"""The native CPU kernel (pallas_kernels/cpu) against a float64 numpy loop over the same pages.
 
 The kernel must build on every CI machine (it needs only g++), so these tests fail rather than skip when it
 does not: a silent fallback would leave the default CPU path untested.
@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.cpu_kernel import available, matmul_cpu, paged_attention_cpu
+from pallas_kernels.cpu import available, matmul_cpu, paged_attention_cpu
 from tests.pallas_kernels.kernel_inputs import LAYER, attention_f64, random_pool, tolerance
 
 
@@ -125,7 +125,7 @@ def portable_target():
     for pages of 16."""
     import platform
 
-    from pallas_kernels import cpu_kernel
+    from pallas_kernels import cpu as cpu_kernel
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("-mno-avx512f is an x86 flag; elsewhere the default build is already the portable one")
     target = "paged_attention_cpu_portable"
@@ -223,35 +223,11 @@ def test_matmul_live_rows(live):
     np.testing.assert_array_equal(got[:n], whole[:n])
 
 
-def test_dense_dot_general_skips_padding_only_for_the_marked_size():
-    """Inside live_rows(48, n) products over 48 rows compute n of them; other products are whole."""
-    from pallas_kernels import cpu_kernel
-    if not cpu_kernel._VECTORIZED_MATMUL[0]:
-        pytest.skip("no AVX-512: the model keeps XLA's dot, which skips nothing")
-    rng = np.random.default_rng(2)
-    w = jnp.asarray(rng.normal(size=(64, 128)), jnp.float32)
-    dims = (((1,), (0,)), ((), ()))
-
-    @jax.jit
-    def step(a, b, n):
-        with cpu_kernel.live_rows(48, n):
-            return cpu_kernel.dense_dot_general(a, w, dims), cpu_kernel.dense_dot_general(b, w, dims)
-
-    a = jnp.asarray(rng.normal(size=(48, 64)), jnp.float32)
-    b = jnp.asarray(rng.normal(size=(16, 64)), jnp.float32)
-    got_a, got_b = step(a, b, jnp.int32(30))
-    want_a, want_b = np.asarray(a) @ np.asarray(w), np.asarray(b) @ np.asarray(w)
-    np.testing.assert_allclose(np.asarray(got_a[:30]), want_a[:30], atol=2e-4, rtol=2e-5)
-    assert not np.any(np.asarray(got_a[30:]))
-    np.testing.assert_allclose(np.asarray(got_b), want_b, atol=2e-4, rtol=2e-5)
-    assert cpu_kernel._LIVE_ROWS.get() is None  # the context does not outlive the trace
-
-
 def test_matmul_fast_path_follows_the_cpu():
     """The AVX-512 matmul is built (and used by the model) exactly when the CPU has AVX-512."""
     from pathlib import Path
 
-    from pallas_kernels import cpu_kernel
+    from pallas_kernels import cpu as cpu_kernel
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
         pytest.skip("no /proc/cpuinfo to compare with")
@@ -268,27 +244,3 @@ def test_matmul_refuses_what_it_cannot_do():
         matmul_cpu(jnp.zeros((4, 8)), jnp.zeros((8, 64)), jnp.zeros(2, jnp.int32))
     with pytest.raises(ValueError, match="live_rows must be an integer scalar"):
         matmul_cpu(jnp.zeros((4, 8)), jnp.zeros((8, 64)), 2.5)
-
-
-@pytest.mark.parametrize("lhs_shape, rhs_shape, dtype, native", [
-    ((48, 512), (512, 128), np.float32, True),
-    ((2, 3, 64), (64, 64), np.float32, True),     # leading dims flattened into rows
-    ((192, 64), (64, 64), np.float32, True),      # the most rows it takes
-    ((193, 64), (64, 64), np.float32, False),     # a prompt-sized step: XLA's dot
-    ((8, 64), (64, 100), np.float32, False),      # N not a multiple of 64
-    ((8, 64), (64, 64), jnp.bfloat16, False),
-])
-def test_dense_dot_general_routes_and_matches_xla(monkeypatch, lhs_shape, rhs_shape, dtype, native):
-    from pallas_kernels import cpu_kernel
-    calls = []
-    real = cpu_kernel.matmul_cpu
-    monkeypatch.setattr(cpu_kernel, "matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
-    rng = np.random.default_rng(1)
-    lhs = jnp.asarray(rng.normal(size=lhs_shape), dtype)
-    rhs = jnp.asarray(rng.normal(size=rhs_shape), dtype)
-    dims = (((lhs.ndim - 1,), (0,)), ((), ()))
-    got = cpu_kernel.dense_dot_general(lhs, rhs, dims)
-    want = jax.lax.dot_general(lhs, rhs, dims)
-    assert bool(calls) == (native and cpu_kernel._VECTORIZED_MATMUL[0])
-    assert got.shape == want.shape and got.dtype == want.dtype
-    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), atol=2e-3, rtol=2e-3)

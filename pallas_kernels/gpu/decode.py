@@ -21,10 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-# Finite stand-in for -inf on masked logits: exp(MASK - m) underflows to 0 without inf - inf = NaN.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-# Keys per inner step: enough to amortise the loop and fill a tensor-core tile, small enough for registers.
-KEYS_PER_STEP = 64
+from pallas_kernels.page_walk import (KEYS_PER_STEP, attend_pages, decode_page_range, layer_window_scalars,
+                                     merge_splits)
+
 # Triton's dot needs at least 16 rows: small GQA groups are padded to this many query rows on GPU.
 GPU_MIN_ROWS = 16
 
@@ -45,26 +44,6 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, pages_per_seq: int, pag
     return max(1, min(wanted, pages_per_seq // (2 * pages_per_step)))
 
 
-def layer_window_scalars(layer, sliding_window) -> jax.Array:
-    """int32 [2] (layer, window; 0 = no window): the per-call scalars every kernel reads first."""
-    window = jnp.asarray(0 if sliding_window is None else sliding_window, jnp.int32)
-    return jnp.stack([jnp.asarray(layer, jnp.int32), window])
-
-
-def decode_page_range(length, window, split, pages_per_split, page_size, pages_per_step):
-    """The pages one decode program walks: (first visible key, start page, end page, inner steps).
-
-    The query sits at position length - 1 and sees keys from length - window on (all with window <= 0);
-    split `split` owns pages [split * pages_per_split, (split + 1) * pages_per_split).
-    """
-    first_key = jnp.where(window > 0, jnp.maximum(length - window, 0), 0)
-    split_start = split * pages_per_split
-    start_page = jnp.maximum(split_start, first_key // page_size)
-    end_page = jnp.minimum(split_start + pages_per_split, (length + page_size - 1) // page_size)
-    num_steps = jnp.maximum((end_page - start_page + pages_per_step - 1) // pages_per_step, 0)
-    return first_key, start_page, end_page, num_steps
-
-
 def validate_decode_inputs(q, k_pages, v_pages, page_tables, lengths):
     if q.ndim != 3:
         raise ValueError(f"q must be [num_seqs, num_q_heads, head_dim]; got shape {q.shape}")
@@ -82,44 +61,6 @@ def validate_decode_inputs(q, k_pages, v_pages, page_tables, lengths):
                          f"{page_tables.dtype} {page_tables.shape}")
     if lengths.shape != (num_seqs,) or lengths.dtype != jnp.int32:
         raise ValueError(f"lengths must be int32 [num_seqs={num_seqs}]; got {lengths.dtype} {lengths.shape}")
-
-
-def attend_pages(q, page_row, k_ref, v_ref, layer, head, start_page, num_steps, visible_fn, *, soft_cap,
-                 pages_per_step):
-    """Online softmax of a tile of queries over a run of one sequence's pages (shared by the kernels).
-
-    q: float32 [rows, D], already scaled. page_row(first, n): int32 [n] page ids from the page table.
-    k_ref, v_ref: the pool [L, Hkv, N, bs, D] (pl.ANY). visible_fn(key_pos [rows, keys]) -> bool mask.
-    Walks `num_steps` steps of `pages_per_step` pages from `start_page`. Masked logits get a finite
-    MASK_VALUE and masked probabilities are forced to 0, so rows that see nothing end with l = 0, acc = 0.
-    Returns (m, l, acc): float32 [rows, 1], [rows, 1], [rows, D], acc unnormalised.
-    """
-    rows, head_dim = q.shape
-    page_size = k_ref.shape[3]
-    keys_per_step = pages_per_step * page_size
-
-    def body(step, carry):
-        m, l, acc = carry
-        page0 = start_page + step * pages_per_step
-        pages = page_row(page0, pages_per_step)
-        k = k_ref[layer, head, pages].reshape(keys_per_step, head_dim).astype(jnp.float32)
-        v = v_ref[layer, head, pages].reshape(keys_per_step, head_dim).astype(jnp.float32)
-        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-        if soft_cap is not None:
-            s = soft_cap * jnp.tanh(s / soft_cap)
-        visible = visible_fn(page0 * page_size + jax.lax.broadcasted_iota(jnp.int32, (rows, keys_per_step), 1))
-        s = jnp.where(visible, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(axis=1, keepdims=True))
-        p = jnp.where(visible, jnp.exp(s - m_new), 0.0)
-        correction = jnp.exp(m - m_new)
-        l = l * correction + p.sum(axis=1, keepdims=True)
-        acc = acc * correction + jnp.dot(p, v, preferred_element_type=jnp.float32)
-        return m_new, l, acc
-
-    m = jnp.full((rows, 1), MASK_VALUE, jnp.float32)
-    l = jnp.zeros((rows, 1), jnp.float32)
-    acc = jnp.zeros((rows, head_dim), jnp.float32)
-    return jax.lax.fori_loop(0, num_steps, body, (m, l, acc))
 
 
 def _decode_kernel(scalars_ref, lengths_ref, page_tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
@@ -238,12 +179,3 @@ def paged_decode_attention(
     if num_splits > 1:
         out = merge_splits(out, m, l)
     return out[0, :, :, :group].reshape(q.shape).astype(q.dtype)
-
-
-def merge_splits(out: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
-    """Combines per-split partial results [splits, ...] into a normalised [1, ...] result (log-sum-exp)."""
-    m_all = m.max(axis=0, keepdims=True)
-    weight = jnp.exp(m - m_all)  # splits that saw no key have l = 0 and add nothing
-    l_all = (l * weight).sum(axis=0, keepdims=True)
-    acc = (out * weight).sum(axis=0, keepdims=True)
-    return acc / jnp.where(l_all > 0, l_all, 1.0)

@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.decode import GPU_MIN_ROWS, KEYS_PER_STEP, attend_pages, layer_window_scalars
+from pallas_kernels.gpu.decode import GPU_MIN_ROWS
+from pallas_kernels.page_walk import KEYS_PER_STEP, attend_pages, layer_window_scalars
 
 
 def _validate(q, k_pages, v_pages, page_tables, query_start, seq_lens):

@@ -1,5 +1,5 @@
-"""Native CPU kernels as XLA FFI calls: paged attention (`cpu/paged_attention.cc`) and a decode-sized
-float32 matmul (`cpu/matmul.cc`).
+"""Native CPU kernels as XLA FFI calls: paged attention (`paged_attention.cc`) and a decode-sized float32
+matmul (`matmul.cc`), beside this file.
 
 XLA's CPU code cannot read pages in place: the chunked path (`xla.py`) gathers every chunk of pages into a
 temporary before its matmuls, and that copy plus the loop's per-op cost was 43% of the engine's device time
@@ -7,14 +7,12 @@ on the benchmark workload. This kernel walks each (token, KV head)'s pages strai
 keys the token can see, with the online softmax in registers, spread over XLA's intra-op threads.
 
 The source is compiled on first use with the machine's C++ compiler (`CXX`, default `g++`) for the host
-CPU (`-march=native`) and cached under `$PAGED_CACHE_DIR` (default `~/.cache/paged`) by a hash of the
+CPU (`-march=native`) and cached under `$PAGED_CACHE_DIR/kernels` (default `~/.cache/paged`; `pallas_kernels.cache`) by a hash of the
 source, the compiler, the flags and jaxlib's version; `available()` says whether that worked, and why not.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 import hashlib
 import importlib.metadata
@@ -29,7 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-_SOURCE_DIR = Path(__file__).parent / "cpu"
+from pallas_kernels.cache import cache_root
+
+_SOURCE_DIR = Path(__file__).parent
 _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "matmul.cc")
 _HEADERS = (_SOURCE_DIR / "parallel.h",)
 _TARGET = "paged_attention_cpu"
@@ -39,7 +39,7 @@ _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fP
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("PAGED_CACHE_DIR", Path.home() / ".cache" / "paged")) / "kernels"
+    return cache_root() / "kernels"
 
 
 def _host_cpu() -> str:
@@ -176,38 +176,6 @@ def matmul_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = N
     return call(x, w, live.astype(jnp.int32))
 
 
-# (padded rows, live rows) for dense_dot_general's products, set by `live_rows` while a model traces.
-_LIVE_ROWS: contextvars.ContextVar[tuple[int, jax.Array] | None] = contextvars.ContextVar("live_rows", default=None)
-
-
-@contextlib.contextmanager
-def live_rows(padded_rows: int, live: jax.Array):
-    """While tracing inside it, `dense_dot_general`'s native products over exactly `padded_rows` rows compute
-    only the first `live` (int32 scalar, may be traced) and give zeros after them. A model wraps the part of
-    its step whose rows are the step's padded tokens (or sequences) in it."""
-    token = _LIVE_ROWS.set((padded_rows, live))
-    try:
-        yield
-    finally:
-        _LIVE_ROWS.reset(token)
-
-
-def dense_dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None, **kwargs):
-    """`lax.dot_general` for `nn.Dense(dot_general=...)`: decode-sized float32 products go to `matmul_cpu`.
-
-    Only the plain case is rerouted (lhs [..., K] contracted with rhs [K, N], no batch dimensions, at most
-    MATMUL_MAX_ROWS rows, N a multiple of 64, float32 in and out), and only where the kernel was built with
-    its AVX-512 path; every other call is XLA's own. Inside `live_rows` the padding rows are skipped.
-    """
-    (lhs_contract, rhs_contract), (lhs_batch, rhs_batch) = dimension_numbers
-    rows = int(np.prod(lhs.shape[:-1])) if lhs.ndim else 0
-    plain = (tuple(lhs_contract) == (lhs.ndim - 1,) and tuple(rhs_contract) == (0,) and not lhs_batch
-             and not rhs_batch and rhs.ndim == 2)
-    fits = plain and (0 < rows <= MATMUL_MAX_ROWS and rhs.shape[1] % 64 == 0 and lhs.dtype == jnp.float32
-                      and rhs.dtype == jnp.float32 and preferred_element_type in (None, jnp.float32))
-    if fits and available()[0] and _VECTORIZED_MATMUL[0]:
-        live = _LIVE_ROWS.get()
-        out = matmul_cpu(lhs.reshape(rows, lhs.shape[-1]), rhs, live[1] if live and live[0] == rows else None)
-        return out.reshape(*lhs.shape[:-1], rhs.shape[1])
-    return jax.lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                               preferred_element_type=preferred_element_type, **kwargs)
+def matmul_is_vectorized() -> bool:
+    """Whether the default build has the AVX-512 matmul (without it XLA's dot is faster: callers keep XLA)."""
+    return available()[0] and _VECTORIZED_MATMUL[0]

@@ -1,0 +1,199 @@
+"""The one linear layer every projection goes through: `Linear`, `GroupedLinear` (MoE experts), `Embedding`.
+
+Each module owns three things, so that tensor parallelism and quantized weights attach here and nowhere else:
+- the parameter layout: today a float `kernel` [in, out] (HF's [out, in] transposed once at load time) and an
+  optional `bias` [out];
+- the logical sharding of its weight, named by mesh axes (`TENSOR_AXIS`), never by devices: "column"
+  splits the output features (q/k/v, gate/up, the LM head), "row" the input features (o, down), "replicated"
+  neither. The partition specs ride on the parameters as `flax.linen.Partitioned` metadata at init, so
+  `partition_specs(model)` reads them from the module's own init, as the loader reads the shapes;
+- which matmul runs (`LINEAR_BACKENDS`): XLA's dot, or the native CPU matmul for decode-sized steps.
+
+`live_rows` is the step's count of real rows (int32 scalar, may be traced): rows from it on are the buckets'
+padding, whose outputs nobody reads. A backend may skip them (the native matmul does: its rows come back as
+zeros); XLA's dot computes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import cpu
+
+TENSOR_AXIS = "tensor"  # the mesh axis tensor parallelism splits weights over
+PARALLEL_STYLES = ("column", "row", "replicated")
+
+# Rows per tile of the CPU grouped matmul: large enough for an efficient matmul, small enough that padding
+# each expert's group to a tile boundary (at most TILE_ROWS - 1 rows per expert) stays cheap.
+TILE_ROWS = 16
+
+
+def kernel_axes(parallel: str, ndim: int = 2) -> tuple[str | None, ...]:
+    """Mesh axis per kernel dimension ([..., in, out]; leading dims, e.g. experts, are not split)."""
+    if parallel not in PARALLEL_STYLES:
+        raise ValueError(f"parallel must be one of {PARALLEL_STYLES}, got {parallel!r}")
+    split = {"column": (None, TENSOR_AXIS), "row": (TENSOR_AXIS, None), "replicated": (None, None)}[parallel]
+    return (None,) * (ndim - 2) + split
+
+
+def xla_matmul(x: jax.Array, kernel: jax.Array, live_rows: jax.Array | None = None,
+               preferred_element_type: Any = None) -> jax.Array:
+    """x [..., K] @ kernel [K, N] by XLA's dot; every row is computed."""
+    del live_rows
+    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
+                               preferred_element_type=preferred_element_type)
+
+
+def native_cpu_matmul(x: jax.Array, kernel: jax.Array, live_rows: jax.Array | None = None,
+                      preferred_element_type: Any = None) -> jax.Array:
+    """The native CPU matmul (pallas_kernels/cpu/matmul.cc) where it wins, XLA's dot elsewhere.
+
+    Taken: float32 in and out, at most `cpu.MATMUL_MAX_ROWS` rows (decode-sized steps), N a multiple of 64, and
+    only where the kernel was built with its AVX-512 path. Rows from `live_rows` on come back as zeros.
+    """
+    rows = 1
+    for size in x.shape[:-1]:
+        rows *= size
+    fits = (0 < rows <= cpu.MATMUL_MAX_ROWS and kernel.ndim == 2 and kernel.shape[1] % 64 == 0
+            and x.dtype == jnp.float32 and kernel.dtype == jnp.float32
+            and preferred_element_type in (None, jnp.float32))
+    if fits and cpu.matmul_is_vectorized():
+        out = cpu.matmul_cpu(x.reshape(rows, x.shape[-1]), kernel, live_rows)
+        return out.reshape(*x.shape[:-1], kernel.shape[1])
+    return xla_matmul(x, kernel, None, preferred_element_type)
+
+
+# name -> matmul(x, kernel, live_rows, preferred_element_type); EngineConfig.linear_backend picks one.
+LINEAR_BACKENDS: dict[str, Callable] = {"xla": xla_matmul, "cpu": native_cpu_matmul}
+
+
+def linear_backend(name: str) -> Callable:
+    if name not in LINEAR_BACKENDS:
+        raise ValueError(f"unknown linear_backend {name!r}; choose one of {sorted(LINEAR_BACKENDS)}")
+    return LINEAR_BACKENDS[name]
+
+
+class Linear(nn.Module):
+    """y = x @ kernel (+ bias), computed in `dtype` (out in `out_dtype`, default `dtype`).
+
+    Parameters: kernel [in, out] and, with `use_bias`, bias [out], both `dtype`.
+    """
+
+    features: int
+    dtype: Any
+    use_bias: bool = False
+    parallel: str = "replicated"
+    backend: str = "xla"
+    out_dtype: Any = None  # e.g. float32 logits from a bfloat16 LM head
+
+    @nn.compact
+    def __call__(self, x: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
+        axes = kernel_axes(self.parallel)
+        kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(), axes),
+                            (x.shape[-1], self.features), self.dtype)
+        y = linear_backend(self.backend)(x.astype(self.dtype), kernel, live_rows, self.out_dtype)
+        if self.use_bias:
+            # A row-parallel layer adds its bias once, after the partial sums are reduced: replicated.
+            bias_axes = (axes[-1],) if self.parallel == "column" else (None,)
+            bias = self.param("bias", nn.with_partitioning(nn.initializers.zeros, bias_axes), (self.features,),
+                              self.dtype)
+            y = y + bias.astype(y.dtype)
+        return y
+
+
+class GroupedLinear(nn.Module):
+    """Rows sorted by group times their group's matrix: the MoE experts' projections.
+
+    Parameters: kernel [G, in, out], `dtype` (one matrix per expert).
+    """
+
+    features: int
+    num_groups: int
+    dtype: Any
+    parallel: str = "replicated"
+
+    @nn.compact
+    def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(batch_axis=(0,)),
+                                                           kernel_axes(self.parallel, 3)),
+                            (self.num_groups, x.shape[-1], self.features), self.dtype)
+        return grouped_matmul(x.astype(self.dtype), kernel, group_sizes)
+
+
+class Embedding(nn.Module):
+    """An embedding table [V, H], split over its rows (the vocabulary) unless `vocab_parallel` is off (small
+    tables such as GPT-2's positions); `attend` is the tied LM head."""
+
+    num_embeddings: int
+    features: int
+    dtype: Any
+    vocab_parallel: bool = True
+
+    def setup(self):
+        axes = (TENSOR_AXIS if self.vocab_parallel else None, None)
+        self.embedding = self.param("embedding", nn.with_partitioning(nn.initializers.normal(0.02), axes),
+                                    (self.num_embeddings, self.features), self.dtype)
+
+    def __call__(self, token_ids: jax.Array) -> jax.Array:
+        return self.embedding[token_ids].astype(self.dtype)
+
+    def attend(self, h: jax.Array) -> jax.Array:
+        """float32 logits [S, V] of h [S, H] against the table (tied embeddings)."""
+        return jnp.einsum("sh,vh->sv", h, self.embedding, preferred_element_type=jnp.float32)
+
+
+def partition_specs(params_with_metadata) -> Any:
+    """`PartitionSpec`s of a parameter tree initialised with these modules (None where a leaf has none)."""
+    return nn.get_partition_spec(params_with_metadata)
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tiled: bool | None = None) -> jax.Array:
+    """Rows of `x` sorted by group times their group's matrix.
+
+    On GPU/TPU this is `jax.lax.ragged_dot` (a native grouped GEMM there); on CPU, where jax lowers
+    `ragged_dot` densely, the groups are padded to tiles of `TILE_ROWS` rows and a loop over tiles multiplies
+    each tile by its one group's matrix: (M + G * TILE_ROWS) rows of work instead of M * G.
+
+    Args:
+      x: [M, K], rows of group 0 first, then group 1, ... (rows past sum(group_sizes) are ignored: zeros).
+      w: [G, K, N].
+      group_sizes: int32 [G].
+      tiled: use the tile loop (default: on CPU) instead of `jax.lax.ragged_dot`.
+    Returns:
+      [M, N] in x's dtype.
+    """
+    if tiled is None:
+        tiled = jax.default_backend() == "cpu"
+    if not tiled:
+        return jax.lax.ragged_dot(x, w, group_sizes.astype(jnp.int32), preferred_element_type=jnp.float32
+                                  ).astype(x.dtype)
+    num_rows, num_groups = x.shape[0], w.shape[0]
+    ends = jnp.cumsum(group_sizes)
+    starts = ends - group_sizes
+    padded_sizes = (group_sizes + TILE_ROWS - 1) // TILE_ROWS * TILE_ROWS
+    padded_ends = jnp.cumsum(padded_sizes)
+    padded_starts = padded_ends - padded_sizes
+    row = jnp.arange(num_rows, dtype=jnp.int32)
+    row_group = jnp.minimum(jnp.searchsorted(ends, row, side="right"), num_groups - 1)
+    real = row < ends[-1]
+    dest = jnp.where(real, padded_starts[row_group] + row - starts[row_group], -1)
+    num_tiles = -(-num_rows // TILE_ROWS) + num_groups  # static bound on the padded layout
+    padded = jnp.zeros((num_tiles * TILE_ROWS, x.shape[1]), x.dtype).at[dest].set(x, mode="drop")
+    tiles = padded.reshape(num_tiles, TILE_ROWS, x.shape[1])
+    tile_group = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * TILE_ROWS, side="right"),
+                             num_groups - 1)
+    tile_used = jnp.arange(num_tiles) * TILE_ROWS < padded_ends[-1]
+
+    def one_tile(_, xs):
+        tile, group, used = xs
+        out = jax.lax.cond(used, lambda: jnp.dot(tile, w[group], preferred_element_type=jnp.float32),
+                           lambda: jnp.zeros((TILE_ROWS, w.shape[2]), jnp.float32))
+        return None, out.astype(x.dtype)
+
+    _, out = jax.lax.scan(one_tile, None, (tiles, tile_group, tile_used))
+    out = out.reshape(num_tiles * TILE_ROWS, w.shape[2])
+    return jnp.where(real[:, None], out[jnp.maximum(dest, 0)], 0)

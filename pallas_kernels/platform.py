@@ -1,0 +1,37 @@
+"""Which kernels run where: the one place `attention_backend="auto"` and `linear_backend="auto"` resolve.
+
+GPU: the Pallas kernels (Triton lowering) and XLA's dot. CPU: the native kernels when this machine builds them
+(attention and the decode-sized matmul together), else XLA's chunked attention and dot. TPU: the XLA path
+until `tpu/` holds kernels. An explicit "xla" attention keeps XLA's dot too, so it stays the pure-XLA
+baseline that kernel comparisons measure against.
+"""
+
+from __future__ import annotations
+
+from pallas_kernels import cpu
+
+ATTENTION_BACKENDS = ("reference", "xla", "cpu", "pallas", "pallas-mosaic")
+LINEAR_BACKENDS = ("xla", "cpu")
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
+
+
+def select_backends(platform: str, attention: str = "auto", linear: str = "auto") -> tuple[str, str]:
+    """(attention backend, linear backend) names for `platform` (jax.default_backend()), "auto" resolved.
+
+    Raises ValueError for an unknown name or a backend that cannot run on the platform.
+    """
+    if attention == "auto":
+        if platform in GPU_PLATFORMS:
+            attention = "pallas"
+        else:
+            attention = "cpu" if platform == "cpu" and cpu.available()[0] else "xla"
+    if attention not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention_backend {attention!r}; choose one of {['auto', *ATTENTION_BACKENDS]}")
+    if linear == "auto":
+        linear = "cpu" if attention == "cpu" else "xla"
+    if linear not in LINEAR_BACKENDS:
+        raise ValueError(f"unknown linear_backend {linear!r}; choose one of {['auto', *LINEAR_BACKENDS]}")
+    for option, name in (("attention_backend", attention), ("linear_backend", linear)):
+        if name == "cpu" and platform != "cpu":  # the FFI targets exist only for the host platform
+            raise ValueError(f"{option}='cpu' runs on the CPU only; this engine runs on {platform!r}")
+    return attention, linear

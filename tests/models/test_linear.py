@@ -1,0 +1,113 @@
+"""models.linear: the one linear layer (float64 numpy as the reference), its matmul backends, and the
+partition specs every family's weights carry."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from models import model_config_from_hf
+from models.linear import Linear, native_cpu_matmul, xla_matmul
+from models.loader import partition_specs
+from models.registry import model_class
+from pallas_kernels import cpu as cpu_kernel
+
+
+@pytest.mark.parametrize("backend", ["xla", "cpu"])
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_linear_matches_float64(backend, use_bias):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(5, 3, 32)).astype(np.float32)
+    layer = Linear(64, jnp.float32, use_bias, "column", backend)
+    params = jax.tree.map(lambda a: jnp.asarray(rng.normal(size=a.shape), a.dtype),
+                          nn.unbox(layer.init(jax.random.key(0), jnp.asarray(x))["params"]))
+    got = np.asarray(layer.apply({"params": params}, jnp.asarray(x)), np.float64)
+    want = x.astype(np.float64) @ np.asarray(params["kernel"], np.float64)
+    if use_bias:
+        want = want + np.asarray(params["bias"], np.float64)
+    assert got.shape == (5, 3, 64)
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-5)
+
+
+def test_linear_out_dtype_keeps_float32_logits_from_bfloat16_weights():
+    layer = Linear(64, jnp.bfloat16, out_dtype=jnp.float32)
+    x = jnp.ones((2, 16), jnp.bfloat16)
+    params = nn.unbox(layer.init(jax.random.key(0), x)["params"])
+    assert params["kernel"].dtype == jnp.bfloat16
+    assert layer.apply({"params": params}, x).dtype == jnp.float32
+
+
+def test_native_matmul_skips_rows_past_live_rows():
+    """Products given a live-row count compute that many rows and give zeros after them; others are whole."""
+    if not cpu_kernel.matmul_is_vectorized():
+        pytest.skip("no AVX-512: the model keeps XLA's dot, which skips nothing")
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.normal(size=(64, 128)), jnp.float32)
+
+    @jax.jit
+    def step(a, b, n):
+        return native_cpu_matmul(a, w, n), native_cpu_matmul(b, w)
+
+    a = jnp.asarray(rng.normal(size=(48, 64)), jnp.float32)
+    b = jnp.asarray(rng.normal(size=(16, 64)), jnp.float32)
+    got_a, got_b = step(a, b, jnp.int32(30))
+    want_a, want_b = np.asarray(a) @ np.asarray(w), np.asarray(b) @ np.asarray(w)
+    np.testing.assert_allclose(np.asarray(got_a[:30]), want_a[:30], atol=2e-4, rtol=2e-5)
+    assert not np.any(np.asarray(got_a[30:]))
+    np.testing.assert_allclose(np.asarray(got_b), want_b, atol=2e-4, rtol=2e-5)
+
+
+@pytest.mark.parametrize("lhs_shape, rhs_shape, dtype, native", [
+    ((48, 512), (512, 128), np.float32, True),
+    ((2, 3, 64), (64, 64), np.float32, True),     # leading dims flattened into rows
+    ((192, 64), (64, 64), np.float32, True),      # the most rows it takes
+    ((193, 64), (64, 64), np.float32, False),     # a prompt-sized step: XLA's dot
+    ((8, 64), (64, 100), np.float32, False),      # N not a multiple of 64
+    ((8, 64), (64, 64), jnp.bfloat16, False),
+])
+def test_native_matmul_routes_and_matches_xla(monkeypatch, lhs_shape, rhs_shape, dtype, native):
+    calls = []
+    real = cpu_kernel.matmul_cpu
+    monkeypatch.setattr(cpu_kernel, "matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rng = np.random.default_rng(1)
+    lhs = jnp.asarray(rng.normal(size=lhs_shape), dtype)
+    rhs = jnp.asarray(rng.normal(size=rhs_shape), dtype)
+    got = native_cpu_matmul(lhs, rhs)
+    want = xla_matmul(lhs, rhs)
+    assert bool(calls) == (native and cpu_kernel.matmul_is_vectorized())
+    assert got.shape == want.shape and got.dtype == want.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64), atol=2e-3, rtol=2e-3)
+
+
+_LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128, hidden_size=64,
+              intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def test_llama_weights_carry_megatron_partition_specs():
+    """q/k/v and gate/up split their outputs over the tensor axis, o and down their inputs; the embedding and
+    LM head split the vocabulary; norms are replicated; the stacked layer axis is never split."""
+    config = model_config_from_hf(dict(_LLAMA, tie_word_embeddings=False))
+    specs = partition_specs(model_class(config.architecture)(config, jnp.float32))
+    attn, mlp = ("layers", "self_attn"), ("layers", "mlp")
+    for name in ("q_proj", "k_proj", "v_proj"):
+        assert specs[(*attn, name, "kernel")] == P(None, None, "tensor")
+    assert specs[(*attn, "o_proj", "kernel")] == P(None, "tensor", None)
+    assert specs[(*mlp, "gate_proj", "kernel")] == specs[(*mlp, "up_proj", "kernel")] == P(None, None, "tensor")
+    assert specs[(*mlp, "down_proj", "kernel")] == P(None, "tensor", None)
+    assert specs[("embed_tokens", "embedding")] == P("tensor", None)
+    assert specs[("lm_head", "kernel")] == P(None, "tensor")
+    assert specs[("layers", "input_layernorm", "scale")] == P(None)
+    assert specs[("norm", "scale")] == P()
+
+
+def test_moe_experts_are_grouped_and_split():
+    config = model_config_from_hf(dict(_LLAMA, architectures=["MixtralForCausalLM"], model_type="mixtral",
+                                       num_local_experts=4, num_experts_per_tok=2))
+    specs = partition_specs(model_class(config.architecture)(config, jnp.float32))
+    assert specs[("layers", "mlp", "experts_gate_proj", "kernel")] == P(None, None, None, "tensor")
+    assert specs[("layers", "mlp", "experts_down_proj", "kernel")] == P(None, None, "tensor", None)
+    assert specs[("layers", "mlp", "gate", "kernel")] == P(None, None, None)
