@@ -29,8 +29,8 @@ def pyplot():
 
 def default_model_dir() -> str:
     from models.tiny import create_tiny_llama
-    root = os.environ.get("PAGED_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "paged"))
-    directory = os.path.join(root, "bench-llama-30m")
+    from pallas_kernels.cache import cache_root
+    directory = str(cache_root() / "benchmarks" / "bench-llama-30m")
     if not os.path.exists(os.path.join(directory, "model.safetensors")):
         create_tiny_llama(directory, **DEFAULT_MODEL)
     return directory

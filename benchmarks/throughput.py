@@ -22,6 +22,7 @@ import time
 
 from benchmarks.common import (copy_bandwidth, default_model_dir, jsonl_workload, matmul_rate, pyplot,
                                random_workload, workload_flops)
+from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
 
 
 def _result(name: str, workload, seconds: float, warmup: float, flops: float, rate: float, **extra) -> dict:
@@ -161,25 +162,26 @@ def plot(results: list[dict], path: str) -> bool:
     return True
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF checkpoint directory (default: the 30M benchmark Llama)")
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     parser.add_argument("--dataset", default=None, help="JSONL of {prompt, output_len} instead of random")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="the workload's seed, and the engine's")
     parser.add_argument("--hf-batch-sizes", nargs="*", default=["16", "all"], help="static batch sizes ('all')")
     parser.add_argument("--no-hf-continuous", action="store_true")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--no-async-scheduling", action="store_true",
-                        help="run paged with synchronous steps (to see what async scheduling hides)")
+    # Every engine option, as `paged generate` takes it; prefix caching off by default, so that no run is
+    # flattered by hits on the warm-up's blocks.
+    add_engine_arguments(parser, defaults={"enable_prefix_caching": False}, exclude=("seed",))
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
 
     from models import load_model_config
     model_dir = args.model or default_model_dir()
@@ -191,9 +193,8 @@ def main(argv=None) -> int:
         workload = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len),
                                    config.vocab_size, args.seed)
     max_len = max(p + o for p, o in zip(workload.prompt_lens, workload.output_lens))
-    engine_args = dict(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       block_size=args.block_size, max_model_len=args.max_model_len or max_len,
-                       enable_prefix_caching=False, async_scheduling=not args.no_async_scheduling)
+    engine_args = {**engine_kwargs_from_cli_args(args), "seed": args.seed,
+                   "max_model_len": args.max_model_len or max_len}
     rate = matmul_rate()
     bandwidth = copy_bandwidth()
     flops = workload_flops(config, workload)

@@ -12,6 +12,8 @@ import os
 import numpy as np
 from safetensors.numpy import save_file
 
+from pallas_kernels.cache import cache_root
+
 TINY_MODEL_NAME = "paged-tiny-llama"
 
 _CORPUS = """Paged attention keeps the key-value cache in fixed-size blocks, like pages of virtual memory.
@@ -90,9 +92,8 @@ def create_tiny_llama(directory: str, *, vocab_size: int = 512, hidden_size: int
 
 
 def default_tiny_model_dir() -> str:
-    """The tiny model under the user's cache directory, created on first use."""
-    root = os.environ.get("PAGED_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "paged"))
-    directory = os.path.join(root, TINY_MODEL_NAME)
+    """The tiny model under the cache root (`$PAGED_CACHE_DIR`, pallas_kernels/cache.py), created on first use."""
+    directory = str(cache_root() / TINY_MODEL_NAME)
     if not os.path.exists(os.path.join(directory, "model.safetensors")):
         create_tiny_llama(directory)
     return directory

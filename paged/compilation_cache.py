@@ -9,16 +9,17 @@ process-wide JAX setting, so `configure` only sets it when asked and keeps one t
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import jax
 from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
+from pallas_kernels.cache import cache_root
+
 
 def default_dir() -> Path:
     """`$PAGED_CACHE_DIR/xla` (default `~/.cache/paged/xla`), beside the native kernels' builds."""
-    return Path(os.environ.get("PAGED_CACHE_DIR", Path.home() / ".cache" / "paged")) / "xla"
+    return cache_root() / "xla"
 
 
 def configure(setting: str | None) -> str | None:

@@ -1,49 +1,79 @@
-"""Engine configuration: one frozen dataclass, validated up front."""
+"""Engine configuration: one frozen dataclass, validated up front, and the one definition of every engine option.
+
+Each field carries its help text (and choices) in its metadata; `LLM(...)`, `paged generate`, `paged serve`
+and `paged bench throughput` all derive their keyword arguments and flags from it (`add_engine_arguments`,
+`from_cli_args`), so an option cannot exist in one front end and be missing in another.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+from typing import Any
+
+
+def _option(default, help: str, choices: tuple | None = None, aliases: tuple[str, ...] = ()):
+    """A field with its command-line help; `aliases` are extra flag spellings (e.g. a `--no-...` for a bool
+    that defaults to True)."""
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "aliases": aliases})
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Sizes that fix the engine's memory and compiled shapes.
+    """Every option of the engine besides the model itself.
 
     Defaults suit a CPU: 64 sequences and 512 tokens per step keep every compiled shape small while still
     batching decode widely; GPUs want larger values (vLLM uses 256 and 8192).
     """
 
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    gpu_memory_utilization: float = 0.9
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "recompute"
-    swap_space: float = 4.0  # GiB of host memory for swapped-out K/V (preemption_mode="swap")
-    attention_backend: str = "auto"
-    linear_backend: str = "auto"
-    # How the decoder layers run: "scan" compiles one layer and loops over stacked weights; "unroll" compiles
-    # every layer with its own weights. "auto" unrolls on CPU, where XLA copies each scanned layer's weights
-    # out of the stacked arrays on every step (unrolled decode steps are 10-30% faster there, compiles slower).
-    layer_loop: str = "auto"
+    tokenizer: str | None = _option(None, "tokenizer directory or hub id (default: the model's)")
+    dtype: Any = _option("auto", "weights and activations: auto keeps the checkpoint's; float32/float, "
+                                 "bfloat16, float16/half")
+    seed: int = _option(0, "seed of the engine's per-request sampling streams")
+    block_size: int = _option(16, "tokens per KV cache block", (1, 2, 4, 8, 16, 32, 64, 128))
+    num_kv_blocks: int | None = _option(None, "KV cache blocks (default: from the memory budget)")
+    gpu_memory_utilization: float = _option(0.9, "fraction of device memory (host memory on CPU) for weights "
+                                                 "and the KV cache")
+    max_num_seqs: int = _option(64, "most sequences per step")
+    max_num_batched_tokens: int | None = _option(None, "most tokens per step (default: 512 with chunked "
+                                                       "prefill, else max(512, max_model_len))")
+    max_model_len: int | None = _option(None, "longest prompt + output (default: the model's)")
+    enable_chunked_prefill: bool = _option(True, "split long prompts over steps", aliases=("--no-chunked-prefill",))
+    enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes",
+                                          aliases=("--no-prefix-caching",))
+    preemption_mode: str = _option("recompute", "what preemption does with a request's KV blocks",
+                                   ("recompute", "swap"))
+    swap_space: float = _option(4.0, "GiB of host memory for swapped-out K/V (preemption_mode=swap)")
+    attention_backend: str = _option("auto", "attention kernels (auto: Pallas on GPU, the native kernel on "
+                                             "CPU where it builds, else xla)",
+                                     ("auto", "xla", "cpu", "pallas", "pallas-mosaic", "reference"))
+    linear_backend: str = _option("auto", "matmul of the projections (auto: the native CPU matmul with the cpu "
+                                          "attention backend, else XLA's dot)", ("auto", "xla", "cpu"))
+    # "scan" compiles one layer and loops over stacked weights; "unroll" compiles every layer with its own
+    # weights. "auto" unrolls on CPU, where XLA copies each scanned layer's weights out of the stacked arrays
+    # on every step (unrolled decode steps are 10-30% faster there, compiles slower).
+    layer_loop: str = _option("auto", "scan the decoder layers (fast compiles) or unroll them (faster steps on "
+                                      "CPU); auto: unroll on CPU", ("auto", "scan", "unroll"))
     # Schedule and launch step t+1 while step t still runs, its rows reading t's samples on the device: the
-    # host's scheduling, input preparation and output handling overlap device work (on the 2-core CPU
-    # benchmark +5% output tokens/s; more where the device is not the host's own cores). step() returns each
-    # step's outputs one call later. Same tokens either way.
-    async_scheduling: bool = True
-    # Where compiled steps are kept between runs (paged/compilation_cache.py): "auto" = JAX's own setting if
-    # the user made one, else $PAGED_CACHE_DIR/xla (~/.cache/paged/xla); a path; or None to leave JAX alone.
-    compilation_cache_dir: str | None = "auto"
-    seed: int = 0
+    # host's scheduling, input preparation and output handling overlap device work (docs/performance.md has
+    # the measurements). step() returns each step's outputs one call later. Same tokens either way.
+    async_scheduling: bool = _option(True, "schedule the next step while one runs",
+                                     aliases=("--no-async-scheduling",))
+    # Where compiled steps are kept between runs (paged/compilation_cache.py).
+    compilation_cache_dir: str | None = _option(
+        "auto", "where compiled steps are kept between runs (auto: JAX's own setting, else "
+                "$PAGED_CACHE_DIR/xla, i.e. ~/.cache/paged/xla); none to leave JAX's settings alone")
+    tensor_parallel_size: int = _option(1, "devices each model replica is split over (only 1 so far)")
+    quantization: str | None = _option(None, "quantization method of the checkpoint (none implemented yet)")
 
     def validate(self) -> None:
         def check(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(message)
 
+        check(self.tokenizer is None or isinstance(self.tokenizer, str),
+              f"tokenizer must be None or a path or hub id, got {self.tokenizer!r}")
+        check(isinstance(self.seed, int) and not isinstance(self.seed, bool), f"seed must be an integer, got {self.seed!r}")
         check(isinstance(self.block_size, int) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
               f"block_size must be a power of two from 1 to 128, got {self.block_size!r}")
         check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 2),
@@ -83,3 +113,45 @@ class EngineConfig:
                              "without chunked prefill a long prompt could never be scheduled. Raise it, lower "
                              "max_model_len, or set enable_chunked_prefill=True")
         return dataclasses.replace(self, max_model_len=max_model_len, max_num_batched_tokens=tokens)
+
+
+def _field_type(field: dataclasses.Field) -> str:
+    """The field's type without `| None` ("int", "float", "str", "bool")."""
+    return str(field.type).replace(" | None", "").replace("None | ", "")
+
+
+def _parse_none(value: str) -> str | None:
+    return None if value.lower() == "none" else value
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, defaults: dict[str, Any] | None = None,
+                         exclude: tuple[str, ...] = ()) -> None:
+    """Adds one flag per EngineConfig field (`--max-num-seqs`; bools as `--name` / `--no-name` plus their
+    aliases). `defaults` overrides a field's default for this front end (e.g. a benchmark)."""
+    defaults = defaults or {}
+    group = parser.add_argument_group("engine options (paged.EngineConfig)")
+    for field in dataclasses.fields(EngineConfig):
+        if field.name in exclude:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        default = defaults.get(field.name, field.default)
+        meta = field.metadata
+        kind = _field_type(field)
+        if kind == "bool":
+            group.add_argument(flag, dest=field.name, action="store_true", default=default,
+                               help=f"{meta['help']} (default: {'on' if default else 'off'})")
+            group.add_argument(f"--no-{flag[2:]}", *meta["aliases"], dest=field.name, action="store_false",
+                               help="turn it off")
+            continue
+        parse = {"int": int, "float": float}.get(kind, _parse_none if "None" in str(field.type) else str)
+        group.add_argument(flag, *meta["aliases"], dest=field.name, type=parse, default=default,
+                           choices=meta["choices"], help=f"{meta['help']} (default: {default})")
+
+
+def engine_kwargs_from_cli_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineConfig fields that `add_engine_arguments` put on `args`, as keyword arguments."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+
+
+def engine_option_names() -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(EngineConfig))

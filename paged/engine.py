@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
 
 import jax
 import numpy as np
@@ -16,7 +15,7 @@ from pallas_kernels import select_backends
 from paged import compilation_cache
 from paged.batch import Buckets, padding_inputs, prepare_inputs
 from paged.block_manager import SINK_BLOCK, BlockManager
-from paged.config import EngineConfig
+from paged.config import EngineConfig, engine_option_names
 from paged.detokenizer import IncrementalDetokenizer, find_stop_string
 from paged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged.request import PLACEHOLDER, ParentRequest, Request, RequestStatus
@@ -29,15 +28,19 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, model: str, tokenizer: str | None = None, dtype: Any = "auto",
-                 tensor_parallel_size: int = 1, quantization: str | None = None, show_progress: bool = True,
-                 **engine_args):
-        if tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet")
-        if quantization is not None:
-            raise NotImplementedError(f"quantization={quantization!r} is not implemented yet")
+    def __init__(self, model: str, show_progress: bool = True, **engine_args):
+        """`engine_args`: any EngineConfig field (paged/config.py), e.g. dtype="bfloat16", max_num_seqs=32."""
+        unknown = sorted(set(engine_args) - set(engine_option_names()))
+        if unknown:
+            raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; the options are the fields of "
+                            f"paged.EngineConfig: {', '.join(engine_option_names())}")
         config = EngineConfig(**engine_args)
         config.validate()
+        if config.tensor_parallel_size != 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet")
+        if config.quantization is not None:
+            raise NotImplementedError(f"quantization={config.quantization!r} is not implemented yet")
+        tokenizer, dtype = config.tokenizer, config.dtype
         self.compilation_cache_dir = compilation_cache.configure(config.compilation_cache_dir)
         platform = jax.default_backend()
         attention_name, self.linear_backend = select_backends(platform, config.attention_backend,

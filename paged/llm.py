@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from typing import Any, Sequence
+import dataclasses
+import inspect
+from typing import Sequence
 
 from tqdm.auto import tqdm
 
+from paged.config import EngineConfig
 from paged.engine import LLMEngine
 from paged.outputs import RequestOutput
 from paged.sampling_params import SamplingParams
@@ -20,23 +23,11 @@ class LLM:
     `model="paged-tiny-llama"` builds a tiny random Llama offline (handy for trying the API).
     """
 
-    def __init__(self, model: str, tokenizer: str | None = None, dtype: Any = "auto", seed: int = 0,
-                 block_size: int = 16, num_kv_blocks: int | None = None, gpu_memory_utilization: float = 0.9,
-                 max_num_seqs: int = 64, max_num_batched_tokens: int | None = None,
-                 max_model_len: int | None = None, attention_backend: str = "auto",
-                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True,
-                 preemption_mode: str = "recompute", swap_space: float = 4.0, layer_loop: str = "auto",
-                 async_scheduling: bool = True, compilation_cache_dir: str | None = "auto",
-                 tensor_parallel_size: int = 1, quantization: str | None = None, show_progress: bool = True):
-        self.engine = LLMEngine(
-            model, tokenizer=tokenizer, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-            quantization=quantization, show_progress=show_progress, seed=seed, block_size=block_size,
-            num_kv_blocks=num_kv_blocks, gpu_memory_utilization=gpu_memory_utilization,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, attention_backend=attention_backend,
-            enable_prefix_caching=enable_prefix_caching, enable_chunked_prefill=enable_chunked_prefill,
-            preemption_mode=preemption_mode, swap_space=swap_space, layer_loop=layer_loop,
-            async_scheduling=async_scheduling, compilation_cache_dir=compilation_cache_dir)
+    def __init__(self, model: str, show_progress: bool = True, **engine_options):
+        """`engine_options`: any field of paged.EngineConfig (tokenizer, dtype, seed, block_size, max_num_seqs,
+        enable_prefix_caching, attention_backend, ...; see its help text), the same options the command line
+        takes as flags."""
+        self.engine = LLMEngine(model, show_progress=show_progress, **engine_options)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
@@ -112,3 +103,15 @@ def _split_prompt(prompt: PromptType, index: int) -> tuple[str | None, list[int]
             return prompt["prompt"], None
         raise ValueError(f"prompt {index}: a dict prompt needs 'prompt_token_ids' or 'prompt'")
     raise ValueError(f"prompt {index}: expected a string or a dict, got {type(prompt).__name__}")
+
+
+def _signature_with_engine_options(init) -> inspect.Signature:
+    """LLM.__init__'s signature with every EngineConfig field as a keyword (for help() and editors)."""
+    base = inspect.signature(init)
+    options = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+               for f in dataclasses.fields(EngineConfig)]
+    plain = [p for p in base.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    return base.replace(parameters=[*plain, *options])
+
+
+LLM.__init__.__signature__ = _signature_with_engine_options(LLM.__init__)

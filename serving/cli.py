@@ -1,4 +1,6 @@
-"""`paged` command line: `paged generate --model PATH "prompt" [sampling flags]`."""
+"""`paged` command line: `paged generate --model PATH "prompt"`, `paged serve MODEL`, `paged bench KIND`.
+
+Engine flags come from paged.EngineConfig's fields (paged/config.py), the same for every command."""
 
 from __future__ import annotations
 
@@ -8,36 +10,22 @@ import sys
 import time
 
 from models.tiny import TINY_MODEL_NAME
+from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
 
 
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=TINY_MODEL_NAME,
+def _add_model_and_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
                         help=f"HF checkpoint directory or hub id (default: {TINY_MODEL_NAME}, a tiny random Llama "
                              "built offline)")
-    parser.add_argument("--tokenizer", default=None)
-    parser.add_argument("--dtype", default="auto", help="auto, float32/float, bfloat16, float16/half")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-kv-blocks", type=int, default=None)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--layer-loop", default="auto", choices=("auto", "scan", "unroll"),
-                        help="scan the decoder layers (fast compiles) or unroll them (faster steps on CPU); "
-                             "auto: unroll on CPU")
-    parser.add_argument("--no-chunked-prefill", action="store_true")
-    parser.add_argument("--no-async-scheduling", action="store_true",
-                        help="wait for each step before scheduling the next (default: schedule the next one while "
-                             "it runs)")
-    parser.add_argument("--compilation-cache-dir", default="auto",
-                        help="where compiled steps are kept between runs (auto: JAX's own setting, else "
-                             "$PAGED_CACHE_DIR/xla, i.e. ~/.cache/paged/xla); 'none' to leave JAX's settings alone")
+    add_engine_arguments(parser)
 
 
-def _cache_dir_arg(value: str) -> str | None:
-    return None if value.lower() == "none" else value
+def _model(args: argparse.Namespace) -> str:
+    """--model, or `paged serve MODEL`'s positional one (both: they must agree)."""
+    positional = getattr(args, "model_positional", None)
+    if positional and args.model and positional != args.model:
+        raise ValueError(f"two models given: {positional!r} and --model {args.model!r}")
+    return positional or args.model or TINY_MODEL_NAME
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -60,13 +48,7 @@ def _generate(args: argparse.Namespace) -> int:
                             seed=args.sampling_seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
                             stop=args.stop, stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
     start = time.perf_counter()
-    llm = LLM(args.model, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed, block_size=args.block_size,
-              num_kv_blocks=args.num_kv_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=args.max_model_len, attention_backend=args.attention_backend,
-              layer_loop=args.layer_loop, enable_chunked_prefill=not args.no_chunked_prefill,
-              async_scheduling=not args.no_async_scheduling,
-              compilation_cache_dir=_cache_dir_arg(args.compilation_cache_dir))
+    llm = LLM(_model(args), **engine_kwargs_from_cli_args(args))
     loaded = time.perf_counter()
     outputs = llm.generate(args.prompts, params, use_tqdm=not args.json)
     done = time.perf_counter()
@@ -96,22 +78,15 @@ def _serve(args: argparse.Namespace) -> int:
     from serving.openai_server import build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    engine = LLMEngine(args.model, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed,
-                       block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
-                       gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
-                       max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
-                       attention_backend=args.attention_backend, enable_chunked_prefill=not args.no_chunked_prefill,
-                       enable_prefix_caching=not args.no_prefix_caching, preemption_mode=args.preemption_mode,
-                       swap_space=args.swap_space, layer_loop=args.layer_loop,
-                       async_scheduling=not args.no_async_scheduling,
-                       compilation_cache_dir=_cache_dir_arg(args.compilation_cache_dir))
+    model = _model(args)
+    engine = LLMEngine(model, **engine_kwargs_from_cli_args(args))
     if args.precompile:
         engine.precompile(show_progress=True)
-    name = args.served_model_name or args.model
+    name = args.served_model_name or model
     metrics = EngineMetrics(name)
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
                                batching_delay_ms=args.batching_delay_ms, observer=metrics)
-    app = build_app(async_engine, name, metrics, api_key=args.api_key, model_path=args.model)
+    app = build_app(async_engine, name, metrics, api_key=args.api_key, model_path=model)
     # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to the grace period,
     # then the app's shutdown aborts whatever is left.
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -131,19 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
     gen.add_argument("prompts", nargs="+", help="prompt text (several prompts are batched together)")
     gen.add_argument("--json", action="store_true", help="print results as JSON")
-    _add_engine_args(gen)
+    _add_model_and_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    _add_engine_args(serve)
+    serve.add_argument("model_positional", nargs="?", metavar="MODEL",
+                       help="the model, as in `vllm serve MODEL` (or --model)")
+    _add_model_and_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health")
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
-    serve.add_argument("--no-prefix-caching", action="store_true")
-    serve.add_argument("--preemption-mode", default="recompute", choices=["recompute", "swap"])
-    serve.add_argument("--swap-space", type=float, default=4.0, help="GiB of host memory for swap preemption")
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="beyond this many waiting requests, new ones get HTTP 503")
     serve.add_argument("--batching-delay-ms", type=float, default=0.0,
