@@ -112,7 +112,10 @@ class LLMEngine:
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
-            prompt_token_ids = self.tokenizer.encode(prompt)
+            try:
+                prompt_token_ids = self.tokenizer.encode(prompt)
+            except Exception as exc:  # noqa: BLE001 - e.g. a lone UTF-16 surrogate: the client's input
+                raise ValueError(f"the prompt could not be tokenized: {type(exc).__name__}: {exc}") from None
         prompt_token_ids = list(prompt_token_ids)
         vocab = self.model_config.vocab_size
         if not prompt_token_ids:

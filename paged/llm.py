@@ -9,6 +9,7 @@ from typing import Sequence
 
 from tqdm.auto import tqdm
 
+from paged.chat import chat_prompt_token_ids
 from paged.config import EngineConfig
 from paged.engine import LLMEngine
 from paged.outputs import RequestOutput
@@ -75,11 +76,9 @@ class LLM:
         tokenizer = self.get_tokenizer()
         prompts = []
         for conversation in conversations:
-            ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                                chat_template=chat_template, tokenize=True, return_dict=False)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids), "prompt": tokenizer.decode(ids)})
+            ids = chat_prompt_token_ids(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
+                                        chat_template=chat_template)
+            prompts.append({"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:

@@ -25,6 +25,10 @@ class InvalidTokenIds(ValueError):
         self.field = field
 
 
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """Sampling and stopping controls for one request.
@@ -73,11 +77,12 @@ class SamplingParams:
                 raise ValueError(message)
 
         check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        check(_is_number(self.temperature) and self.temperature >= 0,
-              f"temperature must be a number >= 0, got {self.temperature!r}")
+        # Every per-row value rides in an int32 or float32 array of the step (paged/batch.py): bounded by it.
+        check(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
+              f"temperature must be a finite number >= 0, got {self.temperature!r}")
         check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
-        check(isinstance(self.top_k, int) and self.top_k >= 0,
-              f"top_k must be 0 or -1 (disabled) or a positive integer, got {self.top_k!r}")
+        check(isinstance(self.top_k, int) and not isinstance(self.top_k, bool) and 0 <= self.top_k <= INT32_MAX,
+              f"top_k must be 0 or -1 (disabled) or a positive integer below 2**31, got {self.top_k!r}")
         check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
         check(self.seed is None or (isinstance(self.seed, int) and 0 <= self.seed < 2**32),
               f"seed must be None or an integer in [0, 2**32), got {self.seed!r}")

@@ -1,20 +1,27 @@
-"""The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI)."""
+"""The OpenAI-compatible HTTP API over an AsyncEngine (FastAPI): route handlers over one `ServerState`.
+
+Each handler is a module-level function of its parsed body, the raw request and the state (a FastAPI
+dependency), so it can be called alone in a test. `build_app` only wires them, the error handlers and the
+auth middleware to an app.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator
+from typing import Annotated, AsyncIterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from paged import InvalidTokenIds, RequestOutput, SamplingParams
+from paged.chat import chat_prompt_token_ids
 from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
 from serving.metrics import EngineMetrics
 from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
@@ -32,6 +39,43 @@ class APIError(Exception):
 def error_response(err: APIError) -> JSONResponse:
     body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
     return JSONResponse(body, status_code=err.status)
+
+
+@dataclasses.dataclass
+
+
+class ServerState:
+    """What every handler reads: the engine and the server's settings."""
+
+    engine: AsyncEngine
+    served_model_name: str
+    metrics: EngineMetrics | None = None
+    api_key: str | None = None
+    model_path: str | None = None
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    @property
+    def tokenizer(self):
+        return self.engine.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.engine.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.engine.model_config.vocab_size
+
+    @property
+    def model_names(self) -> set[str]:
+        return {self.served_model_name} | ({self.model_path} if self.model_path else set())
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.paged
+
+
+State = Annotated[ServerState, Depends(_state)]
 
 
 def _sse(payload: dict | str) -> str:
@@ -57,6 +101,384 @@ class _Choices:
         return text[start:end], tok_start, len(completion.token_ids)
 
 
+# ---- shared by the generation routes ----------------------------------------------------------------
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.model_names:
+        raise APIError(404, f"the model `{model}` does not exist; this server serves `{state.served_model_name}`",
+                       param="model", code="model_not_found")
+
+
+def refuse_unimplemented(body) -> None:
+    """A field that would change what the request means, which this server does not implement yet, is a
+    400 naming it: never a 200 with output that ignored it."""
+    field = body.unimplemented_field()
+    if field is not None:
+        raise APIError(400, f"{field} is not supported by this server yet", param=field,
+                       code="unsupported_parameter")
+
+
+def sampling_params(state: ServerState, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    try:
+        params = body.sampling_params(max_tokens, logprobs)
+    except ValueError as exc:
+        raise APIError(400, str(exc))
+    try:  # the engine checks again on submit, but its errors would name the prompt
+        params.check_vocab(state.vocab_size)
+    except InvalidTokenIds as exc:
+        raise APIError(400, str(exc), param=exc.field)
+    return params
+
+
+async def submit_all(state: ServerState, prompts: list[tuple[str | None, list[int] | None]],
+                     params: SamplingParams, request_id: str) -> list[RequestStream]:
+    streams = []
+    try:
+        for i, (text, ids) in enumerate(prompts):
+            streams.append(await state.engine.submit(f"{request_id}-{i}", text, ids, params))
+    except ValueError as exc:
+        for s in streams:
+            s.close()
+        raise APIError(400, str(exc), param="prompt" if len(prompts) == 1 else f"prompt[{len(streams)}]")
+    except QueueFullError as exc:
+        for s in streams:
+            s.close()
+        raise APIError(503, str(exc), code="overloaded", type_="server_error")
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), type_="server_error")
+    return streams
+
+
+async def run_to_completion(streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
+    async def last(stream):
+        output = None
+        async for output in stream:
+            pass
+        return output
+
+    task = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=0.25)
+            if done:
+                return task.result()
+            if await raw.is_disconnected():
+                raise asyncio.CancelledError
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), type_="server_error")
+    finally:
+        task.cancel()
+        for s in streams:
+            s.close()
+
+
+async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, stream):
+        try:
+            async for output in stream:
+                await queue.put((i, output))
+        except Exception as exc:  # noqa: BLE001
+            await queue.put((i, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(streams)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            if item.finished:
+                remaining -= 1
+            yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:
+            s.close()
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+# ---- /v1/completions ------------------------------------------------------------------------------
+
+
+def completion_logprobs(completion, start: int, end: int, k: int, offset: int) -> dict:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for j in range(start, end):
+        token = completion.token_ids[j]
+        entry = completion.logprobs[j]
+        chosen = entry[token]
+        text = chosen.decoded_token or ""
+        tokens.append(text)
+        token_logprobs.append(chosen.logprob)
+        # Keys are decoded strings; byte pieces can decode alike, so the likelier one keeps the key.
+        tops: dict[str, float] = {}
+        for tid, lp in sorted(entry.items(), key=lambda item: -item[1].logprob):
+            if lp.rank is not None and (lp.rank <= k or tid == token):
+                tops.setdefault(lp.decoded_token or "", lp.logprob)
+        top.append(tops)
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+async def completions(body: CompletionRequest, raw: Request, state: State):
+    """POST /v1/completions"""
+    check_model(state, body.model)
+    refuse_unimplemented(body)
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo together with logprobs is not supported", param="echo")
+    params = sampling_params(state, body, body.max_tokens, body.logprobs)
+    tokenizer, served_model_name = state.tokenizer, state.served_model_name
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        prompts = [(prompt, None)]
+    elif prompt and all(isinstance(p, int) for p in prompt):
+        prompts = [(None, list(prompt))]
+    elif prompt:
+        prompts = [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompt]
+    else:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    streams = await submit_all(state, prompts, params, request_id)
+    n = params.n
+
+    def prompt_text(output):
+        return output.prompt if output.prompt is not None else tokenizer.decode(output.prompt_token_ids)
+
+    def choice(i, output, c, text, start, end, finished):
+        offset = len(prompt_text(output)) if body.echo else 0
+        return {"index": i * n + c.index, "text": text,
+                "logprobs": completion_logprobs(c, start, end, body.logprobs, offset)
+                if body.logprobs is not None else None,
+                "finish_reason": c.finish_reason if finished else None,
+                "stop_reason": c.stop_reason if finished else None}
+
+    if not body.stream:
+        outputs = await run_to_completion(streams, raw)
+        choices = [choice(i, o, c, (prompt_text(o) if body.echo else "") + c.text, 0, len(c.token_ids), True)
+                   for i, o in enumerate(outputs) for c in o.outputs]
+        return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                "model": served_model_name, "choices": choices, "usage": usage(outputs)}
+
+    async def events():
+        tracker = _Choices(params)
+        finals: dict[int, RequestOutput] = {}
+        started: set = set()
+        done: set = set()
+        include_usage = body.include_usage_in_stream()
+        async for i, output in merged(streams):
+            for c in output.outputs:
+                key = (i, c.index)
+                if key in done:
+                    continue  # a finished sample of an n > 1 request keeps appearing in later outputs
+                finished = c.finish_reason is not None
+                text, start, end = tracker.delta(key, c, finished)
+                if body.echo and key not in started:
+                    text = prompt_text(output) + text
+                started.add(key)
+                if finished:
+                    done.add(key)
+                elif not text and start == end:
+                    continue
+                chunk = {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                         "model": served_model_name, "choices": [choice(i, output, c, text, start, end, finished)]}
+                if include_usage:
+                    chunk["usage"] = None
+                yield _sse(chunk)
+            if output.finished:
+                finals[i] = output
+        if include_usage:
+            yield _sse({"id": request_id, "object": "text_completion", "created": int(time.time()),
+                        "model": served_model_name, "choices": [], "usage": usage(list(finals.values()))})
+        yield _sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# ---- /v1/chat/completions -------------------------------------------------------------------------
+
+
+def chat_logprobs(completion, start: int, end: int, k: int) -> dict:
+    content = []
+    for j in range(start, end):
+        token = completion.token_ids[j]
+        entry = completion.logprobs[j]
+        item = lambda lp: {"token": lp.decoded_token or "", "logprob": lp.logprob,
+                           "bytes": list((lp.decoded_token or "").encode())}
+        tops = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)
+        content.append({**item(entry[token]), "top_logprobs": [item(lp) for lp in tops]})
+    return {"content": content}
+
+
+async def chat_completions(body: ChatCompletionRequest, raw: Request, state: State):
+    """POST /v1/chat/completions"""
+    check_model(state, body.model)
+    refuse_unimplemented(body)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    params = sampling_params(state, body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    served_model_name = state.served_model_name
+    try:
+        ids = chat_prompt_token_ids(state.tokenizer, message_dicts(body.messages), chat_template=body.chat_template,
+                                    add_generation_prompt=body.add_generation_prompt)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages")
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    try:
+        streams = await submit_all(state, [(None, ids)], params, request_id)
+    except APIError as err:
+        err.param = "messages" if err.param and err.param.startswith("prompt") else err.param
+        raise
+    k = body.top_logprobs or 0
+
+    if not body.stream:
+        (output,) = await run_to_completion(streams, raw)
+        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
+                    "logprobs": chat_logprobs(c, 0, len(c.token_ids), k) if body.logprobs else None,
+                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": served_model_name, "choices": choices, "usage": usage([output])}
+
+    async def events():
+        tracker = _Choices(params)
+        include_usage = body.include_usage_in_stream()
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": served_model_name}
+        extra = {"usage": None} if include_usage else {}
+        for index in range(params.n):
+            yield _sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}], **extra})
+        final = None
+        done: set[int] = set()
+        async for _, output in merged(streams):
+            for c in output.outputs:
+                if c.index in done:
+                    continue
+                finished = c.finish_reason is not None
+                text, start, end = tracker.delta(c.index, c, finished)
+                if text or start != end:
+                    yield _sse({**base, "choices": [{
+                        "index": c.index, "delta": {"content": text},
+                        "logprobs": chat_logprobs(c, start, end, k) if body.logprobs else None,
+                        "finish_reason": None}], **extra})
+                if finished:
+                    done.add(c.index)
+                    yield _sse({**base, "choices": [{"index": c.index, "delta": {}, "logprobs": None,
+                                                     "finish_reason": c.finish_reason,
+                                                     "stop_reason": c.stop_reason}], **extra})
+            final = output
+        if include_usage:
+            yield _sse({**base, "choices": [], "usage": usage([final])})
+        yield _sse("[DONE]")
+
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+# ---- everything else ------------------------------------------------------------------------------
+
+
+async def models(state: State):
+    """GET /v1/models"""
+    name = state.served_model_name
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
+                                        "owned_by": "paged", "root": state.model_path or name,
+                                        "max_model_len": state.max_model_len}]}
+
+
+async def health(state: State):
+    """GET /health: 200 with an empty body while the engine runs, else 503."""
+    if not state.engine.alive:
+        return error_response(APIError(503, "the engine is not running", type_="server_error"))
+    return Response(status_code=200)
+
+
+async def tokenize(body: TokenizeRequest, state: State):
+    """POST /tokenize"""
+    check_model(state, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise APIError(400, "pass exactly one of prompt or messages", param="prompt")
+    if body.prompt is not None:
+        try:
+            ids = list(state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
+        except Exception as exc:  # noqa: BLE001 - e.g. a lone UTF-16 surrogate: the client's input
+            raise APIError(400, f"the prompt could not be tokenized: {type(exc).__name__}: {exc}", param="prompt")
+    else:
+        try:
+            ids = chat_prompt_token_ids(state.tokenizer, message_dicts(body.messages),
+                                        add_generation_prompt=body.add_generation_prompt)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages")
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+
+async def detokenize(body: DetokenizeRequest, state: State):
+    """POST /detokenize"""
+    check_model(state, body.model)
+    vocab = state.vocab_size
+    bad = [t for t in body.tokens if not 0 <= t < vocab]
+    if bad:
+        raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
+    return {"prompt": state.tokenizer.decode(body.tokens)}
+
+
+async def prometheus_metrics(state: State):
+    """GET /metrics: Prometheus text format."""
+    metrics = state.metrics
+    if metrics is None:
+        return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
+    with contextlib.suppress(EngineDeadError):
+        await state.engine.call(metrics.update_gauges)  # gauges as of now, not as of the last step
+    body = metrics.render()
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+# ---- the app ------------------------------------------------------------------------------------------
+
+
+async def _api_error(_, exc: APIError):
+    return error_response(exc)
+
+
+async def _validation_error(_, exc: RequestValidationError):
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return error_response(APIError(400, f"malformed JSON body: {first.get('msg', '')}"))
+    where = ".".join(loc) or "body"
+    return error_response(APIError(400, f"{where}: {first.get('msg', 'invalid value')} "
+                                        f"(got {first.get('input')!r})"[:500], param=loc[0] if loc else None))
+
+
+async def _internal(_, exc: Exception):
+    return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+async def _auth(request: Request, call_next):
+    api_key = request.app.state.paged.api_key
+    if api_key is not None and request.url.path != "/health":
+        header = request.headers.get("authorization", "")
+        token = header[7:] if header.lower().startswith("bearer ") else ""
+        if not hmac.compare_digest(token.encode(), api_key.encode()):
+            return error_response(APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+                                           code="invalid_api_key"))
+    return await call_next(request)
+
+
+ROUTES = [("/v1/completions", completions, "POST"), ("/v1/chat/completions", chat_completions, "POST"),
+          ("/v1/models", models, "GET"), ("/health", health, "GET"), ("/tokenize", tokenize, "POST"),
+          ("/detokenize", detokenize, "POST"), ("/metrics", prometheus_metrics, "GET")]
+
+
 def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetrics | None = None,
               api_key: str | None = None, model_path: str | None = None) -> FastAPI:
     """The app starts the engine thread on startup and stops it (aborting what is left) on shutdown."""
@@ -69,348 +491,11 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         engine.stop()
 
     app = FastAPI(title="paged", version="0.1.0", lifespan=lifespan)
-    llm_engine = engine.engine
-    tokenizer = llm_engine.tokenizer
-    max_model_len = llm_engine.config.max_model_len
-    names = {served_model_name} | ({model_path} if model_path else set())
-    created = int(time.time())
-
-    @app.exception_handler(APIError)
-    async def _api_error(_, exc: APIError):
-        return error_response(exc)
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(_, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            return error_response(APIError(400, f"malformed JSON body: {first.get('msg', '')}"))
-        where = ".".join(loc) or "body"
-        return error_response(APIError(400, f"{where}: {first.get('msg', 'invalid value')} "
-                                            f"(got {first.get('input')!r})"[:500], param=loc[0] if loc else None))
-
-    @app.exception_handler(Exception)
-    async def _internal(_, exc: Exception):
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key is not None and request.url.path != "/health":
-            header = request.headers.get("authorization", "")
-            token = header[7:] if header.lower().startswith("bearer ") else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return error_response(APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
-                                               code="invalid_api_key"))
-        return await call_next(request)
-
-    def check_model(model: str | None) -> None:
-        if model is not None and model not in names:
-            raise APIError(404, f"the model `{model}` does not exist; this server serves `{served_model_name}`",
-                           param="model", code="model_not_found")
-
-    def sampling_params(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        try:
-            params = body.sampling_params(max_tokens, logprobs)
-        except ValueError as exc:
-            raise APIError(400, str(exc))
-        try:  # the engine checks again on submit, but its errors would name the prompt
-            params.check_vocab(llm_engine.model_config.vocab_size)
-        except InvalidTokenIds as exc:
-            raise APIError(400, str(exc), param=exc.field)
-        return params
-
-    async def submit_all(prompts: list[tuple[str | None, list[int] | None]], params: SamplingParams,
-                         request_id: str) -> list[RequestStream]:
-        streams = []
-        try:
-            for i, (text, ids) in enumerate(prompts):
-                streams.append(await engine.submit(f"{request_id}-{i}", text, ids, params))
-        except ValueError as exc:
-            for s in streams:
-                s.close()
-            raise APIError(400, str(exc), param="prompt" if len(prompts) == 1 else f"prompt[{len(streams)}]")
-        except QueueFullError as exc:
-            for s in streams:
-                s.close()
-            raise APIError(503, str(exc), code="overloaded", type_="server_error")
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), type_="server_error")
-        return streams
-
-    async def run_to_completion(streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
-        async def last(stream):
-            output = None
-            async for output in stream:
-                pass
-            return output
-
-        task = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.25)
-                if done:
-                    return task.result()
-                if await raw.is_disconnected():
-                    raise asyncio.CancelledError
-        except EngineDeadError as exc:
-            raise APIError(503, str(exc), type_="server_error")
-        finally:
-            task.cancel()
-            for s in streams:
-                s.close()
-
-    async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(i, stream):
-            try:
-                async for output in stream:
-                    await queue.put((i, output))
-            except Exception as exc:  # noqa: BLE001
-                await queue.put((i, exc))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
-        remaining = len(streams)
-        try:
-            while remaining:
-                i, item = await queue.get()
-                if isinstance(item, Exception):
-                    raise item
-                if item.finished:
-                    remaining -= 1
-                yield i, item
-        finally:
-            for t in tasks:
-                t.cancel()
-            for s in streams:
-                s.close()
-
-    def usage(outputs: list[RequestOutput]) -> dict:
-        prompt = sum(len(o.prompt_token_ids) for o in outputs)
-        completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    # ---- /v1/completions ------------------------------------------------------------------------------
-
-    def completion_logprobs(completion, start: int, end: int, k: int, offset: int) -> dict:
-        tokens, token_logprobs, top, offsets = [], [], [], []
-        for j in range(start, end):
-            token = completion.token_ids[j]
-            entry = completion.logprobs[j]
-            chosen = entry[token]
-            text = chosen.decoded_token or ""
-            tokens.append(text)
-            token_logprobs.append(chosen.logprob)
-            # Keys are decoded strings; byte pieces can decode alike, so the likelier one keeps the key.
-            tops: dict[str, float] = {}
-            for tid, lp in sorted(entry.items(), key=lambda item: -item[1].logprob):
-                if lp.rank is not None and (lp.rank <= k or tid == token):
-                    tops.setdefault(lp.decoded_token or "", lp.logprob)
-            top.append(tops)
-            offsets.append(offset)
-            offset += len(text)
-        return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, raw: Request):
-        check_model(body.model)
-        if body.echo and body.logprobs is not None:
-            raise APIError(400, "echo together with logprobs is not supported", param="echo")
-        if body.best_of is not None and body.best_of != body.n:
-            raise APIError(400, "best_of different from n is not supported", param="best_of")
-        if body.suffix:
-            raise APIError(400, "suffix is not supported", param="suffix")
-        params = sampling_params(body, body.max_tokens, body.logprobs)
-        prompt = body.prompt
-        if isinstance(prompt, str):
-            prompts = [(prompt, None)]
-        elif prompt and all(isinstance(p, int) for p in prompt):
-            prompts = [(None, list(prompt))]
-        elif prompt:
-            prompts = [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompt]
-        else:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = await submit_all(prompts, params, request_id)
-        n = params.n
-
-        def prompt_text(output):
-            return output.prompt if output.prompt is not None else tokenizer.decode(output.prompt_token_ids)
-
-        def choice(i, output, c, text, start, end, finished):
-            offset = len(prompt_text(output)) if body.echo else 0
-            return {"index": i * n + c.index, "text": text,
-                    "logprobs": completion_logprobs(c, start, end, body.logprobs, offset)
-                    if body.logprobs is not None else None,
-                    "finish_reason": c.finish_reason if finished else None,
-                    "stop_reason": c.stop_reason if finished else None}
-
-        if not body.stream:
-            outputs = await run_to_completion(streams, raw)
-            choices = [choice(i, o, c, (prompt_text(o) if body.echo else "") + c.text, 0, len(c.token_ids), True)
-                       for i, o in enumerate(outputs) for c in o.outputs]
-            return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                    "model": served_model_name, "choices": choices, "usage": usage(outputs)}
-
-        async def events():
-            tracker = _Choices(params)
-            finals: dict[int, RequestOutput] = {}
-            started: set = set()
-            done: set = set()
-            include_usage = body.include_usage_in_stream()
-            async for i, output in merged(streams):
-                for c in output.outputs:
-                    key = (i, c.index)
-                    if key in done:
-                        continue  # a finished sample of an n > 1 request keeps appearing in later outputs
-                    finished = c.finish_reason is not None
-                    text, start, end = tracker.delta(key, c, finished)
-                    if body.echo and key not in started:
-                        text = prompt_text(output) + text
-                    started.add(key)
-                    if finished:
-                        done.add(key)
-                    elif not text and start == end:
-                        continue
-                    chunk = {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                             "model": served_model_name, "choices": [choice(i, output, c, text, start, end, finished)]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield _sse(chunk)
-                if output.finished:
-                    finals[i] = output
-            if include_usage:
-                yield _sse({"id": request_id, "object": "text_completion", "created": int(time.time()),
-                            "model": served_model_name, "choices": [], "usage": usage(list(finals.values()))})
-            yield _sse("[DONE]")
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    # ---- /v1/chat/completions -------------------------------------------------------------------------
-
-    def chat_logprobs(completion, start: int, end: int, k: int) -> dict:
-        content = []
-        for j in range(start, end):
-            token = completion.token_ids[j]
-            entry = completion.logprobs[j]
-            item = lambda lp: {"token": lp.decoded_token or "", "logprob": lp.logprob,
-                               "bytes": list((lp.decoded_token or "").encode())}
-            tops = sorted((lp for lp in entry.values() if lp.rank is not None and lp.rank <= k), key=lambda lp: lp.rank)
-            content.append({**item(entry[token]), "top_logprobs": [item(lp) for lp in tops]})
-        return {"content": content}
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        check_model(body.model)
-        if body.top_logprobs and not body.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-        max_tokens = body.max_completion_tokens or body.max_tokens
-        params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
-        try:
-            ids = tokenizer.apply_chat_template(message_dicts(body.messages), chat_template=body.chat_template,
-                                                add_generation_prompt=body.add_generation_prompt, tokenize=True,
-                                                return_dict=False)
-        except Exception as exc:  # noqa: BLE001 - template errors are the client's input
-            raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        try:
-            streams = await submit_all([(None, list(ids))], params, request_id)
-        except APIError as err:
-            err.param = "messages" if err.param and err.param.startswith("prompt") else err.param
-            raise
-        k = body.top_logprobs or 0
-
-        if not body.stream:
-            (output,) = await run_to_completion(streams, raw)
-            choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                        "logprobs": chat_logprobs(c, 0, len(c.token_ids), k) if body.logprobs else None,
-                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
-            return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                    "model": served_model_name, "choices": choices, "usage": usage([output])}
-
-        async def events():
-            tracker = _Choices(params)
-            include_usage = body.include_usage_in_stream()
-            base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
-                    "model": served_model_name}
-            extra = {"usage": None} if include_usage else {}
-            for index in range(params.n):
-                yield _sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                                 "logprobs": None, "finish_reason": None}], **extra})
-            final = None
-            done: set[int] = set()
-            async for _, output in merged(streams):
-                for c in output.outputs:
-                    if c.index in done:
-                        continue
-                    finished = c.finish_reason is not None
-                    text, start, end = tracker.delta(c.index, c, finished)
-                    if text or start != end:
-                        yield _sse({**base, "choices": [{
-                            "index": c.index, "delta": {"content": text},
-                            "logprobs": chat_logprobs(c, start, end, k) if body.logprobs else None,
-                            "finish_reason": None}], **extra})
-                    if finished:
-                        done.add(c.index)
-                        yield _sse({**base, "choices": [{"index": c.index, "delta": {}, "logprobs": None,
-                                                         "finish_reason": c.finish_reason,
-                                                         "stop_reason": c.stop_reason}], **extra})
-                final = output
-            if include_usage:
-                yield _sse({**base, "choices": [], "usage": usage([final])})
-            yield _sse("[DONE]")
-
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-    # ---- everything else ------------------------------------------------------------------------------
-
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": served_model_name, "object": "model", "created": created,
-                                            "owned_by": "paged", "root": model_path or served_model_name,
-                                            "max_model_len": max_model_len}]}
-
-    @app.get("/health")
-    async def health():
-        if not engine.alive:
-            return error_response(APIError(503, "the engine is not running", type_="server_error"))
-        return Response(status_code=200)
-
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest):
-        check_model(body.model)
-        if (body.prompt is None) == (body.messages is None):
-            raise APIError(400, "pass exactly one of prompt or messages", param="prompt")
-        if body.prompt is not None:
-            ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            try:
-                ids = tokenizer.apply_chat_template(message_dicts(body.messages), tokenize=True, return_dict=False,
-                                                    add_generation_prompt=body.add_generation_prompt)
-            except Exception as exc:  # noqa: BLE001
-                raise APIError(400, f"could not apply the chat template: {exc}", param="messages")
-        ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-        return {"tokens": ids, "count": len(ids), "max_model_len": max_model_len}
-
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest):
-        check_model(body.model)
-        vocab = llm_engine.model_config.vocab_size
-        bad = [t for t in body.tokens if not 0 <= t < vocab]
-        if bad:
-            raise APIError(400, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab})", param="tokens")
-        return {"prompt": tokenizer.decode(body.tokens)}
-
-    @app.get("/metrics")
-    async def prometheus_metrics():
-        if metrics is None:
-            return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
-        with contextlib.suppress(EngineDeadError):
-            await engine.call(metrics.update_gauges)  # gauges as of now, not as of the last step
-        body = metrics.render()
-        return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
-
+    app.state.paged = ServerState(engine, served_model_name, metrics, api_key, model_path)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(Exception, _internal)
+    app.middleware("http")(_auth)
+    for path, handler, method in ROUTES:
+        app.add_api_route(path, handler, methods=[method])
     return app

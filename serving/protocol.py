@@ -27,7 +27,7 @@ class _Request(BaseModel):
     # Token ids as JSON object keys (strings), each bias in OpenAI's range.
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] | None = None
     # Extensions vLLM users rely on.
-    top_k: int | None = Field(default=None, ge=-1)
+    top_k: int | None = Field(default=None, ge=-1, le=2**31 - 1)  # an int32 per row
     min_p: float | None = Field(default=None, ge=0, le=1)
     repetition_penalty: float | None = Field(default=None, gt=0)
     ignore_eos: bool = False
@@ -35,6 +35,32 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # Fields that change what a request means and are not implemented yet: accepted by the schema so that
+    # they get a 400 naming them (`unimplemented_field`), never silently ignored.
+    response_format: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[Any] | None = None
+    function_call: str | dict[str, Any] | None = None
+    prompt_logprobs: int | None = None
+
+    def unimplemented_field(self) -> str | None:
+        """The first field set to something this server does not implement (None: all is served as asked).
+
+        Values that ask for the default behaviour pass: response_format {"type": "text"}, tool_choice "none",
+        an empty tools list.
+        """
+        if self.response_format is not None and self.response_format.get("type") != "text":
+            return "response_format"
+        if self.tools:
+            return "tools"
+        if self.tool_choice is not None and self.tool_choice != "none":
+            return "tool_choice"
+        for name in ("parallel_tool_calls", "functions", "function_call", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                return name
+        return None
 
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
@@ -68,6 +94,13 @@ class CompletionRequest(_Request):
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
+
+    def unimplemented_field(self) -> str | None:
+        if self.suffix:
+            return "suffix"
+        if self.best_of is not None and self.best_of != self.n:
+            return "best_of"
+        return super().unimplemented_field()
 
 
 class ChatMessage(BaseModel):

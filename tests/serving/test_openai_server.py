@@ -323,3 +323,52 @@ def test_serving_benchmark_refuses_a_bad_dataset(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["--base-url", "http://127.0.0.1:9", "--dataset", str(data)])
     assert exit_info.value.code == 2 and "bad.jsonl:2" in capsys.readouterr().err
+
+
+CHAT = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.mark.parametrize("route, field, kwargs", [
+    ("chat", "response_format", {"response_format": {"type": "json_object"}}),
+    ("chat", "response_format", {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}}}}),
+    ("chat", "tools", {"tools": [TOOL]}),
+    ("chat", "tool_choice", {"tool_choice": "required"}),
+    ("chat", "parallel_tool_calls", {"parallel_tool_calls": False}),
+    ("chat", "prompt_logprobs", {"extra_body": {"prompt_logprobs": 1}}),
+    ("completions", "suffix", {"suffix": " the end"}),
+    ("completions", "best_of", {"best_of": 3}),
+    ("completions", "prompt_logprobs", {"extra_body": {"prompt_logprobs": 0}}),
+    ("completions", "response_format", {"extra_body": {"response_format": {"type": "json_object"}}}),
+])
+def test_unimplemented_meaning_changing_fields_are_a_400_naming_them(client, route, field, kwargs):
+    with pytest.raises(openai.BadRequestError) as caught:
+        if route == "chat":
+            client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, **kwargs)
+        else:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=3, **kwargs)
+    assert caught.value.status_code == 400
+    assert caught.value.body["param"] == field, caught.value.body
+
+
+def test_fields_that_ask_for_the_default_are_served(client):
+    out = client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=3, tool_choice="none",
+                                         response_format={"type": "text"}, user="someone")
+    assert out.choices[0].finish_reason in ("length", "stop")
+
+
+def test_out_of_range_top_k_and_lone_surrogates_cost_only_their_request(server, client):
+    """A top_k past int32 used to kill the engine thread when the step was prepared, and a prompt holding a
+    lone UTF-16 surrogate raised a TypeError in the tokenizer on the engine thread (left hanging forever)."""
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    for body, param in (({"prompt": "hi", "top_k": 2**31}, "top_k"), ({"prompt": "a\ud800b"}, "prompt")):
+        response = httpx.post(server.url + "/v1/completions", content=json.dumps(body), headers=headers,
+                              timeout=30)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+    response = httpx.post(server.url + "/tokenize", content=json.dumps({"prompt": "a\ud800b"}), headers=headers,
+                          timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].finish_reason

@@ -1,0 +1,45 @@
+"""Route handlers are plain functions over a ServerState: each can be called alone, without an app."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serving.openai_server import APIError, ServerState, chat_completions, detokenize, health, models
+from serving.protocol import ChatCompletionRequest, DetokenizeRequest
+
+
+class _Engine:  # what the handlers read of an AsyncEngine (no model is loaded)
+    alive = False
+
+    class engine:
+        tokenizer = None
+
+        class config:
+            max_model_len = 64
+
+        class model_config:
+            vocab_size = 10
+
+
+def test_handlers_run_without_an_app():
+    state = ServerState(_Engine(), "tiny", model_path="/models/tiny")
+    listing = asyncio.run(models(state))
+    assert listing["data"][0]["id"] == "tiny" and listing["data"][0]["max_model_len"] == 64
+    assert asyncio.run(health(state)).status_code == 503  # the engine is not alive
+    with pytest.raises(APIError) as caught:
+        asyncio.run(detokenize(DetokenizeRequest(tokens=[3, 12]), state))
+    assert caught.value.status == 400 and caught.value.param == "tokens"
+    with pytest.raises(APIError) as caught:
+        asyncio.run(chat_completions(ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "x"}],
+                                                           tools=[{"type": "function"}]), None, state))
+    assert caught.value.param == "tools"
+    with pytest.raises(APIError) as caught:
+        asyncio.run(models_named(state, "other"))
+    assert caught.value.status == 404 and caught.value.param == "model"
+
+
+async def models_named(state, model):
+    from serving.openai_server import check_model
+    check_model(state, model)
