@@ -19,15 +19,11 @@ import jax.numpy as jnp
 
 from models.attention import AttentionMetadata, ReferenceAttention
 from models.config import ModelConfig
-from models.layers import activation, run_layers
+from models.layers import Block, activation, run_layers
 from models.linear import Embedding, Linear
 
 
-class GPT2Block(nn.Module):
-    config: ModelConfig
-    dtype: Any
-    linear_backend: str = "xla"
-
+class GPT2Block(Block):
     @nn.compact
     def __call__(self, h, k_cache, v_cache, layer, meta, attention, live_rows=None):
         cfg = self.config
@@ -40,13 +36,9 @@ class GPT2Block(nn.Module):
         return h, k_cache, v_cache
 
 
-class _Attention(nn.Module):
+class _Attention(Block):
     """c_attn's fused q|k|v columns are not split for tensor parallelism (a shard would hold a slice of q and
     none of k and v), so it is replicated; c_proj is row-parallel."""
-
-    config: ModelConfig
-    dtype: Any
-    linear_backend: str = "xla"
 
     @nn.compact
     def __call__(self, x, k_cache, v_cache, layer, meta, attention, live_rows=None):
@@ -61,11 +53,7 @@ class _Attention(nn.Module):
         return out, k_cache, v_cache
 
 
-class _MLP(nn.Module):
-    config: ModelConfig
-    dtype: Any
-    linear_backend: str = "xla"
-
+class _MLP(Block):
     @nn.compact
     def __call__(self, x, live_rows=None):
         cfg = self.config

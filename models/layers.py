@@ -101,13 +101,19 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool
     return jnp.concatenate([out, x_pass], axis=-1) if x_pass.shape[-1] else out
 
 
-class GatedMLP(nn.Module):
-    """act(x @ gate) * (x @ up) @ down: gate and up column-parallel, down row-parallel."""
+class Block(nn.Module):
+    """What every block of a model family is built with: the config, the compute dtype, and the backend of
+    its linear layers (models.linear)."""
 
     config: ModelConfig
     dtype: Any
-    intermediate_size: int | None = None  # default: the config's (MoE shared experts have their own)
     linear_backend: str = "xla"
+
+
+class GatedMLP(Block):
+    """act(x @ gate) * (x @ up) @ down: gate and up column-parallel, down row-parallel."""
+
+    intermediate_size: int | None = None  # default: the config's (MoE shared experts have their own)
 
     @nn.compact
     def __call__(self, x: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
@@ -121,16 +127,12 @@ class GatedMLP(nn.Module):
         return linear(cfg.hidden_size, "down_proj", "row")(hidden, live_rows)
 
 
-class PagedSelfAttention(nn.Module):
+class PagedSelfAttention(Block):
     """GQA self-attention whose keys and values live in the paged KV pool.
 
     `attention` is the backend (models.attention); the pool is the whole stacked cache, `layer` selects ours.
     q/k/v are column-parallel (whole heads per shard), o row-parallel.
     """
-
-    config: ModelConfig
-    dtype: Any
-    linear_backend: str = "xla"
 
     @nn.compact
     def __call__(self, x, cos, sin, k_cache, v_cache, layer, window, meta, attention, live_rows=None):

@@ -30,16 +30,13 @@ import jax.numpy as jnp
 
 from models.attention import AttentionMetadata, ReferenceAttention
 from models.config import ModelConfig
-from models.layers import GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin, rotary_table, run_layers
+from models.layers import (Block, GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin, rotary_table,
+                           run_layers)
 from models.linear import Embedding, Linear
 from models.moe import SparseMoE
 
 
-class DecoderLayer(nn.Module):
-    config: ModelConfig
-    dtype: Any
-    linear_backend: str = "xla"
-
+class DecoderLayer(Block):
     @nn.compact
     def __call__(self, h, cos, sin, k_cache, v_cache, layer, window, meta, attention, live_rows=None):
         cfg = self.config

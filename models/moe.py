@@ -20,18 +20,14 @@ import jax
 import jax.numpy as jnp
 
 from models.config import ModelConfig
-from models.layers import GatedMLP, activation
+from models.layers import Block, GatedMLP, activation
 from models.linear import TILE_ROWS, GroupedLinear, Linear, grouped_matmul
 
 __all__ = ["SparseMoE", "TILE_ROWS", "grouped_matmul"]
 
 
-class SparseMoE(nn.Module):
+class SparseMoE(Block):
     """Top-k routed experts (softmax router in float32), plus Qwen2-MoE's sigmoid-gated shared expert."""
-
-    config: ModelConfig
-    dtype: Any
-    linear_backend: str = "xla"
 
     @nn.compact
     def __call__(self, x: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:

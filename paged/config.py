@@ -73,7 +73,8 @@ class EngineConfig:
 
         check(self.tokenizer is None or isinstance(self.tokenizer, str),
               f"tokenizer must be None or a path or hub id, got {self.tokenizer!r}")
-        check(isinstance(self.seed, int) and not isinstance(self.seed, bool), f"seed must be an integer, got {self.seed!r}")
+        check(isinstance(self.seed, int) and not isinstance(self.seed, bool),
+              f"seed must be an integer, got {self.seed!r}")
         check(isinstance(self.block_size, int) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),
               f"block_size must be a power of two from 1 to 128, got {self.block_size!r}")
         check(self.num_kv_blocks is None or (isinstance(self.num_kv_blocks, int) and self.num_kv_blocks >= 2),

@@ -7,8 +7,8 @@ on the benchmark workload. This kernel walks each (token, KV head)'s pages strai
 keys the token can see, with the online softmax in registers, spread over XLA's intra-op threads.
 
 The source is compiled on first use with the machine's C++ compiler (`CXX`, default `g++`) for the host
-CPU (`-march=native`) and cached under `$PAGED_CACHE_DIR/kernels` (default `~/.cache/paged`; `pallas_kernels.cache`) by a hash of the
-source, the compiler, the flags and jaxlib's version; `available()` says whether that worked, and why not.
+CPU (`-march=native`) and cached under `$PAGED_CACHE_DIR/kernels` (pallas_kernels/cache.py) by a hash of
+the source, the compiler, the flags and jaxlib's version; `available()` says whether that worked, and why not.
 """
 
 from __future__ import annotations
