@@ -159,7 +159,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 
 }  // namespace
 
-// Whether this build has the fast path; without it the model keeps XLA's dot (dense_dot_general).
+// Whether this build has the fast path; without it the model keeps XLA's dot (models/linear.py: native_cpu_matmul).
 extern "C" int MatmulCpuIsVectorized() {
 #if defined(__AVX512F__)
   return 1;
