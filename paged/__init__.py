@@ -1,11 +1,12 @@
 """paged: a paged-attention LLM inference engine in JAX."""
 
-from paged.engine import LLMEngine
+from paged.engine import EngineBrokenError, LLMEngine, StepFailedError
+from paged.config import EngineConfig
 from paged.llm import LLM
 from paged.outputs import CompletionOutput, Logprob, RequestOutput
 from paged.sampling_params import InvalidTokenIds, SamplingParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "InvalidTokenIds", "Logprob", "RequestOutput", "SamplingParams",
-           "__version__"]
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "EngineBrokenError", "EngineConfig", "InvalidTokenIds", "Logprob",
+           "RequestOutput", "SamplingParams", "StepFailedError", "__version__"]

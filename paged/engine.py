@@ -27,6 +27,20 @@ from paged.scheduler import ScheduledBatch, Scheduler
 logger = logging.getLogger(__name__)
 
 
+class StepFailedError(RuntimeError):
+    """A step raised; its requests (`request_ids`) were aborted and the engine goes on."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"the engine step failed ({type(cause).__name__}: {cause}); aborted requests: "
+                         f"{', '.join(request_ids) or 'none'}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
+class EngineBrokenError(RuntimeError):
+    """The engine lost state it cannot rebuild (its KV pool); it must be restarted."""
+
+
 class LLMEngine:
     def __init__(self, model: str, show_progress: bool = True, **engine_args):
         """`engine_args`: any EngineConfig field (paged/config.py), e.g. dtype="bfloat16", max_num_seqs=32."""
@@ -84,6 +98,7 @@ class LLMEngine:
                                            "device_decode_only", "device_with_prefill"), 0.0)
         self._seed_rng = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None  # the launched step not yet read back (async scheduling)
+        self._scheduled: ScheduledBatch | None = None  # what the step under way scheduled (for _fail_step)
 
     def _num_blocks(self, config: EngineConfig, max_blocks_per_seq: int) -> int:
         if config.num_kv_blocks is not None:
@@ -165,6 +180,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Runs one engine step; returns outputs of the requests that produced a token.
 
+        An exception while scheduling, preparing, running or postprocessing fails only the requests of the
+        step (and of the step in flight): they are aborted, their blocks freed, and `StepFailedError` names
+        them; the engine serves the next step as before. If the KV pool itself was lost (a device failure
+        after the pool was donated), the engine cannot go on: `EngineBrokenError`.
+
         With `async_scheduling` (the default) the step launched by the previous call is still running on the
         device while this one is scheduled, prepared and launched (its rows read the tokens still in flight
         on the device); then the previous step is postprocessed and its outputs returned. Host work thus
@@ -172,12 +192,19 @@ class LLMEngine:
         schedule -> prepare -> run -> postprocess, and the outputs are this step's. Tokens are the same.
         """
         previous, self._in_flight = self._in_flight, None
+        try:
+            return self._step(previous)
+        except Exception as exc:  # noqa: BLE001 - isolated below: only this step's requests pay for it
+            return self._fail_step(exc, previous, self._scheduled)
+
+    def _step(self, previous: "_InFlight | None") -> list[RequestOutput]:
+        self._scheduled = None
         outputs = []
         if previous is not None and previous.penalised:
             # Penalties count a request's tokens on the host: its token in flight must be read first.
             outputs, previous = self._postprocess(previous), None
         t0 = time.perf_counter()
-        batch = self.scheduler.schedule()
+        batch = self._scheduled = self.scheduler.schedule()
         t1 = time.perf_counter()
         launched = self._launch(batch, previous) if batch else None
         t2 = time.perf_counter()
@@ -191,6 +218,22 @@ class LLMEngine:
             else:
                 outputs += self._postprocess(launched)
         return outputs
+
+    def _fail_step(self, error: Exception, previous: "_InFlight | None",
+                   batch: ScheduledBatch | None) -> list[RequestOutput]:
+        self._in_flight = None
+        if not self.runner.pool_is_intact():
+            raise EngineBrokenError(f"the KV cache was lost in a failed step: {type(error).__name__}: {error}") \
+                from error
+        failed = {}
+        for scheduled in (previous.batch if previous is not None else None, batch):
+            for request in scheduled.requests if scheduled is not None else ():
+                failed.setdefault(request.parent.request_id, request.parent)
+        for request_id in failed:
+            self.abort_request(request_id)
+        logger.error("a step failed (%s: %s); its requests %s were aborted", type(error).__name__, error,
+                     sorted(failed))
+        raise StepFailedError(sorted(failed), error) from error
 
     def _launch(self, batch: ScheduledBatch, previous: "_InFlight | None") -> "_InFlight":
         """Prepares and launches `batch`; advances each request's computed tokens, and gives each request

@@ -68,6 +68,17 @@ class ModelRunner:
         self.kv_cache, out, tokens = self._step(self.params, self.kv_cache, inputs, previous)
         return out, tokens
 
+    def pool_is_intact(self) -> bool:
+        """False when the KV pool's buffers are gone (donated to a step that then failed) or hold a failed
+        computation's result. Waits for the step in flight."""
+        if any(cache.is_deleted() for cache in self.kv_cache):
+            return False
+        try:
+            jax.block_until_ready(self.kv_cache)
+        except Exception:  # noqa: BLE001 - an error of the step that produced the pool
+            return False
+        return True
+
     @staticmethod
     def fetch(out: SamplerOutput) -> SamplerOutput:
         """Waits for a launched step; its sampler output as host numpy arrays."""

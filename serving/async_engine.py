@@ -14,7 +14,7 @@ import threading
 import time
 from typing import AsyncIterator
 
-from paged import LLMEngine, RequestOutput, SamplingParams
+from paged import LLMEngine, RequestOutput, SamplingParams, StepFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +25,10 @@ class QueueFullError(RuntimeError):
 
 class EngineDeadError(RuntimeError):
     """The engine thread stopped; no request can be served (HTTP 503)."""
+
+
+class RequestFailedError(RuntimeError):
+    """The step that carried this request raised; the request was aborted, the engine goes on (HTTP 500)."""
 
 
 class _Stream:
@@ -77,8 +81,9 @@ def _resolve(future: asyncio.Future, result=None, error: BaseException | None = 
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024, batching_delay_ms: float = 0.0,
-                 observer=None):
-        """`observer` (optional) gets `on_step(engine, outputs, step_start, step_end)` on the engine thread."""
+                 observer=None, on_death=None):
+        """`observer` (optional) gets `on_step(engine, outputs, step_start, step_end)` on the engine thread;
+        `on_death(error)` (optional) is called on the engine thread if the loop itself dies (not on stop())."""
         self.engine = engine
         self.max_waiting_requests = max_waiting_requests
         self.batching_delay = batching_delay_ms / 1000.0
@@ -88,6 +93,11 @@ class AsyncEngine:
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="paged-engine", daemon=True)
         self.error: BaseException | None = None
+        self.on_death = on_death
+        # Held while a command is queued and while the dying thread answers the last ones, so no command is
+        # queued after that final drain and left unanswered.
+        self._accepting = threading.Lock()
+        self._dead = False
 
     # ---- lifecycle ------------------------------------------------------------------------------------
 
@@ -117,12 +127,10 @@ class AsyncEngine:
         Returns its stream of cumulative RequestOutputs. Closing the stream early (a client disconnect)
         aborts the request and frees its blocks.
         """
-        if not self.alive:
-            raise EngineDeadError("the engine is not running")
         loop = asyncio.get_running_loop()
         stream = _Stream(loop)
         accepted = loop.create_future()
-        self._commands.put(("add", (request_id, prompt, prompt_token_ids, params, stream, accepted)))
+        self._post("add", (request_id, prompt, prompt_token_ids, params, stream, accepted))
         await accepted
         return RequestStream(self, request_id, stream)
 
@@ -141,8 +149,14 @@ class AsyncEngine:
     async def call(self, fn):
         """Runs fn(engine) on the engine thread (e.g. to read stats consistently); returns its result."""
         future = asyncio.get_running_loop().create_future()
-        self._commands.put(("call", (fn, future)))
+        self._post("call", (fn, future))
         return await future
+
+    def _post(self, kind: str, payload) -> None:
+        with self._accepting:
+            if self._dead or not self.alive:
+                raise EngineDeadError(f"the engine is not running{f': {self.error!r}' if self.error else ''}")
+            self._commands.put((kind, payload))
 
     # ---- the engine thread ----------------------------------------------------------------------------
 
@@ -208,7 +222,11 @@ class AsyncEngine:
                     continue
                 self._wait_for_more_arrivals()
                 start = time.monotonic()
-                outputs = engine.step()
+                try:
+                    outputs = engine.step()
+                except StepFailedError as failure:  # only that step's requests pay: the engine goes on
+                    self._fail(failure)
+                    continue
                 end = time.monotonic()
                 if self.observer is not None:
                     self.observer.on_step(engine, outputs, start, end)
@@ -222,19 +240,38 @@ class AsyncEngine:
             logger.exception("engine thread crashed")
             self.error = exc
         finally:
-            error = EngineDeadError(f"the engine stopped: {self.error!r}" if self.error else "the server is "
-                                    "shutting down")
-            for request_id, stream in list(self._streams.items()):
-                engine.abort_request(request_id)
+            with self._accepting:
+                self._dead = True
+                self._shut_down()
+        if self.error is not None and self.on_death is not None:
+            self.on_death(self.error)
+
+    def _fail(self, failure: StepFailedError) -> None:
+        error = RequestFailedError(f"internal error while running this request's step: "
+                                   f"{type(failure.cause).__name__}: {failure.cause}")
+        for request_id in failure.request_ids:
+            stream = self._streams.pop(request_id, None)
+            if stream is not None:
                 stream.put(error)
-            self._streams.clear()
-            self._stopping.set()
-            while True:  # answer commands that raced with the stop
-                try:
-                    kind, payload = self._commands.get_nowait()
-                except queue.Empty:
-                    break
-                if kind == "add":
-                    _resolve(payload[-1], error=error)
-                elif kind == "call":
-                    _resolve(payload[1], error=error)
+            if self.observer is not None:
+                self.observer.forget(request_id)
+
+    def _shut_down(self) -> None:
+        """Fails every stream and every queued command: nothing waits on a dead engine."""
+        engine = self.engine
+        error = EngineDeadError(f"the engine stopped: {self.error!r}" if self.error else "the server is "
+                                "shutting down")
+        for request_id, stream in list(self._streams.items()):
+            engine.abort_request(request_id)
+            stream.put(error)
+        self._streams.clear()
+        self._stopping.set()
+        while True:  # answer commands that raced with the stop
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                _resolve(payload[-1], error=error)
+            elif kind == "call":
+                _resolve(payload[1], error=error)

@@ -84,13 +84,26 @@ def _serve(args: argparse.Namespace) -> int:
         engine.precompile(show_progress=True)
     name = args.served_model_name or model
     metrics = EngineMetrics(name)
+    server: list[uvicorn.Server] = []
+
+    def on_engine_death(error: BaseException) -> None:
+        # Every request has been failed already; stop serving so a supervisor restarts the process.
+        logging.getLogger("paged.serve").critical("the engine loop died (%r): shutting down", error)
+        if server:
+            server[0].should_exit = True
+
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
-                               batching_delay_ms=args.batching_delay_ms, observer=metrics)
+                               batching_delay_ms=args.batching_delay_ms, observer=metrics, on_death=on_engine_death)
     app = build_app(async_engine, name, metrics, api_key=args.api_key, model_path=model)
     # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to the grace period,
     # then the app's shutdown aborts whatever is left.
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level,
-                timeout_graceful_shutdown=args.shutdown_grace_s)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_grace_s)
+    server.append(uvicorn.Server(config))
+    server[0].run()
+    if async_engine.error is not None:
+        print(f"paged: error: the engine died: {async_engine.error!r}", file=sys.stderr)
+        return 3
     return 0
 
 

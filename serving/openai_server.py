@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from paged import InvalidTokenIds, RequestOutput, SamplingParams
 from paged.chat import chat_prompt_token_ids
-from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestStream
+from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from serving.metrics import EngineMetrics
 from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
                               message_dicts)
@@ -36,9 +36,41 @@ class APIError(Exception):
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
 
 
+# Seconds a client should wait before retrying a 503 (overloaded or restarting).
+RETRY_AFTER_S = 1
+
+
+def error_body(err: APIError) -> dict:
+    return {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
+
+
 def error_response(err: APIError) -> JSONResponse:
-    body = {"error": {"message": err.message, "type": err.type, "param": err.param, "code": err.code}}
-    return JSONResponse(body, status_code=err.status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else None
+    return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+
+
+def api_error_of(exc: BaseException) -> APIError:
+    """What a failure of a request's stream becomes for the client."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), type_="server_error")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), type_="server_error")
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
+
+
+async def sse_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A stream's events; a failure mid-stream becomes a final error event and `[DONE]`, so a client learns
+    why its stream ended instead of seeing it cut."""
+    try:
+        async for event in events:
+            yield event
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - reported to the client, in OpenAI's error shape
+        yield _sse(error_body(api_error_of(exc)))
+        yield _sse("[DONE]")
 
 
 @dataclasses.dataclass
@@ -165,8 +197,8 @@ async def run_to_completion(streams: list[RequestStream], raw: Request) -> list[
                 return task.result()
             if await raw.is_disconnected():
                 raise asyncio.CancelledError
-    except EngineDeadError as exc:
-        raise APIError(503, str(exc), type_="server_error")
+    except (EngineDeadError, RequestFailedError) as exc:
+        raise api_error_of(exc) from None
     finally:
         task.cancel()
         for s in streams:
@@ -300,7 +332,7 @@ async def completions(body: CompletionRequest, raw: Request, state: State):
                         "model": served_model_name, "choices": [], "usage": usage(list(finals.values()))})
         yield _sse("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return StreamingResponse(sse_with_errors(events()), media_type="text/event-stream")
 
 
 # ---- /v1/chat/completions -------------------------------------------------------------------------
@@ -380,7 +412,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
             yield _sse({**base, "choices": [], "usage": usage([final])})
         yield _sse("[DONE]")
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    return StreamingResponse(sse_with_errors(events()), media_type="text/event-stream")
 
 
 # ---- everything else ------------------------------------------------------------------------------
@@ -463,15 +495,27 @@ async def _internal(_, exc: Exception):
     return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
 
-async def _auth(request: Request, call_next):
-    api_key = request.app.state.paged.api_key
-    if api_key is not None and request.url.path != "/health":
-        header = request.headers.get("authorization", "")
+class BearerAuth:
+    """Requires `Authorization: Bearer KEY` on every route but /health.
+
+    A plain ASGI middleware, not Starlette's BaseHTTPMiddleware: that one stands between the route and the
+    connection, so `request.is_disconnected()` never saw a client leave and non-streamed requests ran on.
+    """
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or self.api_key is None or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         token = header[7:] if header.lower().startswith("bearer ") else ""
-        if not hmac.compare_digest(token.encode(), api_key.encode()):
-            return error_response(APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
+        if hmac.compare_digest(token.encode(), self.api_key.encode()):
+            return await self.app(scope, receive, send)
+        response = error_response(APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                                            code="invalid_api_key"))
-    return await call_next(request)
+        await response(scope, receive, send)
 
 
 ROUTES = [("/v1/completions", completions, "POST"), ("/v1/chat/completions", chat_completions, "POST"),
@@ -495,7 +539,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _internal)
-    app.middleware("http")(_auth)
+    app.add_middleware(BearerAuth, api_key=api_key)
     for path, handler, method in ROUTES:
         app.add_api_route(path, handler, methods=[method])
     return app

@@ -372,3 +372,39 @@ def test_out_of_range_top_k_and_lone_surrogates_cost_only_their_request(server, 
     assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
     assert httpx.get(server.url + "/health", timeout=5).status_code == 200
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].finish_reason
+
+
+def test_disconnect_from_a_non_streamed_request_aborts_it(tiny_model_dir):
+    """The auth middleware used to hide the disconnect from the route: a dropped non-streamed request ran to
+    its end. Now it stops within a few steps of the drop (the whole request would take several seconds)."""
+    srv = Server(tiny_model_dir, "--api-key", KEY, "--block-size", "16", "--max-model-len", "1024",
+                 "--max-num-seqs", "16")
+    metrics = lambda: _metrics(srv)
+    try:
+        body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 1000, "n": 16, "ignore_eos": True}
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                       timeout=0.5)
+        dropped = time.monotonic()
+        while time.monotonic() - dropped < 30 and metrics()["paged:num_requests_running"] > 0:
+            time.sleep(0.02)
+        stopped_after = time.monotonic() - dropped
+        values = metrics()
+        assert values["paged:num_requests_running"] == 0 and values["paged:kv_cache_usage_perc"] == 0
+        generated = values["paged:generation_tokens_total"]
+        # Run to its end the request makes 16,000 tokens (it did before: the disconnect went unseen).
+        assert 0 < generated < 16 * 1000 * 3 / 4, f"{generated} tokens: the dropped request ran on"
+        assert stopped_after < 1.0, f"still running {stopped_after:.2f} s after the client left"
+    finally:
+        srv.stop()
+
+
+def test_503_carries_retry_after(tiny_model_dir):
+    srv = Server(tiny_model_dir, *ENGINE_FLAGS, "--max-waiting-requests", "0")
+    try:
+        response = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert response.status_code == 503
+        assert response.headers["retry-after"] == "1"
+        assert response.json()["error"]["code"] == "overloaded"
+    finally:
+        srv.stop()
