@@ -75,7 +75,7 @@ def _serve(args: argparse.Namespace) -> int:
     from paged import LLMEngine
     from serving.async_engine import AsyncEngine
     from serving.metrics import EngineMetrics
-    from serving.openai_server import build_app
+    from serving.openai_server import ServerLimits, build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     model = _model(args)
@@ -94,7 +94,9 @@ def _serve(args: argparse.Namespace) -> int:
 
     async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
                                batching_delay_ms=args.batching_delay_ms, observer=metrics, on_death=on_engine_death)
-    app = build_app(async_engine, name, metrics, api_key=args.api_key, model_path=model)
+    limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
+                          allow_request_chat_template=args.trust_request_chat_template)
+    app = build_app(async_engine, name, metrics, api_key=args.api_key, model_path=model, limits=limits)
     # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to the grace period,
     # then the app's shutdown aborts whatever is left.
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -135,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="beyond this many waiting requests, new ones get HTTP 503")
     serve.add_argument("--batching-delay-ms", type=float, default=0.0,
                        help="wait up to this long for more arrivals before a step while the batch is small")
+    serve.add_argument("--max-request-body-bytes", type=int, default=4 * 2**20,
+                       help="larger request bodies get HTTP 413 (default: 4 MiB)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let requests bring their own chat_template (Jinja run on this server; off by default)")
     serve.add_argument("--precompile", action="store_true", help="compile every shape bucket before serving")
     serve.add_argument("--shutdown-grace-s", type=int, default=30)
     serve.add_argument("--log-level", default="info")

@@ -10,15 +10,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hmac
 import json
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Annotated, AsyncIterator
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged import InvalidTokenIds, RequestOutput, SamplingParams
 from paged.chat import chat_prompt_token_ids
@@ -73,9 +76,18 @@ async def sse_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
         yield _sse("[DONE]")
 
 
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """Bounds on what one request may make the server do (`paged serve` flags)."""
+
+    # Larger bodies are a 413 before any of it is parsed.
+    max_request_body_bytes: int = 4 * 2**20
+    # A client's own `chat_template` runs Jinja on this server: only when the operator allows it (vLLM keeps
+    # this behind a flag too).
+    allow_request_chat_template: bool = False
+
+
 @dataclasses.dataclass
-
-
 class ServerState:
     """What every handler reads: the engine and the server's settings."""
 
@@ -84,7 +96,22 @@ class ServerState:
     metrics: EngineMetrics | None = None
     api_key: str | None = None
     model_path: str | None = None
+    limits: ServerLimits = ServerLimits()
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # Tokenization and chat templates run here, off the event loop and the engine thread.
+    workers: ThreadPoolExecutor = dataclasses.field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="paged-tokenize"))
+
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """Text longer than this cannot fit max_model_len tokens (no token is longer than the vocabulary's
+        longest), so it is refused without tokenizing it."""
+        tokenizer = self.tokenizer
+        longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
+        return self.max_model_len * max(longest, 1)
+
+    async def in_worker(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)
 
     @property
     def tokenizer(self):
@@ -152,6 +179,9 @@ def refuse_unimplemented(body) -> None:
 
 
 def sampling_params(state: ServerState, body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    max_num_seqs = state.engine.engine.config.max_num_seqs
+    if body.n > max_num_seqs:
+        raise APIError(400, f"n={body.n} exceeds this server's max_num_seqs={max_num_seqs}", param="n")
     try:
         params = body.sampling_params(max_tokens, logprobs)
     except ValueError as exc:
@@ -161,6 +191,55 @@ def sampling_params(state: ServerState, body, max_tokens: int | None, logprobs: 
     except InvalidTokenIds as exc:
         raise APIError(400, str(exc), param=exc.field)
     return params
+
+
+def _tokenize_text(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Runs in a worker. Raises ValueError for text the tokenizer cannot take or that cannot fit."""
+    if len(text) > state.max_prompt_chars:
+        raise ValueError(f"the prompt has {len(text)} characters, more than max_model_len={state.max_model_len} "
+                         "tokens can hold")
+    try:
+        return list(state.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    except Exception as exc:  # noqa: BLE001 - e.g. a lone UTF-16 surrogate: the client's input
+        raise ValueError(f"the prompt could not be tokenized: {type(exc).__name__}: {exc}") from None
+
+
+def _render_chat(state: ServerState, messages: list[dict], chat_template: str | None,
+                 add_generation_prompt: bool) -> list[int]:
+    """Runs in a worker: the chat template's token ids (ValueError for what it cannot render or fit)."""
+    chars = sum(len(str(m.get("content") or "")) for m in messages)
+    if chars > state.max_prompt_chars:
+        raise ValueError(f"the messages hold {chars} characters, more than max_model_len={state.max_model_len} "
+                         "tokens can hold")
+    return chat_prompt_token_ids(state.tokenizer, messages, chat_template=chat_template,
+                                 add_generation_prompt=add_generation_prompt)
+
+
+async def chat_token_ids(state: ServerState, messages: list[dict], chat_template: str | None,
+                         add_generation_prompt: bool) -> list[int]:
+    if chat_template is not None and not state.limits.allow_request_chat_template:
+        raise APIError(400, "this server does not take a chat_template from requests (start it with "
+                            "--trust-request-chat-template to allow it)", param="chat_template")
+    try:
+        return await state.in_worker(_render_chat, state, messages, chat_template, add_generation_prompt)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+
+
+async def tokenize_prompts(state: ServerState, prompts: list[tuple[str | None, list[int] | None]]
+                           ) -> list[tuple[str | None, list[int]]]:
+    """Text prompts tokenized in a worker (the engine thread only ever gets token ids)."""
+    out = []
+    for i, (text, ids) in enumerate(prompts):
+        if ids is None:
+            if state.tokenizer is None:
+                raise APIError(400, "this server has no tokenizer: send token ids", param="prompt")
+            try:
+                ids = await state.in_worker(_tokenize_text, state, text)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="prompt" if len(prompts) == 1 else f"prompt[{i}]") from None
+        out.append((text, ids))
+    return out
 
 
 async def submit_all(state: ServerState, prompts: list[tuple[str | None, list[int] | None]],
@@ -279,7 +358,7 @@ async def completions(body: CompletionRequest, raw: Request, state: State):
     else:
         raise APIError(400, "prompt must not be empty", param="prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await submit_all(state, prompts, params, request_id)
+    streams = await submit_all(state, await tokenize_prompts(state, prompts), params, request_id)
     n = params.n
 
     def prompt_text(output):
@@ -359,11 +438,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(state, body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
     served_model_name = state.served_model_name
-    try:
-        ids = chat_prompt_token_ids(state.tokenizer, message_dicts(body.messages), chat_template=body.chat_template,
-                                    add_generation_prompt=body.add_generation_prompt)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="messages")
+    ids = await chat_token_ids(state, message_dicts(body.messages), body.chat_template, body.add_generation_prompt)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
         streams = await submit_all(state, [(None, ids)], params, request_id)
@@ -440,15 +515,11 @@ async def tokenize(body: TokenizeRequest, state: State):
         raise APIError(400, "pass exactly one of prompt or messages", param="prompt")
     if body.prompt is not None:
         try:
-            ids = list(state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens))
-        except Exception as exc:  # noqa: BLE001 - e.g. a lone UTF-16 surrogate: the client's input
-            raise APIError(400, f"the prompt could not be tokenized: {type(exc).__name__}: {exc}", param="prompt")
-    else:
-        try:
-            ids = chat_prompt_token_ids(state.tokenizer, message_dicts(body.messages),
-                                        add_generation_prompt=body.add_generation_prompt)
+            ids = await state.in_worker(_tokenize_text, state, body.prompt, body.add_special_tokens)
         except ValueError as exc:
-            raise APIError(400, str(exc), param="messages")
+            raise APIError(400, str(exc), param="prompt") from None
+    else:
+        ids = await chat_token_ids(state, message_dicts(body.messages), None, body.add_generation_prompt)
     return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
 
@@ -491,8 +562,43 @@ async def _validation_error(_, exc: RequestValidationError):
                                         f"(got {first.get('input')!r})"[:500], param=loc[0] if loc else None))
 
 
+async def _http_error(_, exc: StarletteHTTPException):
+    """Starlette's own errors (unknown route 404, wrong method 405, an unreadable body 400) in OpenAI's shape."""
+    return error_response(APIError(exc.status_code, str(exc.detail)))
+
+
 async def _internal(_, exc: Exception):
+    if isinstance(exc, RecursionError):  # a JSON body nested deeper than the parser recurses
+        return error_response(APIError(400, "malformed JSON body: nested too deeply"))
     return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+
+
+class BodyLimit:
+    """A 413 in OpenAI's shape for a body over `max_bytes`, by its Content-Length or as it arrives."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        too_large = APIError(413, f"the request body is larger than this server's limit of {self.max_bytes} bytes",
+                             code="request_too_large")
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await error_response(too_large)(scope, receive, send)
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise StarletteHTTPException(413, too_large.message)
+            return message
+
+        await self.app(scope, counting_receive, send)
 
 
 class BearerAuth:
@@ -519,12 +625,13 @@ class BearerAuth:
 
 
 ROUTES = [("/v1/completions", completions, "POST"), ("/v1/chat/completions", chat_completions, "POST"),
-          ("/v1/models", models, "GET"), ("/health", health, "GET"), ("/tokenize", tokenize, "POST"),
+          ("/v1/models", models, "GET"), ("/health", health, ["GET", "HEAD"]), ("/tokenize", tokenize, "POST"),
           ("/detokenize", detokenize, "POST"), ("/metrics", prometheus_metrics, "GET")]
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetrics | None = None,
-              api_key: str | None = None, model_path: str | None = None) -> FastAPI:
+              api_key: str | None = None, model_path: str | None = None,
+              limits: ServerLimits = ServerLimits()) -> FastAPI:
     """The app starts the engine thread on startup and stops it (aborting what is left) on shutdown."""
 
     @contextlib.asynccontextmanager
@@ -535,11 +642,13 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         engine.stop()
 
     app = FastAPI(title="paged", version="0.1.0", lifespan=lifespan)
-    app.state.paged = ServerState(engine, served_model_name, metrics, api_key, model_path)
+    app.state.paged = ServerState(engine, served_model_name, metrics, api_key, model_path, limits)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
     app.add_middleware(BearerAuth, api_key=api_key)
-    for path, handler, method in ROUTES:
-        app.add_api_route(path, handler, methods=[method])
+    app.add_middleware(BodyLimit, max_bytes=limits.max_request_body_bytes)  # outermost: before auth reads it
+    for path, handler, methods in ROUTES:
+        app.add_api_route(path, handler, methods=[methods] if isinstance(methods, str) else methods)
     return app

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -9,9 +10,13 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from paged import SamplingParams
 
 
+# Unknown fields are ignored, as OpenAI does. Known ones are strict: no string-to-number or bool-to-int
+# coercion ("max_tokens": "10" or true, "stream": "yes", prompt [true, false] are a 400, not a guess).
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+
 class _Request(BaseModel):
-    # Unknown fields are ignored, as OpenAI does; known ones are type-checked strictly enough to give a 400.
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0, le=2)
@@ -78,7 +83,7 @@ class _Request(BaseModel):
     @field_validator("logit_bias")
     @classmethod
     def _token_id_keys(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
-        bad = [key for key in bias or {} if not key.strip().isdigit()]
+        bad = [key for key in bias or {} if not re.fullmatch(r"[0-9]{1,10}", key)]  # ASCII digits only
         if bad:
             raise ValueError(f"keys must be token ids (non-negative integers), got {bad[0]!r}")
         return bias
@@ -104,7 +109,7 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -121,7 +126,7 @@ class ChatCompletionRequest(_Request):
 
 
 class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     prompt: str | None = None
@@ -131,7 +136,7 @@ class TokenizeRequest(BaseModel):
 
 
 class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str | None = None
     tokens: list[int]

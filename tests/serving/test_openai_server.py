@@ -127,6 +127,16 @@ def test_models_tokenize_detokenize(server, client):
     (b"{not json", 400, None),
     (json.dumps({"model": "tiny"}).encode(), 400, "prompt"),
     (json.dumps({"prompt": "hi", "max_tokens": "many"}).encode(), 400, "max_tokens"),
+    # Strict types: no coercion from strings, bools or floats.
+    (json.dumps({"prompt": "hi", "max_tokens": "10"}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "hi", "max_tokens": True}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "hi", "max_tokens": 10.0}).encode(), 400, "max_tokens"),
+    (json.dumps({"prompt": "hi", "stream": "yes"}).encode(), 400, "stream"),
+    (json.dumps({"prompt": [True, False]}).encode(), 400, "prompt"),
+    (json.dumps({"prompt": "hi", "logit_bias": {"\u0663": 1}}).encode(), 400, "logit_bias"),  # an Arabic-Indic 3
+    (json.dumps({"prompt": "hi", "n": 64}).encode(), 400, "n"),  # above the server's max_num_seqs (16)
+    (b'{"prompt": "\xff\xfe"}', 400, None),  # not UTF-8
+    (b'{"prompt": "hi", "stream_options": ' + b'{"a": ' * 5000 + b'1' + b'}' * 5001, 400, None),  # deep nesting
     (json.dumps({"prompt": "hi", "temperature": 7}).encode(), 400, "temperature"),
     (json.dumps({"prompt": "hi", "top_p": 0}).encode(), 400, "top_p"),
     (json.dumps({"prompt": "hi", "n": 0}).encode(), 400, "n"),
@@ -408,3 +418,34 @@ def test_503_carries_retry_after(tiny_model_dir):
         assert response.json()["error"]["code"] == "overloaded"
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("method, path, status", [("GET", "/nope", 404), ("PUT", "/v1/completions", 405),
+                                                  ("GET", "/v1/chat/completions", 405)])
+def test_routing_errors_come_in_openai_shape(server, method, path, status):
+    response = httpx.request(method, server.url + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
+    assert response.status_code == status
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_head_health_and_body_limit_and_client_templates(server):
+    assert httpx.head(server.url + "/health", timeout=10).status_code == 200
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    big = json.dumps({"prompt": "x" * (5 * 2**20)}).encode()  # over the 4 MiB default
+    response = httpx.post(server.url + "/tokenize", content=big, headers=headers, timeout=30)
+    assert response.status_code == 413 and response.json()["error"]["code"] == "request_too_large"
+    body = {"messages": [{"role": "user", "content": "hi"}], "chat_template": "{{ 'x' * 10000000 }}"}
+    response = httpx.post(server.url + "/v1/chat/completions", json=body, headers=headers, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "chat_template"
+
+
+def test_a_huge_prompt_is_refused_without_stalling_others(server, client):
+    """A 3 MB prompt cannot fit max_model_len: refused by its length, in a worker, not on the engine thread."""
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    started = time.monotonic()
+    response = httpx.post(server.url + "/v1/completions", content=json.dumps({"prompt": "ab " * 10**6}),
+                          headers=headers, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt"
+    assert "max_model_len" in response.json()["error"]["message"]
+    assert time.monotonic() - started < 5
+    assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).choices[0].finish_reason
