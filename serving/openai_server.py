@@ -27,8 +27,9 @@ from paged import InvalidTokenIds, RequestOutput, SamplingParams
 from paged.chat import chat_prompt_token_ids
 from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from serving.metrics import EngineMetrics
-from serving.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest,
-                              message_dicts)
+from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
+                              DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest,
+                              TokenizeResponse, message_dicts)
 
 
 class APIError(Exception):
@@ -563,8 +564,11 @@ async def _validation_error(_, exc: RequestValidationError):
 
 
 async def _http_error(_, exc: StarletteHTTPException):
-    """Starlette's own errors (unknown route 404, wrong method 405, an unreadable body 400) in OpenAI's shape."""
-    return error_response(APIError(exc.status_code, str(exc.detail)))
+    """Starlette's own errors (unknown route 404, wrong method 405 with its Allow header, an unreadable body
+    400) in OpenAI's shape."""
+    response = error_response(APIError(exc.status_code, str(exc.detail)))
+    response.headers.update(exc.headers or {})
+    return response
 
 
 async def _internal(_, exc: Exception):
@@ -602,7 +606,7 @@ class BodyLimit:
 
 
 class BearerAuth:
-    """Requires `Authorization: Bearer KEY` on every route but /health.
+    """Requires `Authorization: Bearer KEY` on every route but /health and the OpenAPI document.
 
     A plain ASGI middleware, not Starlette's BaseHTTPMiddleware: that one stands between the route and the
     connection, so `request.is_disconnected()` never saw a client leave and non-streamed requests ran on.
@@ -613,7 +617,7 @@ class BearerAuth:
         self.api_key = api_key
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or self.api_key is None or scope["path"] == "/health":
+        if scope["type"] != "http" or self.api_key is None or scope["path"] in ("/health", "/openapi.json"):
             return await self.app(scope, receive, send)
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         token = header[7:] if header.lower().startswith("bearer ") else ""
@@ -624,9 +628,50 @@ class BearerAuth:
         await response(scope, receive, send)
 
 
-ROUTES = [("/v1/completions", completions, "POST"), ("/v1/chat/completions", chat_completions, "POST"),
-          ("/v1/models", models, "GET"), ("/health", health, ["GET", "HEAD"]), ("/tokenize", tokenize, "POST"),
-          ("/detokenize", detokenize, "POST"), ("/metrics", prometheus_metrics, "GET")]
+_JSON_ERRORS = {status: {"model": ErrorResponse, "description": description} for status, description in (
+    (400, "invalid request (the error's `param` names the field)"), (401, "missing or wrong API key"),
+    (404, "unknown model"), (413, "request body over the server's limit"),
+    (500, "the step carrying this request failed; the server goes on"),
+    (503, "overloaded or the engine is not running (with Retry-After)"))}
+# One server-sent event: `data: {json chunk}`, the last one `data: [DONE]` (a failure: `data: {"error": ...}`).
+_SSE = {"text/event-stream": {"schema": {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "description": "a JSON chunk, an error, or [DONE]"}, "event": {"type": "string"}}}}}
+
+# (path, handler, methods, success response for the OpenAPI document)
+ROUTES = [
+    ("/v1/completions", completions, ["POST"],
+     {"model": CompletionResponse, "content": _SSE, "description": "the completion (a stream with stream=true)"}),
+    ("/v1/chat/completions", chat_completions, ["POST"],
+     {"model": ChatCompletionResponse, "content": _SSE, "description": "the completion (a stream with stream=true)"}),
+    ("/v1/models", models, ["GET"], {"model": ModelList, "description": "the served model"}),
+    ("/health", health, ["GET", "HEAD"], {"description": "the engine runs (no body)"}),
+    ("/tokenize", tokenize, ["POST"], {"model": TokenizeResponse, "description": "token ids"}),
+    ("/detokenize", detokenize, ["POST"], {"model": DetokenizeResponse, "description": "text"}),
+    ("/metrics", prometheus_metrics, ["GET"],
+     {"description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}),
+]
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's document, corrected: errors are 400 (never FastAPI's 422) in OpenAI's shape, every route but
+    /health takes a bearer key, /health answers 200 with no body."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                             description="OpenAI-compatible API of a paged engine")
+        for path, operations in schema["paths"].items():
+            for operation in operations.values():
+                operation["responses"].pop("422", None)
+                if path == "/health":
+                    operation["security"] = []
+                    operation["responses"] = {"200": {"description": "the engine runs (no body)"},
+                                              "503": operation["responses"]["503"]}
+        schema["components"].setdefault("securitySchemes", {})["bearer"] = {"type": "http", "scheme": "bearer"}
+        schema["security"] = [{"bearer": []}]
+        for name in ("HTTPValidationError", "ValidationError"):
+            schema["components"]["schemas"].pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetrics | None = None,
@@ -649,6 +694,8 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
     app.add_exception_handler(Exception, _internal)
     app.add_middleware(BearerAuth, api_key=api_key)
     app.add_middleware(BodyLimit, max_bytes=limits.max_request_body_bytes)  # outermost: before auth reads it
-    for path, handler, methods in ROUTES:
-        app.add_api_route(path, handler, methods=[methods] if isinstance(methods, str) else methods)
+    for path, handler, methods, success in ROUTES:
+        app.add_api_route(path, handler, methods=methods, response_model=None,
+                          responses={200: success, **_JSON_ERRORS})
+    app.openapi = lambda: _openapi(app)
     return app
