@@ -27,6 +27,7 @@ class InvalidTokenIds(ValueError):
 
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_TINY = 1.1754943508222875e-38  # the smallest normal float32: anything smaller rounds towards 0
 
 
 @dataclasses.dataclass
@@ -100,8 +101,9 @@ class SamplingParams:
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
               f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}")
-        check(_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-              f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        check(_is_number(self.repetition_penalty) and FLOAT32_TINY <= self.repetition_penalty <= FLOAT32_MAX,
+              f"repetition_penalty must be a positive float32 (in [{FLOAT32_TINY:g}, {FLOAT32_MAX:g}]), got "
+              f"{self.repetition_penalty!r}")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
               f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES,

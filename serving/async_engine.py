@@ -146,6 +146,13 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
 
+    def fail_all(self, message: str) -> None:
+        """Ends every open stream with EngineDeadError(message) and aborts its request (e.g. before a
+        shutdown's grace runs out, so clients get an error event instead of a cut connection)."""
+        with self._accepting:
+            if not self._dead:
+                self._commands.put(("fail_all", message))
+
     async def call(self, fn):
         """Runs fn(engine) on the engine thread (e.g. to read stats consistently); returns its result."""
         future = asyncio.get_running_loop().create_future()
@@ -180,6 +187,12 @@ class AsyncEngine:
             engine.abort_request(payload)
             if self.observer is not None:
                 self.observer.forget(payload)
+        elif kind == "fail_all":
+            error = EngineDeadError(payload)
+            for request_id, stream in list(self._streams.items()):
+                engine.abort_request(request_id)
+                stream.put(error)
+            self._streams.clear()
         elif kind == "call":
             fn, future = payload
             try:

@@ -68,6 +68,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    import asyncio
     import logging
 
     import uvicorn
@@ -99,9 +100,19 @@ def _serve(args: argparse.Namespace) -> int:
     app = build_app(async_engine, name, metrics, api_key=args.api_key, model_path=model, limits=limits)
     # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to the grace period,
     # then the app's shutdown aborts whatever is left.
+    class GracefulServer(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # uvicorn cancels what still runs when the grace period ends, which cuts a stream mid-event: end
+            # every stream with an error event a moment before that instead.
+            grace = self.config.timeout_graceful_shutdown
+            if grace is not None:
+                message = f"the server is shutting down (its {grace} s grace period ran out)"
+                asyncio.get_running_loop().call_later(max(grace - 0.5, 0.0), async_engine.fail_all, message)
+            await super().shutdown(sockets)
+
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace_s)
-    server.append(uvicorn.Server(config))
+    server.append(GracefulServer(config))
     server[0].run()
     if async_engine.error is not None:
         print(f"paged: error: the engine died: {async_engine.error!r}", file=sys.stderr)

@@ -402,7 +402,8 @@ def test_disconnect_from_a_non_streamed_request_aborts_it(tiny_model_dir):
         stopped_after = time.monotonic() - dropped
         values = metrics()
         assert values["paged:num_requests_running"] == 0 and values["paged:kv_cache_usage_perc"] == 0
-        generated = values["paged:generation_tokens_total"]
+        # The counter's sample is named with _total by some prometheus_client versions, without by others.
+        generated = values.get("paged:generation_tokens_total", values.get("paged:generation_tokens"))
         # Run to its end the request makes 16,000 tokens (it did before: the disconnect went unseen).
         assert 0 < generated < 16 * 1000 * 3 / 4, f"{generated} tokens: the dropped request ran on"
         assert stopped_after < 1.0, f"still running {stopped_after:.2f} s after the client left"
@@ -500,3 +501,21 @@ def test_disconnect_storm_leaks_nothing(server):
         time.sleep(0.1)
     assert values["paged:num_requests_running"] == 0 and values["paged:num_requests_waiting"] == 0
     assert values["paged:kv_cache_usage_perc"] == 0, "a dropped request leaked its blocks"
+
+
+def test_streams_cut_by_the_shutdown_grace_end_with_an_error_event(tiny_model_dir):
+    srv = Server(tiny_model_dir, "--block-size", "16", "--max-model-len", "1024", "--shutdown-grace-s", "2")
+    try:
+        # 16 x 1000 tokens take several seconds here: the grace (2 s) runs out first.
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "stream": True, "ignore_eos": True,
+                "n": 16}
+        with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+            srv.proc.send_signal(15)
+            rest = [line for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        error = json.loads(rest[-2][6:])["error"]
+        assert error["type"] == "server_error" and "grace" in error["message"]
+    finally:
+        srv.stop()
