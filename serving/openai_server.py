@@ -213,7 +213,7 @@ def _render_chat(state: ServerState, messages: list[dict], chat_template: str | 
         raise ValueError(f"the messages hold {chars} characters, more than max_model_len={state.max_model_len} "
                          "tokens can hold")
     return chat_prompt_token_ids(state.tokenizer, messages, chat_template=chat_template,
-                                 add_generation_prompt=add_generation_prompt)
+                                 add_generation_prompt=add_generation_prompt, max_chars=state.max_prompt_chars)
 
 
 async def chat_token_ids(state: ServerState, messages: list[dict], chat_template: str | None,
@@ -269,18 +269,24 @@ async def run_to_completion(streams: list[RequestStream], raw: Request) -> list[
             pass
         return output
 
+    async def disconnected():
+        # The body has been read: the next message the connection brings is the client leaving. Waiting on
+        # it (rather than polling) aborts a dropped request within a step.
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
     task = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+    watcher = asyncio.ensure_future(disconnected())
     try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return task.result()
-            if await raw.is_disconnected():
-                raise asyncio.CancelledError
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise asyncio.CancelledError  # the client left: closing the streams aborts the requests
+        return task.result()
     except (EngineDeadError, RequestFailedError) as exc:
         raise api_error_of(exc) from None
     finally:
         task.cancel()
+        watcher.cancel()
         for s in streams:
             s.close()
 

@@ -390,23 +390,30 @@ def test_disconnect_from_a_non_streamed_request_aborts_it(tiny_model_dir):
     its end. Now it stops within a few steps of the drop (the whole request would take several seconds)."""
     srv = Server(tiny_model_dir, "--api-key", KEY, "--block-size", "16", "--max-model-len", "1024",
                  "--max-num-seqs", "16")
-    metrics = lambda: _metrics(srv)
+    # The counter's sample is named with _total by some prometheus_client versions, without by others.
+    generated = lambda values: values.get("paged:generation_tokens_total", values.get("paged:generation_tokens"))
     try:
         body = {"model": "tiny", "prompt": "Hello world", "max_tokens": 1000, "n": 16, "ignore_eos": True}
+        # Compile the step's shapes first, so the timed request is generating when it is dropped.
+        warm = httpx.post(srv.url + "/v1/completions", json={**body, "max_tokens": 40},
+                          headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        assert warm.status_code == 200
+        before = generated(_metrics(srv))
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
                        timeout=0.5)
+        at_drop = generated(_metrics(srv))  # one scrape after the connection closed
         dropped = time.monotonic()
-        while time.monotonic() - dropped < 30 and metrics()["paged:num_requests_running"] > 0:
+        while time.monotonic() - dropped < 30 and _metrics(srv)["paged:num_requests_running"] > 0:
             time.sleep(0.02)
-        stopped_after = time.monotonic() - dropped
-        values = metrics()
+        values = _metrics(srv)
         assert values["paged:num_requests_running"] == 0 and values["paged:kv_cache_usage_perc"] == 0
-        # The counter's sample is named with _total by some prometheus_client versions, without by others.
-        generated = values.get("paged:generation_tokens_total", values.get("paged:generation_tokens"))
         # Run to its end the request makes 16,000 tokens (it did before: the disconnect went unseen).
-        assert 0 < generated < 16 * 1000 * 3 / 4, f"{generated} tokens: the dropped request ran on"
-        assert stopped_after < 1.0, f"still running {stopped_after:.2f} s after the client left"
+        made = generated(values) - before
+        assert 0 < made < 16 * 1000 * 3 / 4, f"{made} tokens: the dropped request ran on"
+        steps_after_drop = (generated(values) - at_drop) / 16  # each decode step adds one token to each sample
+        print(f"steps run after the drop was seen by the scrape: {steps_after_drop:g}")
+        assert steps_after_drop <= 3
     finally:
         srv.stop()
 
@@ -506,9 +513,9 @@ def test_disconnect_storm_leaks_nothing(server):
 def test_streams_cut_by_the_shutdown_grace_end_with_an_error_event(tiny_model_dir):
     srv = Server(tiny_model_dir, "--block-size", "16", "--max-model-len", "1024", "--shutdown-grace-s", "2")
     try:
-        # 16 x 1000 tokens take several seconds here: the grace (2 s) runs out first.
+        # 64 x 1000 tokens take well over the grace (2 s) here, which therefore runs out first.
         body = {"model": "tiny", "prompt": "Hello", "max_tokens": 1000, "stream": True, "ignore_eos": True,
-                "n": 16}
+                "n": 64}
         with httpx.stream("POST", srv.url + "/v1/completions", json=body, timeout=60) as response:
             lines = response.iter_lines()
             assert next(lines).startswith("data: ")
@@ -519,3 +526,54 @@ def test_streams_cut_by_the_shutdown_grace_end_with_an_error_event(tiny_model_di
         assert error["type"] == "server_error" and "grace" in error["message"]
     finally:
         srv.stop()
+
+
+def test_trusted_client_templates_and_their_rendered_size(tiny_model_dir):
+    srv = Server(tiny_model_dir, *ENGINE_FLAGS, "--trust-request-chat-template")
+    try:
+        messages = [{"role": "user", "content": "hi"}]
+        ok = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+            "messages": messages, "max_tokens": 2, "chat_template": "{{ messages[0]['content'] }} there"})
+        assert ok.status_code == 200, ok.text
+        assert ok.json()["usage"]["prompt_tokens"] == len(
+            httpx.post(srv.url + "/tokenize", json={"prompt": "hi there", "add_special_tokens": False},
+                       timeout=30).json()["tokens"])
+        huge = httpx.post(srv.url + "/v1/chat/completions", timeout=30, json={
+            "messages": messages, "max_tokens": 2, "chat_template": "{{ 'x' * 2000000 }}"})
+        assert huge.status_code == 400 and huge.json()["error"]["param"] == "messages"
+        assert "rendered" in huge.json()["error"]["message"]
+    finally:
+        srv.stop()
+
+
+def test_the_server_exits_non_zero_when_the_engine_loop_dies(tiny_model_dir):
+    """A supervisor must see the failure: the engine loop dying fails the request in flight at once, /health
+    goes 503, and the process exits with a non-zero status instead of answering 503 forever."""
+    import subprocess
+    import sys
+
+    from tests.serving.server_fixture import free_port
+    port = free_port()
+    script = (
+        "import sys, paged.engine as e\n"
+        "def broken(self):\n"
+        "    raise e.EngineBrokenError('injected: the KV pool is gone')\n"
+        "e.LLMEngine.step = broken\n"
+        "from serving.cli import main\n"
+        f"sys.exit(main(['serve', {tiny_model_dir!r}, '--port', '{port}', '--block-size', '8', "
+        "'--max-model-len', '256']))\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.3)
+        response = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=30)
+        assert response.status_code == 503 and "injected" in response.json()["error"]["message"]
+        assert proc.wait(30) == 3
+    finally:
+        if proc.poll() is None:
+            proc.kill()
