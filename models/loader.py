@@ -15,7 +15,7 @@ import flax.linen as nn
 import jax
 import ml_dtypes
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
@@ -107,14 +107,18 @@ def partition_specs(model) -> dict[tuple[str, ...], PartitionSpec]:
 
 
 def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, show_progress: bool = True,
-                stacked_layers: bool = True):
+                stacked_layers: bool = True, mesh=None):
     """Reads every tensor the model needs; returns the parameter tree on the default device.
 
     With `stacked_layers=False`, `params["layers"]` is a list of per-layer trees instead of one tree stacked
     over layers (for the unrolled layer loop; see models/layers.py `run_layers`). Each layer's arrays are
     copied to the device from views of the host buffer, so neither layout needs the weights twice.
+
+    With a `mesh`, each array is split by its partition spec (`partition_specs`) as it goes to the devices:
+    every device receives only its own slice.
     """
     expected = _expected_shapes(model)
+    specs = partition_specs(model) if mesh is not None else {}
     buffers: dict[tuple[str, ...], np.ndarray] = {}
     filled: dict[tuple[str, ...], int] = {}
     params: dict = {}
@@ -140,7 +144,8 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
                         buffers[key][index] = tensor
                         filled[key] += 1
                         if filled[key] == int(np.prod(expected[key][:len(index)])):  # every layer (and expert)
-                            _put_loaded(params, key, buffers.pop(key), stacked_layers, config.num_layers)
+                            _put_loaded(params, key, buffers.pop(key), stacked_layers, config.num_layers,
+                                        mesh, specs.get(key))
                         bar.update()
     missing = [".".join(k) for k in expected if _get(params, k) is None and _get_layer0(params, k) is None]
     if missing:
@@ -149,13 +154,28 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
 
 
 def _put_loaded(params: dict, key: tuple[str, ...], buffer: np.ndarray, stacked_layers: bool,
-                num_layers: int) -> None:
+                num_layers: int, mesh=None, spec: PartitionSpec | None = None) -> None:
+    def to_device(array, spec):
+        if mesh is None:
+            return jax.device_put(array)
+        return jax.device_put(array, NamedSharding(mesh, _divisible(spec, array.shape, mesh)))
+
     if key[0] != "layers" or stacked_layers:
-        _put(params, key, jax.device_put(buffer))
+        _put(params, key, to_device(buffer, spec))
         return
     layers = params.setdefault("layers", [{} for _ in range(num_layers)])
+    layer_spec = PartitionSpec(*spec[1:]) if spec is not None else None  # without the stacked layer axis
     for layer, tree in enumerate(layers):
-        _put(tree, key[1:], jax.device_put(buffer[layer]))
+        _put(tree, key[1:], to_device(buffer[layer], layer_spec))
+
+
+def _divisible(spec: PartitionSpec | None, shape: tuple[int, ...], mesh) -> PartitionSpec:
+    """`spec`, with every split the mesh cannot make evenly dropped (that dimension replicated): e.g. a
+    vocabulary of 470 rows over 4 devices. Padding such tables instead would save the memory; not done yet."""
+    if spec is None:
+        return PartitionSpec()
+    kept = [axis if axis is None or shape[dim] % mesh.shape[axis] == 0 else None for dim, axis in enumerate(spec)]
+    return PartitionSpec(*kept)
 
 
 def _put(tree: dict, key: tuple[str, ...], value) -> None:
@@ -180,13 +200,13 @@ def _get_layer0(tree: dict, key: tuple[str, ...]):
 
 
 def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stacked_layers: bool = True,
-               linear_backend: str = "xla"):
+               linear_backend: str = "xla", mesh=None):
     """Returns (model_dir, config, model, params, numpy dtype); see load_params for `stacked_layers` and
-    models.linear for `linear_backend`."""
+    `mesh`, and models.linear for `linear_backend`."""
     model_dir = resolve_model_path(model)
     config = load_model_config(model_dir)
     cls = model_class(config.architecture)
     np_dtype = resolve_dtype(dtype, config)
     instance = cls(config, np_dtype, linear_backend=linear_backend)
-    params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers)
+    params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers, mesh)
     return model_dir, config, instance, params, np_dtype

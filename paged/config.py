@@ -63,7 +63,8 @@ class EngineConfig:
     compilation_cache_dir: str | None = _option(
         "auto", "where compiled steps are kept between runs (auto: JAX's own setting, else "
                 "$PAGED_CACHE_DIR/xla, i.e. ~/.cache/paged/xla); none to leave JAX's settings alone")
-    tensor_parallel_size: int = _option(1, "devices each model replica is split over (only 1 so far)")
+    tensor_parallel_size: int = _option(1, "devices the model is split over (Megatron layout on a jax mesh; "
+                                           "must divide the attention and KV heads)")
     quantization: str | None = _option(None, "quantization method of the checkpoint (none implemented yet)")
 
     def validate(self) -> None:
@@ -73,6 +74,8 @@ class EngineConfig:
 
         check(self.tokenizer is None or isinstance(self.tokenizer, str),
               f"tokenizer must be None or a path or hub id, got {self.tokenizer!r}")
+        check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
+              f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool),
               f"seed must be an integer, got {self.seed!r}")
         check(isinstance(self.block_size, int) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),

@@ -10,12 +10,13 @@ import time
 import jax
 import numpy as np
 
-from models import get_attention_backend, load_model
+from models import get_attention_backend, load_model, load_model_config, resolve_model_path
 from pallas_kernels import select_backends
 from paged import compilation_cache
 from paged.batch import Buckets, padding_inputs, prepare_inputs
 from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.config import EngineConfig, engine_option_names
+from paged.parallel import ShardedAttention, make_mesh
 from paged.detokenizer import IncrementalDetokenizer, find_stop_string
 from paged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged.request import PLACEHOLDER, ParentRequest, Request, RequestStatus
@@ -50,23 +51,32 @@ class LLMEngine:
                             f"paged.EngineConfig: {', '.join(engine_option_names())}")
         config = EngineConfig(**engine_args)
         config.validate()
-        if config.tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet")
         if config.quantization is not None:
             raise NotImplementedError(f"quantization={config.quantization!r} is not implemented yet")
         tokenizer, dtype = config.tokenizer, config.dtype
         self.compilation_cache_dir = compilation_cache.configure(config.compilation_cache_dir)
         platform = jax.default_backend()
-        attention_name, self.linear_backend = select_backends(platform, config.attention_backend,
-                                                              config.linear_backend)
-        attention = get_attention_backend(attention_name, platform)
-        unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and platform == "cpu")
 
         from models.tiny import TINY_MODEL_NAME, default_tiny_model_dir
         if model == TINY_MODEL_NAME:
             model = default_tiny_model_dir()
+        model_dir = resolve_model_path(model)
+        model_config = load_model_config(model_dir)
+        self.mesh = make_mesh(config.tensor_parallel_size, model_config.num_heads, model_config.num_kv_heads)
+        linear = config.linear_backend
+        if self.mesh is not None:
+            # The native matmul is an FFI call XLA cannot split: sharded projections keep XLA's dot.
+            if linear == "cpu":
+                raise NotImplementedError("linear_backend='cpu' does not run under tensor parallelism yet")
+            linear = "xla"
+        attention_name, self.linear_backend = select_backends(platform, config.attention_backend, linear)
+        attention = get_attention_backend(attention_name, platform)
+        if self.mesh is not None:
+            attention = ShardedAttention(attention, self.mesh)
+        unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and platform == "cpu")
         model_dir, self.model_config, self.model, params, self.dtype = load_model(
-            model, dtype, show_progress, stacked_layers=not unroll, linear_backend=self.linear_backend)
+            model_dir, dtype, show_progress, stacked_layers=not unroll, linear_backend=self.linear_backend,
+            mesh=self.mesh)
         self.config = config = config.resolved(self.model_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(tokenizer or model_dir)
         eos = self.model_config.eos_token_ids
@@ -81,7 +91,7 @@ class LLMEngine:
         self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs)
         params = {**params, **self.model.precomputed(config.max_model_len)}
         self.runner = ModelRunner(self.model, params, attention, num_blocks, config.block_size, self.dtype,
-                                  config.max_num_seqs)
+                                  config.max_num_seqs, self.mesh)
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.dtype)
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
         self.mover = BlockMover(self.runner, self.block_manager, swap_blocks)
@@ -105,6 +115,8 @@ class LLMEngine:
             num_blocks = config.num_kv_blocks
         else:
             per_block = kv_block_bytes(self.model_config, config.block_size, self.dtype)
+            if self.mesh is not None and jax.default_backend() != "cpu":
+                per_block //= config.tensor_parallel_size  # each device holds its KV heads' share of a block
             budget_blocks = kv_budget_bytes(config.gpu_memory_utilization) // per_block
             # More blocks than max_num_seqs full-length sequences can ever use would only waste memory.
             num_blocks = int(min(budget_blocks, config.max_num_seqs * max_blocks_per_seq + 1))

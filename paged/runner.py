@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged.batch import StepInputs
+from paged.parallel import kv_pool_sharding, replicated
 from paged.sampler import SamplerOutput, sample
 
 
@@ -33,16 +34,23 @@ def kv_budget_bytes(memory_utilization: float) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model, params, attention, num_blocks: int, block_size: int, dtype, max_num_seqs: int):
+    def __init__(self, model, params, attention, num_blocks: int, block_size: int, dtype, max_num_seqs: int,
+                 mesh=None):
         cfg = model.config
         self.model = model
         self.params = params
         self.attention = attention
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        self.kv_cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        if mesh is None:
+            self.kv_cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+        else:  # each device allocates only its KV heads
+            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_pool_sharding(mesh))
+            self.kv_cache = (zeros(), zeros())
         self.num_compilations = 0
         # Each step's samples padded to one fixed width, so the next step's input of them has one shape.
         self.no_tokens = jnp.zeros(max_num_seqs, jnp.int32)
+        if mesh is not None:  # where the step's own samples come back: replicated (else a second compile)
+            self.no_tokens = jax.device_put(self.no_tokens, replicated(mesh))
         # The pool is donated: XLA writes the new K/V into the same buffers instead of copying the pool.
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
 

@@ -1,0 +1,97 @@
+"""Tensor parallelism on one host: the device mesh, where each array lives on it, and attention per shard.
+
+The mesh has one axis, `tensor` (models.linear.TENSOR_AXIS), over `tensor_parallel_size` devices. Weights carry
+their Megatron partition specs from `models.linear` (q/k/v and gate/up split their outputs, o and down their
+inputs, embeddings and the LM head the vocabulary; norms replicated); XLA's SPMD partitioner follows them and
+puts the reductions of the row-parallel layers (o_proj, down_proj) in as all-reduces after each of them.
+The KV pool [L, Hkv, blocks, block_size, D] splits over its KV heads; page tables, the step's inputs and the
+sampled tokens are replicated, so the host side (scheduler, block manager) is the same as on one device.
+
+Attention kernels are not partitioned by XLA (Pallas and FFI calls are opaque), so `ShardedAttention` runs the
+backend under `jax.shard_map`: each device attends with its own query heads over its own KV heads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from models.linear import TENSOR_AXIS
+
+
+def make_mesh(tensor_parallel_size: int, num_heads: int, num_kv_heads: int) -> Mesh | None:
+    """The mesh for `tensor_parallel_size` devices (None for 1: the single-device path, unchanged).
+
+    Raises ValueError when the size does not divide the query heads or the KV heads, or exceeds the devices.
+    """
+    size = tensor_parallel_size
+    if size == 1:
+        return None
+    devices = jax.devices()
+    if size > len(devices):
+        raise ValueError(f"tensor_parallel_size={size} needs {size} devices; found {len(devices)}: "
+                         f"{', '.join(str(d) for d in devices)}")
+    if num_heads % size:
+        raise ValueError(f"tensor_parallel_size={size} does not divide the model's {num_heads} attention heads")
+    if num_kv_heads % size:
+        raise NotImplementedError(f"tensor_parallel_size={size} does not divide the model's {num_kv_heads} KV "
+                                  "heads; replicating KV heads across shards is not implemented yet")
+    return Mesh(np.asarray(devices[:size]), (TENSOR_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def kv_pool_sharding(mesh: Mesh) -> NamedSharding:
+    """[L, Hkv, blocks, block_size, D]: split over the KV heads."""
+    return NamedSharding(mesh, PartitionSpec(None, TENSOR_AXIS))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, PartitionSpec())
+
+
+@dataclasses.dataclass
+class ShardedAttention:
+    """Runs an attention backend once per tensor shard, on that shard's heads (`jax.shard_map`).
+
+    q [T, Hq, D] and the new k, v [T, Hkv, D] split over heads; the pool over its KV heads; the metadata
+    (page tables, positions, ...) is replicated. Every backend's math is per head, so the shards' outputs
+    concatenated over heads are the single-device output.
+    """
+
+    inner: object
+    mesh: Mesh
+
+    @property
+    def name(self) -> str:
+        return self.inner.name
+
+    def prepare(self, meta):
+        return self.inner.prepare(meta)
+
+    def _heads(self):
+        return PartitionSpec(None, TENSOR_AXIS, None)
+
+    def write_kv(self, k_cache, v_cache, layer, k, v, meta):
+        pool = PartitionSpec(None, TENSOR_AXIS)
+        fn = jax.shard_map(lambda kc, vc, layer, k, v, meta: self.inner.write_kv(kc, vc, layer, k, v, meta),
+                           mesh=self.mesh, in_specs=(pool, pool, PartitionSpec(), self._heads(), self._heads(),
+                                                     PartitionSpec()),
+                           out_specs=(pool, pool), check_vma=False)
+        return fn(k_cache, v_cache, layer, k, v, meta)
+
+    def attend(self, q, k, v, k_cache, v_cache, layer, meta, *, scale, sliding_window=None, soft_cap=None):
+        pool = PartitionSpec(None, TENSOR_AXIS)
+        windowed = sliding_window is not None
+
+        def per_shard(q, k, v, kc, vc, layer, meta, window):
+            return self.inner.attend(q, k, v, kc, vc, layer, meta, scale=scale,
+                                     sliding_window=window if windowed else None, soft_cap=soft_cap)
+
+        fn = jax.shard_map(per_shard, mesh=self.mesh,
+                           in_specs=(self._heads(), self._heads(), self._heads(), pool, pool, PartitionSpec(),
+                                     PartitionSpec(), PartitionSpec()),
+                           out_specs=self._heads(), check_vma=False)
+        window = sliding_window if windowed else 0
+        return fn(q, k, v, k_cache, v_cache, layer, meta, window)
