@@ -174,24 +174,30 @@ class Usage(BaseModel):
     total_tokens: int
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
     index: int
-    text: str
     logprobs: dict[str, Any] | None
     finish_reason: str | None
     stop_reason: int | str | None = None
 
 
-class CompletionResponse(BaseModel):
+class CompletionChoice(_Choice):
+    text: str
+
+
+class _Completion(BaseModel):
+    id: str
+    created: int
+    model: str
+    usage: Usage | None = None
+
+
+class CompletionResponse(_Completion):
     """The non-streamed body; with "stream": true the route sends `text/event-stream` chunks of the same
     shape (`data: {...}` lines, then `data: [DONE]`; a failure mid-stream is a final `data: {"error": ...}`)."""
 
-    id: str
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[CompletionChoice]
-    usage: Usage | None = None
 
 
 class ChatMessageOut(BaseModel):
@@ -199,23 +205,15 @@ class ChatMessageOut(BaseModel):
     content: str | None
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice):
     message: ChatMessageOut
-    logprobs: dict[str, Any] | None
-    finish_reason: str | None
-    stop_reason: int | str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ChatCompletionResponse(_Completion):
     """The non-streamed body; streamed as `chat.completion.chunk` events (see CompletionResponse)."""
 
-    id: str
     object: Literal["chat.completion"]
-    created: int
-    model: str
     choices: list[ChatChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(BaseModel):

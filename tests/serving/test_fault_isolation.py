@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -144,3 +145,31 @@ def test_a_dead_engine_loop_fails_everything_at_once_and_nothing_hangs(engine, m
     assert health.status_code == 503 and health.headers["retry-after"] == "1"
     assert completion.status_code == 503 and completion.json()["error"]["type"] == "server_error"
     engine.abort_request("doomed")
+
+
+def test_a_stream_cut_by_the_engine_dying_ends_with_an_error_event(engine, monkeypatch):
+    real_step, calls = engine.step, []
+
+    def dies_on_the_fourth_step():
+        calls.append(1)
+        if len(calls) >= 4:
+            raise paged.engine.EngineBrokenError("injected: the pool is gone")
+        return real_step()
+
+    async def run():
+        async_engine = AsyncEngine(engine)
+        async_engine.start()
+        monkeypatch.setattr(engine, "step", dies_on_the_fourth_step)
+        app = build_app(async_engine, "tiny")
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            body = {"prompt": [11, 12, 13], "max_tokens": 50, "stream": True, "ignore_eos": True}
+            response = await asyncio.wait_for(client.post("/v1/completions", json=body), 30)
+        return [line for line in response.text.splitlines() if line]
+
+    lines = asyncio.run(run())
+    monkeypatch.undo()
+    assert lines[-1] == "data: [DONE]"
+    error = json.loads(lines[-2][6:])["error"]
+    assert error["type"] == "server_error" and "injected" in error["message"]
+    assert any('"choices"' in line for line in lines[:-2])  # it had streamed tokens before the engine died
