@@ -6,7 +6,7 @@ Each module owns three things, so that tensor parallelism and quantized weights 
 - the logical sharding of its weight, named by mesh axes (`TENSOR_AXIS`), never by devices: "column"
   splits the output features (q/k/v, gate/up, the LM head), "row" the input features (o, down), "replicated"
   neither. The partition specs ride on the parameters as `flax.linen.Partitioned` metadata at init, so
-  `partition_specs(model)` reads them from the module's own init, as the loader reads the shapes;
+  `models.loader.partition_specs(model)` reads them from the modules' own init, as the loader reads the shapes;
 - which matmul runs (`LINEAR_BACKENDS`): XLA's dot, or the native CPU matmul for decode-sized steps.
 
 `live_rows` is the step's count of real rows (int32 scalar, may be traced): rows from it on are the buckets'
@@ -144,11 +144,6 @@ class Embedding(nn.Module):
     def attend(self, h: jax.Array) -> jax.Array:
         """float32 logits [S, V] of h [S, H] against the table (tied embeddings)."""
         return jnp.einsum("sh,vh->sv", h, self.embedding, preferred_element_type=jnp.float32)
-
-
-def partition_specs(params_with_metadata) -> Any:
-    """`PartitionSpec`s of a parameter tree initialised with these modules (None where a leaf has none)."""
-    return nn.get_partition_spec(params_with_metadata)
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tiled: bool | None = None) -> jax.Array:

@@ -1,8 +1,17 @@
-"""The chat template, applied one way for `LLM.chat` and the server's chat and tokenize routes."""
+"""Prompts to token ids, one way for `LLM`, the engine and the server: plain text and chat templates."""
 
 from __future__ import annotations
 
 from typing import Any
+
+
+def text_token_ids(tokenizer, text: str, *, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of `text`. Raises ValueError for text the tokenizer refuses, e.g. one holding a lone UTF-16
+    surrogate (the caller's input, not a bug)."""
+    try:
+        return [int(t) for t in tokenizer.encode(text, add_special_tokens=add_special_tokens)]
+    except Exception as exc:  # noqa: BLE001 - the tokenizer's refusal of the caller's text
+        raise ValueError(f"the prompt could not be tokenized: {type(exc).__name__}: {exc}") from None
 
 
 def chat_prompt_token_ids(tokenizer, messages: list[dict[str, Any]], *, add_generation_prompt: bool = True,
@@ -20,7 +29,4 @@ def chat_prompt_token_ids(tokenizer, messages: list[dict[str, Any]], *, add_gene
         raise ValueError(f"could not apply the chat template: {type(exc).__name__}: {exc}") from None
     if max_chars is not None and len(text) > max_chars:
         raise ValueError(f"the chat template rendered {len(text)} characters, more than the limit of {max_chars}")
-    try:
-        return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
-    except Exception as exc:  # noqa: BLE001 - e.g. a lone surrogate in a message
-        raise ValueError(f"could not tokenize the rendered chat: {type(exc).__name__}: {exc}") from None
+    return text_token_ids(tokenizer, text, add_special_tokens=False)

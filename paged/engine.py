@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import NoReturn
 
 import jax
 import numpy as np
@@ -15,6 +16,7 @@ from pallas_kernels import select_backends
 from paged import compilation_cache
 from paged.batch import Buckets, padding_inputs, prepare_inputs
 from paged.block_manager import SINK_BLOCK, BlockManager
+from paged.chat import text_token_ids
 from paged.config import EngineConfig, engine_option_names
 from paged.parallel import ShardedAttention, make_mesh
 from paged.detokenizer import IncrementalDetokenizer, find_stop_string
@@ -63,13 +65,8 @@ class LLMEngine:
         model_dir = resolve_model_path(model)
         model_config = load_model_config(model_dir)
         self.mesh = make_mesh(config.tensor_parallel_size, model_config.num_heads, model_config.num_kv_heads)
-        linear = config.linear_backend
-        if self.mesh is not None:
-            # The native matmul is an FFI call XLA cannot split: sharded projections keep XLA's dot.
-            if linear == "cpu":
-                raise NotImplementedError("linear_backend='cpu' does not run under tensor parallelism yet")
-            linear = "xla"
-        attention_name, self.linear_backend = select_backends(platform, config.attention_backend, linear)
+        attention_name, self.linear_backend = select_backends(platform, config.attention_backend,
+                                                              config.linear_backend, sharded=self.mesh is not None)
         attention = get_attention_backend(attention_name, platform)
         if self.mesh is not None:
             attention = ShardedAttention(attention, self.mesh)
@@ -139,10 +136,7 @@ class LLMEngine:
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
             if self.tokenizer is None:
                 raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
-            try:
-                prompt_token_ids = self.tokenizer.encode(prompt)
-            except Exception as exc:  # noqa: BLE001 - e.g. a lone UTF-16 surrogate: the client's input
-                raise ValueError(f"the prompt could not be tokenized: {type(exc).__name__}: {exc}") from None
+            prompt_token_ids = text_token_ids(self.tokenizer, prompt)
         prompt_token_ids = list(prompt_token_ids)
         vocab = self.model_config.vocab_size
         if not prompt_token_ids:
@@ -231,8 +225,7 @@ class LLMEngine:
                 outputs += self._postprocess(launched)
         return outputs
 
-    def _fail_step(self, error: Exception, previous: "_InFlight | None",
-                   batch: ScheduledBatch | None) -> list[RequestOutput]:
+    def _fail_step(self, error: Exception, previous: "_InFlight | None", batch: ScheduledBatch | None) -> NoReturn:
         self._in_flight = None
         if not self.runner.pool_is_intact():
             raise EngineBrokenError(f"the KV cache was lost in a failed step: {type(error).__name__}: {error}") \

@@ -63,10 +63,6 @@ class ShardedAttention:
     inner: object
     mesh: Mesh
 
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
     def prepare(self, meta):
         return self.inner.prepare(meta)
 

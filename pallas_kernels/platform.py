@@ -15,10 +15,13 @@ LINEAR_BACKENDS = ("xla", "cpu")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
-def select_backends(platform: str, attention: str = "auto", linear: str = "auto") -> tuple[str, str]:
+def select_backends(platform: str, attention: str = "auto", linear: str = "auto",
+                    sharded: bool = False) -> tuple[str, str]:
     """(attention backend, linear backend) names for `platform` (jax.default_backend()), "auto" resolved.
 
-    Raises ValueError for an unknown name or a backend that cannot run on the platform.
+    `sharded`: the weights are split over a mesh. The native matmul is an FFI call XLA cannot partition, so
+    sharded projections keep XLA's dot. Raises ValueError for an unknown name or a backend that cannot run on
+    the platform, NotImplementedError for the native matmul on sharded weights.
     """
     if attention == "auto":
         if platform in GPU_PLATFORMS:
@@ -27,8 +30,10 @@ def select_backends(platform: str, attention: str = "auto", linear: str = "auto"
             attention = "cpu" if platform == "cpu" and cpu.available()[0] else "xla"
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention_backend {attention!r}; choose one of {['auto', *ATTENTION_BACKENDS]}")
+    if linear == "cpu" and sharded:
+        raise NotImplementedError("linear_backend='cpu' does not run under tensor parallelism yet")
     if linear == "auto":
-        linear = "cpu" if attention == "cpu" else "xla"
+        linear = "cpu" if attention == "cpu" and not sharded else "xla"
     if linear not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear_backend {linear!r}; choose one of {['auto', *LINEAR_BACKENDS]}")
     for option, name in (("attention_backend", attention), ("linear_backend", linear)):

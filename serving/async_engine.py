@@ -188,11 +188,7 @@ class AsyncEngine:
             if self.observer is not None:
                 self.observer.forget(payload)
         elif kind == "fail_all":
-            error = EngineDeadError(payload)
-            for request_id, stream in list(self._streams.items()):
-                engine.abort_request(request_id)
-                stream.put(error)
-            self._streams.clear()
+            self._fail_streams(EngineDeadError(payload))
         elif kind == "call":
             fn, future = payload
             try:
@@ -269,15 +265,18 @@ class AsyncEngine:
             if self.observer is not None:
                 self.observer.forget(request_id)
 
-    def _shut_down(self) -> None:
-        """Fails every stream and every queued command: nothing waits on a dead engine."""
-        engine = self.engine
-        error = EngineDeadError(f"the engine stopped: {self.error!r}" if self.error else "the server is "
-                                "shutting down")
+    def _fail_streams(self, error: BaseException) -> None:
+        """Ends every open stream with `error` and aborts its request."""
         for request_id, stream in list(self._streams.items()):
-            engine.abort_request(request_id)
+            self.engine.abort_request(request_id)
             stream.put(error)
         self._streams.clear()
+
+    def _shut_down(self) -> None:
+        """Fails every stream and every queued command: nothing waits on a dead engine."""
+        error = EngineDeadError(f"the engine stopped: {self.error!r}" if self.error else "the server is "
+                                "shutting down")
+        self._fail_streams(error)
         self._stopping.set()
         while True:  # answer commands that raced with the stop
             try:

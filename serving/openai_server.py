@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged import InvalidTokenIds, RequestOutput, SamplingParams
-from paged.chat import chat_prompt_token_ids
+from paged.chat import chat_prompt_token_ids, text_token_ids
 from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from serving.metrics import EngineMetrics
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
@@ -194,17 +194,6 @@ def sampling_params(state: ServerState, body, max_tokens: int | None, logprobs: 
     return params
 
 
-def _tokenize_text(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
-    """Runs in a worker. Raises ValueError for text the tokenizer cannot take or that cannot fit."""
-    if len(text) > state.max_prompt_chars:
-        raise ValueError(f"the prompt has {len(text)} characters, more than max_model_len={state.max_model_len} "
-                         "tokens can hold")
-    try:
-        return list(state.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-    except Exception as exc:  # noqa: BLE001 - e.g. a lone UTF-16 surrogate: the client's input
-        raise ValueError(f"the prompt could not be tokenized: {type(exc).__name__}: {exc}") from None
-
-
 def _render_chat(state: ServerState, messages: list[dict], chat_template: str | None,
                  add_generation_prompt: bool) -> list[int]:
     """Runs in a worker: the chat template's token ids (ValueError for what it cannot render or fit)."""
@@ -214,6 +203,14 @@ def _render_chat(state: ServerState, messages: list[dict], chat_template: str | 
                          "tokens can hold")
     return chat_prompt_token_ids(state.tokenizer, messages, chat_template=chat_template,
                                  add_generation_prompt=add_generation_prompt, max_chars=state.max_prompt_chars)
+
+
+def _tokenize_text(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+    """Runs in a worker; text longer than max_model_len tokens can hold is refused without tokenizing."""
+    if len(text) > state.max_prompt_chars:
+        raise ValueError(f"the prompt has {len(text)} characters, more than max_model_len={state.max_model_len} "
+                         "tokens can hold")
+    return text_token_ids(state.tokenizer, text, add_special_tokens=add_special_tokens)
 
 
 async def chat_token_ids(state: ServerState, messages: list[dict], chat_template: str | None,
@@ -227,6 +224,11 @@ async def chat_token_ids(state: ServerState, messages: list[dict], chat_template
         raise APIError(400, str(exc), param="messages") from None
 
 
+def _prompt_param(prompts: list, index: int) -> str:
+    """Which prompt an error names: `prompt`, or `prompt[i]` in a batch."""
+    return "prompt" if len(prompts) == 1 else f"prompt[{index}]"
+
+
 async def tokenize_prompts(state: ServerState, prompts: list[tuple[str | None, list[int] | None]]
                            ) -> list[tuple[str | None, list[int]]]:
     """Text prompts tokenized in a worker (the engine thread only ever gets token ids)."""
@@ -236,9 +238,9 @@ async def tokenize_prompts(state: ServerState, prompts: list[tuple[str | None, l
             if state.tokenizer is None:
                 raise APIError(400, "this server has no tokenizer: send token ids", param="prompt")
             try:
-                ids = await state.in_worker(_tokenize_text, state, text)
+                ids = await state.in_worker(_tokenize_text, state, text, True)
             except ValueError as exc:
-                raise APIError(400, str(exc), param="prompt" if len(prompts) == 1 else f"prompt[{i}]") from None
+                raise APIError(400, str(exc), param=_prompt_param(prompts, i)) from None
         out.append((text, ids))
     return out
 
@@ -252,7 +254,7 @@ async def submit_all(state: ServerState, prompts: list[tuple[str | None, list[in
     except ValueError as exc:
         for s in streams:
             s.close()
-        raise APIError(400, str(exc), param="prompt" if len(prompts) == 1 else f"prompt[{len(streams)}]")
+        raise APIError(400, str(exc), param=_prompt_param(prompts, len(streams)))
     except QueueFullError as exc:
         for s in streams:
             s.close()
