@@ -70,6 +70,8 @@ class ReferenceAttention:
         return meta
 
     def write_kv(self, k_cache, v_cache, layer, k, v, meta: AttentionMetadata):
+        if cpu.writes_pool_natively(k_cache.dtype):
+            return cpu.write_kv_cpu(k_cache, v_cache, layer, k, v, meta.slot_mapping)
         return write_kv_to_cache(k_cache, v_cache, layer, k, v, meta.slot_mapping)
 
     def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None,

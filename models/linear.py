@@ -42,28 +42,38 @@ def kernel_axes(parallel: str, ndim: int = 2) -> tuple[str | None, ...]:
 
 def xla_matmul(x: jax.Array, kernel: jax.Array, live_rows: jax.Array | None = None,
                preferred_element_type: Any = None) -> jax.Array:
-    """x [..., K] @ kernel [K, N] by XLA's dot; every row is computed."""
+    """x [..., K] @ kernel [K, N] by XLA's dot, in `preferred_element_type` (default x's dtype); every row is
+    computed.
+
+    The dot always accumulates in float32 and rounds once at the end: XLA's CPU dot has a fast bfloat16 path
+    only for a float32 result (bf16 in, bf16 out ran decode-sized products at 13 GFLOP/s against 206 for bf16
+    in, f32 out on the benchmark CPU), and one rounding per output is what transformers' bf16 matmuls do.
+    """
     del live_rows
-    return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())),
-                               preferred_element_type=preferred_element_type)
+    out_dtype = preferred_element_type or x.dtype
+    y = jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return y.astype(out_dtype)
 
 
 def native_cpu_matmul(x: jax.Array, kernel: jax.Array, live_rows: jax.Array | None = None,
                       preferred_element_type: Any = None) -> jax.Array:
     """The native CPU matmul (pallas_kernels/cpu/matmul.cc) where it wins, XLA's dot elsewhere.
 
-    Taken: float32 in and out, at most `cpu.MATMUL_MAX_ROWS` rows (decode-sized steps), N a multiple of 64, and
-    only where the kernel was built with its AVX-512 path. Rows from `live_rows` on come back as zeros.
+    Taken: x and kernel both float32 or both bfloat16 (K even), at most `cpu.MATMUL_MAX_ROWS[dtype]` rows
+    (decode-sized steps), N a multiple of 64, and only where the kernel was built with that dtype's fast path.
+    It accumulates in float32 (as `xla_matmul`) and rounds once to the result dtype. Rows from `live_rows` on
+    come back as zeros.
     """
     rows = 1
     for size in x.shape[:-1]:
         rows *= size
-    fits = (0 < rows <= cpu.MATMUL_MAX_ROWS and kernel.ndim == 2 and kernel.shape[1] % 64 == 0
-            and x.dtype == jnp.float32 and kernel.dtype == jnp.float32
-            and preferred_element_type in (None, jnp.float32))
-    if fits and cpu.matmul_is_vectorized():
+    dtype = jnp.dtype(x.dtype)
+    fits = (dtype.name in cpu.MATMUL_MAX_ROWS and kernel.dtype == dtype
+            and 0 < rows <= cpu.MATMUL_MAX_ROWS[dtype.name] and kernel.ndim == 2 and kernel.shape[1] % 64 == 0
+            and (dtype == jnp.float32 or kernel.shape[0] % 2 == 0))
+    if fits and cpu.matmul_is_vectorized(dtype):
         out = cpu.matmul_cpu(x.reshape(rows, x.shape[-1]), kernel, live_rows)
-        return out.reshape(*x.shape[:-1], kernel.shape[1])
+        return out.reshape(*x.shape[:-1], kernel.shape[1]).astype(preferred_element_type or dtype)
     return xla_matmul(x, kernel, None, preferred_element_type)
 
 

@@ -8,7 +8,9 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
 
+from pallas_kernels import cpu
 from paged.batch import StepInputs
 from paged.parallel import kv_pool_sharding, replicated
 from paged.sampler import SamplerOutput, sample
@@ -40,6 +42,7 @@ class ModelRunner:
         self.model = model
         self.params = params
         self.attention = attention
+        self.mesh = mesh
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         if mesh is None:
             self.kv_cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
@@ -106,16 +109,27 @@ def _gather_blocks(kv_cache, block_ids):
     return tuple(cache[:, :, block_ids] for cache in kv_cache)
 
 
-def _scatter_blocks_impl(kv_cache, block_ids, data):
-    return tuple(cache.at[:, :, block_ids].set(d) for cache, d in zip(kv_cache, data))
+def _block_writers(dtype, mesh):
+    """(copy(kv_cache, src, dst), scatter(kv_cache, dst, data)) over the pool, jitted with it donated.
 
-
-def _copy_blocks_impl(kv_cache, src, dst):
-    return tuple(cache.at[:, :, dst].set(cache[:, :, src]) for cache in kv_cache)
-
-
-_scatter_blocks = jax.jit(_scatter_blocks_impl, donate_argnums=(0,))
-_copy_blocks = jax.jit(_copy_blocks_impl, donate_argnums=(0,))
+    16-bit pools on CPU move through the native calls (per shard under a mesh: a block is every head's rows,
+    and each shard holds its own heads), because XLA's CPU scatter would convert the whole pool to float32 and
+    back; everything else through XLA's scatter.
+    """
+    if cpu.writes_pool_natively(dtype):
+        copy = lambda kc, vc, src, dst: cpu.copy_blocks_cpu(kc, vc, src, dst)
+        scatter = lambda kc, vc, dst, kd, vd: cpu.scatter_blocks_cpu(kc, vc, dst, kd, vd)
+        if mesh is not None:
+            pool, rep = kv_pool_sharding(mesh).spec, PartitionSpec()
+            copy = jax.shard_map(copy, mesh=mesh, in_specs=(pool, pool, rep, rep), out_specs=(pool, pool),
+                                 check_vma=False)
+            scatter = jax.shard_map(scatter, mesh=mesh, in_specs=(pool, pool, rep, pool, pool),
+                                    out_specs=(pool, pool), check_vma=False)
+    else:
+        copy = lambda kc, vc, src, dst: tuple(c.at[:, :, dst].set(c[:, :, src]) for c in (kc, vc))
+        scatter = lambda kc, vc, dst, kd, vd: tuple(c.at[:, :, dst].set(d) for c, d in ((kc, kd), (vc, vd)))
+    return (jax.jit(lambda kv, src, dst: copy(*kv, src, dst), donate_argnums=(0,)),
+            jax.jit(lambda kv, dst, data: scatter(*kv, dst, *data), donate_argnums=(0,)))
 
 
 class BlockMover:
@@ -129,6 +143,7 @@ class BlockMover:
         self.block_manager = block_manager
         self.swap_blocks = swap_blocks  # capacity of the host swap space, in blocks
         self.swapped_blocks = 0
+        self._copy_blocks, self._scatter_blocks = _block_writers(runner.kv_cache[0].dtype, runner.mesh)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -137,7 +152,7 @@ class BlockMover:
         src = np.zeros(size, np.int32)
         dst = np.zeros(size, np.int32)
         src[:len(pairs)], dst[:len(pairs)] = zip(*pairs)
-        self.runner.kv_cache = _copy_blocks(self.runner.kv_cache, src, dst)
+        self.runner.kv_cache = self._copy_blocks(self.runner.kv_cache, src, dst)
 
     def swap_out(self, request) -> bool:
         """Copies the request's computed blocks to host memory, if the swap space has room."""
@@ -161,7 +176,7 @@ class BlockMover:
         pad = [(0, 0), (0, 0), (0, size - num), (0, 0), (0, 0)]
         data = (np.pad(k, pad), np.pad(v, pad))
         # Padding rows write zeros into the sink block, which is never read unmasked.
-        self.runner.kv_cache = _scatter_blocks(self.runner.kv_cache, ids, data)
+        self.runner.kv_cache = self._scatter_blocks(self.runner.kv_cache, ids, data)
         request.swapped_kv = None
         self.swapped_blocks -= num
 

@@ -1,5 +1,5 @@
-"""Native CPU kernels as XLA FFI calls: paged attention (`paged_attention.cc`) and a decode-sized float32
-matmul (`matmul.cc`), beside this file.
+"""Native CPU kernels as XLA FFI calls: paged attention (`paged_attention.cc`), the K/V write into the pool
+(`kv_write.cc`) and a decode-sized float32 matmul (`matmul.cc`), beside this file.
 
 XLA's CPU code cannot read pages in place: the chunked path (`xla.py`) gathers every chunk of pages into a
 temporary before its matmuls, and that copy plus the loop's per-op cost was 43% of the engine's device time
@@ -30,11 +30,14 @@ import numpy as np
 from pallas_kernels.cache import cache_root
 
 _SOURCE_DIR = Path(__file__).parent
-_SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "matmul.cc")
+_SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc")
 _HEADERS = (_SOURCE_DIR / "parallel.h",)
 _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
-_VECTORIZED_MATMUL: list[bool] = []  # filled by _load(): whether the default build has the AVX-512 matmul
+_KV_WRITE_TARGET = "write_kv_cpu"
+_COPY_BLOCKS_TARGET = "copy_blocks_cpu"
+_SCATTER_BLOCKS_TARGET = "scatter_blocks_cpu"
+_VECTORIZED_MATMUL: dict[str, bool] = {}  # filled by _load(): dtype -> whether the default build has its fast path
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -89,8 +92,12 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.PagedAttentionCpu), platform="cpu")
         jax.ffi.register_ffi_target(f"{_MATMUL_TARGET}{target[len(_TARGET):]}",
                                     jax.ffi.pycapsule(library.MatmulCpu), platform="cpu")
+        for name, symbol in ((_KV_WRITE_TARGET, library.WriteKvCpu), (_COPY_BLOCKS_TARGET, library.CopyBlocksCpu),
+                             (_SCATTER_BLOCKS_TARGET, library.ScatterBlocksCpu)):
+            jax.ffi.register_ffi_target(f"{name}{target[len(_TARGET):]}", jax.ffi.pycapsule(symbol), platform="cpu")
         if target == _TARGET:
-            _VECTORIZED_MATMUL.append(bool(library.MatmulCpuIsVectorized()))
+            _VECTORIZED_MATMUL.update(float32=bool(library.MatmulCpuIsVectorized()),
+                                      bfloat16=bool(library.MatmulCpuBf16IsVectorized()))
     except Exception as error:  # noqa: BLE001 - any failure means "use the XLA path", reported by available()
         return f"{type(error).__name__}: {error}"
     return None
@@ -148,17 +155,83 @@ def paged_attention_cpu(
                 scale=np.float32(scale), soft_cap=np.float32(soft_cap or 0.0))
 
 
+def writes_pool_natively(dtype) -> bool:
+    """Whether writes into a KV pool of `dtype` (tokens and whole blocks) should go through the native calls
+    here: 16-bit pools on the CPU backend. XLA's CPU scatter converts a bfloat16 or float16 operand, the whole
+    pool, to float32 and back (kv_write.cc): two passes over the pool per layer per step, and for a pool that
+    fills host memory a float32 copy that does not fit."""
+    return jnp.dtype(dtype).itemsize == 2 and jax.default_backend() == "cpu" and available()[0]
+
+
+def write_kv_cpu(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,
+                 slot_mapping: jax.Array, *, _target: str = _KV_WRITE_TARGET) -> tuple[jax.Array, jax.Array]:
+    """Same contract as `write_kv_to_cache`, in place by the native kernel (CPU only; any 16- or 32-bit dtype).
+
+    The pools are aliased to the results: inside a jitted step with the pool donated, nothing is copied.
+    """
+    ok, reason = available()
+    if not ok:
+        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
+    if k_cache.ndim != 5 or v_cache.shape != k_cache.shape or k.ndim != 3 or v.shape != k.shape \
+            or k.shape[1:] != (k_cache.shape[1], k_cache.shape[4]) or slot_mapping.shape != k.shape[:1]:
+        raise ValueError(f"expected pools [L, Hkv, NB, bs, D], new k, v [T, Hkv, D] and slot_mapping [T]; got "
+                         f"{k_cache.shape}, {v_cache.shape}, {k.shape}, {v.shape}, {slot_mapping.shape}")
+    if k_cache.dtype.itemsize not in (2, 4):
+        raise ValueError(f"write_kv_cpu takes 16- or 32-bit pools; got {k_cache.dtype}")
+    call = jax.ffi.ffi_call(_target, _pools_out(k_cache, v_cache), input_output_aliases={0: 0, 1: 1})
+    return call(k_cache, v_cache, jnp.asarray(layer, jnp.int32), k.astype(k_cache.dtype), v.astype(v_cache.dtype),
+                slot_mapping.astype(jnp.int32))
+
+
+def _pools_out(k_cache: jax.Array, v_cache: jax.Array):
+    return (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+
+
+def copy_blocks_cpu(k_cache: jax.Array, v_cache: jax.Array, src: jax.Array, dst: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
+    """Block src[i] -> dst[i] of both pools [L, Hkv, NB, bs, D], every layer and head, in place (aliased).
+
+    src, dst: int32 [n]; no destination may be another pair's source (copy-on-write never does that).
+    """
+    ok, reason = available()
+    if not ok:
+        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
+    if k_cache.ndim != 5 or v_cache.shape != k_cache.shape or src.shape != dst.shape or src.ndim != 1:
+        raise ValueError(f"expected two equal pools [L, Hkv, NB, bs, D] and src, dst [n]; got {k_cache.shape}, "
+                         f"{v_cache.shape}, {src.shape}, {dst.shape}")
+    call = jax.ffi.ffi_call(_COPY_BLOCKS_TARGET, _pools_out(k_cache, v_cache), input_output_aliases={0: 0, 1: 1})
+    return call(k_cache, v_cache, src.astype(jnp.int32), dst.astype(jnp.int32))
+
+
+def scatter_blocks_cpu(k_cache: jax.Array, v_cache: jax.Array, dst: jax.Array, k_data: jax.Array,
+                       v_data: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Data block i ([L, Hkv, n, bs, D], the pools' dtype) -> pool block dst[i] (int32 [n]), in place."""
+    ok, reason = available()
+    if not ok:
+        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
+    expected = (*k_cache.shape[:2], dst.shape[0], *k_cache.shape[3:])
+    if k_cache.ndim != 5 or v_cache.shape != k_cache.shape or k_data.shape != expected or v_data.shape != expected:
+        raise ValueError(f"expected pools [L, Hkv, NB, bs, D] and data {list(expected)}; got {k_cache.shape}, "
+                         f"{v_cache.shape}, {k_data.shape}, {v_data.shape}")
+    call = jax.ffi.ffi_call(_SCATTER_BLOCKS_TARGET, _pools_out(k_cache, v_cache), input_output_aliases={0: 0, 1: 1})
+    return call(k_cache, v_cache, k_data.astype(k_cache.dtype), v_data.astype(v_cache.dtype), dst.astype(jnp.int32))
+
+
 # Rows up to which `matmul_cpu` beats XLA's dot (decode steps, small mixed steps); larger products stay on
 # XLA, which reaches ~90% of its large-matmul rate there. GFLOP/s on a decode step's own products (8 layers'
 # projections, 96 MB of weights) against XLA: 8 rows 135-163 vs 103-115, 48: 425-445 vs 305-320,
 # 128: 439 vs 374, 192: 418 vs 395, 256: 408 vs 433, 512: 409 vs 436.
-MATMUL_MAX_ROWS = 192
+# bfloat16 (AVX-512 BF16) against XLA's bf16 dot with a float32 result, GFLOP/s on the 0.5B shape's products
+# (896x896, 896x128, 896x4864, 4864x896; 6 of each per call): 8 rows 396 vs 160, 32: 678 vs 388, 64: 763 vs
+# 419, 128: 780 vs 673, 256: 783 vs 776, 384: 627 vs 683 (benchmarks in docs/performance.md).
+MATMUL_MAX_ROWS = {"float32": 192, "bfloat16": 256}
 
 
 def matmul_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = None, *,
                _target: str = _MATMUL_TARGET) -> jax.Array:
-    """x [M, K] @ w [K, N] in float32 by the native kernel; N must be a multiple of 64.
+    """x [M, K] @ w [K, N] by the native kernel, accumulated and returned in float32; N must be a multiple of 64.
 
+    x, w: both float32, or both bfloat16 (then K even: the AVX-512 BF16 path multiplies pairs of k).
     live_rows: int32 scalar (may be traced); only rows [0, live_rows) are computed and the rest of the result
       is zeros (rows past a step's real tokens are padding). None: all M.
     """
@@ -167,8 +240,10 @@ def matmul_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = N
         raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or w.shape[1] % 64:
         raise ValueError(f"expected x [M, K] and w [K, N] with N a multiple of 64; got {x.shape} and {w.shape}")
-    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        raise ValueError(f"matmul_cpu takes float32; got {x.dtype} and {w.dtype}")
+    if x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"matmul_cpu takes two float32 or two bfloat16 operands; got {x.dtype} and {w.dtype}")
+    if x.dtype == jnp.bfloat16 and x.shape[1] % 2:
+        raise ValueError(f"matmul_cpu in bfloat16 needs an even K; got x {x.shape}")
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
     if live.shape != () or not jnp.issubdtype(live.dtype, jnp.integer):
         raise ValueError(f"live_rows must be an integer scalar; got {live.dtype}{list(live.shape)}")
@@ -176,6 +251,7 @@ def matmul_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = N
     return call(x, w, live.astype(jnp.int32))
 
 
-def matmul_is_vectorized() -> bool:
-    """Whether the default build has the AVX-512 matmul (without it XLA's dot is faster: callers keep XLA)."""
-    return available()[0] and _VECTORIZED_MATMUL[0]
+def matmul_is_vectorized(dtype="float32") -> bool:
+    """Whether the default build has the matmul's fast path for `dtype` (AVX-512 for float32, AVX-512 BF16 for
+    bfloat16); without it XLA's dot is faster, and callers keep XLA."""
+    return available()[0] and _VECTORIZED_MATMUL.get(jnp.dtype(dtype).name, False)

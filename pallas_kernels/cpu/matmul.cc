@@ -1,4 +1,5 @@
-// Decode-sized float32 matmul y[M, N] = x[M, K] @ w[K, N] on the CPU, as an XLA FFI custom call.
+// Decode-sized matmul y[M, N] = x[M, K] @ w[K, N] on the CPU, as an XLA FFI custom call: float32, or
+// bfloat16 operands with float32 accumulation and result.
 //
 // Why: XLA's CPU dot (YNNPACK) runs the decode steps' matmuls (M = 8-64 rows against the weights) at about
 // 63% of its large-matmul rate whatever M is; in the CPU benchmark those matmuls are most of the step.
@@ -7,9 +8,15 @@
 // contiguous range of panels and walks it block row by block row, so its reads of one weight row are one
 // contiguous piece; while a block computes, its tiles prefetch the block that comes next.
 //
+// bfloat16 (AVX-512 BF16, vdpbf16ps): each instruction multiplies pairs of adjacent k and adds both products
+// to one float32 lane, so a lane must hold (w[k, n], w[k+1, n]): two weight rows are interleaved in registers
+// (vpunpck{l,h}wd, within 128-bit lanes, which permutes the columns; the tile's stores undo it), and the pair
+// (x[m, k], x[m, k+1]) is one 32-bit broadcast, as x is row-major. The weights stay [K, N] as loaded, at half
+// the bytes per decode step. XLA's own bf16 dot (f32 result) is 206 GFLOP/s at 8 rows on the benchmark CPU.
+//
 // Contract:
-//   x     [M, K]  float32 (row-major)
-//   w     [K, N]  float32, N a multiple of 64
+//   x     [M, K]  float32, or bfloat16 (then K even) (row-major)
+//   w     [K, N]  x's dtype, N a multiple of 64
 //   live  []      int32: rows [0, live) are computed, rows [live, M) of y are zeros. A step's products are
 //                 padded to a bucket of rows; the padding is 8-12% of the rows of its compute-bound decode
 //                 steps on the benchmark workload, and skipping it leaves every live row's result as it was
@@ -20,6 +27,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -33,20 +41,38 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kPanel = 64;       // columns per panel: four 16-float vectors
-constexpr int64_t kBlockK = 128;     // panel rows per block: 32 KB, which stays in L1 across row tiles
+constexpr int64_t kBlockK = 128;     // panel rows per block: 32 KB of float32, which stays in L1 across row tiles
+
+inline float bf16_to_float(uint16_t v) {
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float to_float(float v) { return v; }
+inline float to_float(uint16_t v) { return bf16_to_float(v); }
 
 #if defined(__AVX512F__)
 // Rows [0, rows) of `next` (stride ldw) for a tile to prefetch: its share of the next block's weights, so
 // they stream in while this block computes from L1. Prefetching only in the first tile (the row block that
 // misses) ran the 48-row matmuls at 76% of the machine's matmul rate; spread over all tiles, 87%.
+template <typename T>
 struct Ahead {
-  const float* next = nullptr;
+  const T* next = nullptr;
   int64_t rows = 0;
 };
 
+// Requests one weight row of a panel (64 columns: 4 cache lines in float32, 2 in bfloat16).
+template <typename T>
+inline void prefetch_row(const T* row) {
+  const char* line0 = reinterpret_cast<const char*>(row);
+  for (int line = 0; line < static_cast<int>(kPanel * sizeof(T) / 64); ++line)
+    _mm_prefetch(line0 + 64 * line, _MM_HINT_T0);
+}
+
 template <int MR>
 inline void micro_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
-                       int64_t kc, bool first, Ahead ahead) {
+                       int64_t kc, bool first, Ahead<float> ahead) {
   // One row of `ahead` every `stride` steps, spread over the tile so the memory requests trickle out.
   const int64_t stride = ahead.rows ? std::max<int64_t>(1, kc / ahead.rows) : kc + 1;
   int64_t next_row = 0;
@@ -55,10 +81,7 @@ inline void micro_tile(const float* x, int64_t ldx, const float* w, int64_t ldw,
     for (int c = 0; c < 4; ++c) acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * ldy + c * 16);
   for (int64_t k = 0; k < kc; ++k) {
     const float* wk = w + k * ldw;
-    if (k % stride == 0 && next_row < ahead.rows) {
-      const char* line0 = reinterpret_cast<const char*>(ahead.next + next_row++ * ldw);
-      for (int line = 0; line < 4; ++line) _mm_prefetch(line0 + 64 * line, _MM_HINT_T0);
-    }
+    if (k % stride == 0 && next_row < ahead.rows) prefetch_row(ahead.next + next_row++ * ldw);
     const __m512 b0 = _mm512_loadu_ps(wk), b1 = _mm512_loadu_ps(wk + 16);
     const __m512 b2 = _mm512_loadu_ps(wk + 32), b3 = _mm512_loadu_ps(wk + 48);
     for (int r = 0; r < MR; ++r) {
@@ -72,106 +95,199 @@ inline void micro_tile(const float* x, int64_t ldx, const float* w, int64_t ldw,
   for (int r = 0; r < MR; ++r)
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(y + r * ldy + c * 16, acc[r][c]);
 }
+#endif
 
-// Panels [p_begin, p_end) of y, a block of kBlockK weight rows at a time: within a block a row's reads are
-// contiguous across the panels (not one 256-byte piece per row and panel, which the hardware prefetcher
-// and the TLB handle worse); partial sums wait in y between blocks.
-void panels(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p_begin,
-            int64_t p_end) {
-  const int64_t tiles = (M + 5) / 6;
-  for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
-    const int64_t kc = std::min(kBlockK, K - k0);
-    const bool first = k0 == 0;
-    for (int64_t p = p_begin; p < p_end; ++p) {
-      const int64_t n0 = p * kPanel;
-      const float* wp = w + k0 * N + n0;
-      // The next panel's block, or after the last panel the first panel's next block.
-      const float* next = nullptr;
-      int64_t next_rows = 0;
-      if (p + 1 < p_end) {
-        next = wp + kPanel;
-        next_rows = kc;
-      } else if (k0 + kBlockK < K) {
-        next = w + (k0 + kBlockK) * N + p_begin * kPanel;
-        next_rows = std::min(kBlockK, K - k0 - kBlockK);
-      }
-      const int64_t per_tile = (next_rows + tiles - 1) / tiles;
-      auto ahead = [&](int64_t tile) {
-        const int64_t begin = std::min(next_rows, tile * per_tile);
-        return Ahead{next + begin * N, std::min(next_rows, begin + per_tile) - begin};
-      };
-      int64_t m0 = 0;
-      for (; m0 + 6 <= M; m0 += 6)
-        micro_tile<6>(x + m0 * K + k0, K, wp, N, y + m0 * N + n0, N, kc, first, ahead(m0 / 6));
-      const float* xr = x + m0 * K + k0;
-      float* yr = y + m0 * N + n0;
-      const Ahead last = ahead(m0 / 6);
-      switch (M - m0) {
-        case 1: micro_tile<1>(xr, K, wp, N, yr, N, kc, first, last); break;
-        case 2: micro_tile<2>(xr, K, wp, N, yr, N, kc, first, last); break;
-        case 3: micro_tile<3>(xr, K, wp, N, yr, N, kc, first, last); break;
-        case 4: micro_tile<4>(xr, K, wp, N, yr, N, kc, first, last); break;
-        case 5: micro_tile<5>(xr, K, wp, N, yr, N, kc, first, last); break;
-        default: break;
+#if defined(__AVX512BF16__)
+// After vpunpck{l,h}wd of two weight rows, the "lo" accumulator of 32 columns holds columns 8j..8j+3 of
+// each 128-bit lane j and the "hi" one 8j+4..8j+7. kToOrder* pick columns [0, 16) and [16, 32) back out of
+// (lo, hi); kFromOrder* build lo and hi from the columns in order (partial sums kept in y between blocks).
+alignas(64) constexpr int32_t kToOrderFirst[16] = {0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23};
+alignas(64) constexpr int32_t kToOrderSecond[16] = {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31};
+alignas(64) constexpr int32_t kFromOrderLo[16] = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
+alignas(64) constexpr int32_t kFromOrderHi[16] = {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31};
+
+inline __m512 permute2(const int32_t* order, __m512 a, __m512 b) {
+  return _mm512_permutex2var_ps(a, _mm512_load_si512(order), b);
+}
+
+// acc[r][0..1]: lo, hi of columns [0, 32) of row r; acc[r][2..3]: of columns [32, 64).
+template <int MR>
+inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, float* y, int64_t ldy,
+                       int64_t kc, bool first, Ahead<uint16_t> ahead) {
+  const int64_t steps = kc / 2;  // k advances two rows per step
+  const int64_t per_step = ahead.rows > steps ? 2 : 1;
+  const int64_t stride = ahead.rows ? std::max<int64_t>(1, steps * per_step / ahead.rows) : steps + 1;
+  int64_t next_row = 0;
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r) {
+    for (int half = 0; half < 2; ++half) {
+      if (first) {
+        acc[r][2 * half] = acc[r][2 * half + 1] = _mm512_setzero_ps();
+      } else {
+        const __m512 c0 = _mm512_loadu_ps(y + r * ldy + 32 * half), c1 = _mm512_loadu_ps(y + r * ldy + 32 * half + 16);
+        acc[r][2 * half] = permute2(kFromOrderLo, c0, c1);
+        acc[r][2 * half + 1] = permute2(kFromOrderHi, c0, c1);
       }
     }
   }
-}
-#else
-void panels(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p_begin,
-            int64_t p_end) {
-  for (int64_t n0 = p_begin * kPanel; n0 < p_end * kPanel; n0 += kPanel) {
-    for (int64_t m = 0; m < M; ++m) {
-      float acc[kPanel] = {};
-      for (int64_t k = 0; k < K; ++k) {
-        const float a = x[m * K + k];
-        const float* wk = w + k * N + n0;
-        for (int64_t c = 0; c < kPanel; ++c) acc[c] += a * wk[c];
-      }
-      std::copy(acc, acc + kPanel, y + m * N + n0);
+  for (int64_t step = 0; step < steps; ++step) {
+    const uint16_t* w0 = w + 2 * step * ldw;
+    const uint16_t* w1 = w0 + ldw;
+    if (step % stride == 0)
+      for (int64_t i = 0; i < per_step && next_row < ahead.rows; ++i) prefetch_row(ahead.next + next_row++ * ldw);
+    const __m512i r0a = _mm512_loadu_si512(w0), r1a = _mm512_loadu_si512(w1);
+    const __m512i r0b = _mm512_loadu_si512(w0 + 32), r1b = _mm512_loadu_si512(w1 + 32);
+    const __m512bh b0 = (__m512bh)_mm512_unpacklo_epi16(r0a, r1a), b1 = (__m512bh)_mm512_unpackhi_epi16(r0a, r1a);
+    const __m512bh b2 = (__m512bh)_mm512_unpacklo_epi16(r0b, r1b), b3 = (__m512bh)_mm512_unpackhi_epi16(r0b, r1b);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;  // (x[r, k], x[r, k + 1]): the low half is x[r, k], as dpbf16 pairs it with w[k]
+      std::memcpy(&pair, x + r * ldx + 2 * step, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, b1);
+      acc[r][2] = _mm512_dpbf16_ps(acc[r][2], a, b2);
+      acc[r][3] = _mm512_dpbf16_ps(acc[r][3], a, b3);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int half = 0; half < 2; ++half) {
+      _mm512_storeu_ps(y + r * ldy + 32 * half, permute2(kToOrderFirst, acc[r][2 * half], acc[r][2 * half + 1]));
+      _mm512_storeu_ps(y + r * ldy + 32 * half + 16, permute2(kToOrderSecond, acc[r][2 * half], acc[r][2 * half + 1]));
     }
   }
 }
 #endif
 
-ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                      ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
+// Whether this build has the register-blocked path for T (else the plain loop below runs).
+template <typename T>
+constexpr bool kVectorized = false;
+#if defined(__AVX512F__)
+template <>
+constexpr bool kVectorized<float> = true;
+#endif
+#if defined(__AVX512BF16__)
+template <>
+constexpr bool kVectorized<uint16_t> = true;
+#endif
+
+// Panels [p_begin, p_end) of y, a block of kBlockK weight rows at a time: within a block a row's reads are
+// contiguous across the panels (not one 256-byte piece per row and panel, which the hardware prefetcher
+// and the TLB handle worse); partial sums wait in y between blocks.
+template <typename T>
+void panels(const T* x, const T* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p_begin, int64_t p_end) {
+  if constexpr (kVectorized<T>) {
+#if defined(__AVX512F__)
+    const int64_t tiles = (M + 5) / 6;
+    for (int64_t k0 = 0; k0 < K; k0 += kBlockK) {
+      const int64_t kc = std::min(kBlockK, K - k0);
+      const bool first = k0 == 0;
+      for (int64_t p = p_begin; p < p_end; ++p) {
+        const int64_t n0 = p * kPanel;
+        const T* wp = w + k0 * N + n0;
+        // The next panel's block, or after the last panel the first panel's next block.
+        const T* next = nullptr;
+        int64_t next_rows = 0;
+        if (p + 1 < p_end) {
+          next = wp + kPanel;
+          next_rows = kc;
+        } else if (k0 + kBlockK < K) {
+          next = w + (k0 + kBlockK) * N + p_begin * kPanel;
+          next_rows = std::min(kBlockK, K - k0 - kBlockK);
+        }
+        const int64_t per_tile = (next_rows + tiles - 1) / tiles;
+        auto ahead = [&](int64_t tile) {
+          const int64_t begin = std::min(next_rows, tile * per_tile);
+          return Ahead<T>{next + begin * N, std::min(next_rows, begin + per_tile) - begin};
+        };
+        int64_t m0 = 0;
+        for (; m0 + 6 <= M; m0 += 6)
+          micro_tile<6>(x + m0 * K + k0, K, wp, N, y + m0 * N + n0, N, kc, first, ahead(m0 / 6));
+        const T* xr = x + m0 * K + k0;
+        float* yr = y + m0 * N + n0;
+        const Ahead<T> last = ahead(m0 / 6);
+        switch (M - m0) {
+          case 1: micro_tile<1>(xr, K, wp, N, yr, N, kc, first, last); break;
+          case 2: micro_tile<2>(xr, K, wp, N, yr, N, kc, first, last); break;
+          case 3: micro_tile<3>(xr, K, wp, N, yr, N, kc, first, last); break;
+          case 4: micro_tile<4>(xr, K, wp, N, yr, N, kc, first, last); break;
+          case 5: micro_tile<5>(xr, K, wp, N, yr, N, kc, first, last); break;
+          default: break;
+        }
+      }
+    }
+#endif
+  } else {
+    for (int64_t n0 = p_begin * kPanel; n0 < p_end * kPanel; n0 += kPanel) {
+      for (int64_t m = 0; m < M; ++m) {
+        float acc[kPanel] = {};
+        for (int64_t k = 0; k < K; ++k) {
+          const float a = to_float(x[m * K + k]);
+          const T* wk = w + k * N + n0;
+          for (int64_t c = 0; c < kPanel; ++c) acc[c] += a * to_float(wk[c]);
+        }
+        std::copy(acc, acc + kPanel, y + m * N + n0);
+      }
+    }
+  }
+}
+
+// Panels per pass of panels(): y's partial sums for them (M x 1024 floats: 256 KB at 64 rows) stay in L2
+// between weight blocks. Without the cap a wide product swept all of its y for every block: the LM head
+// over a 152k vocabulary (39 MB of partial sums at 64 rows) ran at 5 GB/s of weights instead of 30.
+constexpr int64_t kPanelsPerPass = 16;
+
+template <typename T>
+void matmul(ffi::ThreadPool& pool, const T* xp, const T* wp, float* yp, int64_t M, int64_t K, int64_t N) {
+  const int64_t num_panels = N / kPanel;
+  // One contiguous range of panels per thread (see panels()), walked kPanelsPerPass at a time.
+  const int64_t parts = std::min<int64_t>(num_panels, std::max<int64_t>(1, pool.num_threads()));
+  paged::run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
+    const int64_t end = (part + 1) * num_panels / parts;
+    for (int64_t p = part * num_panels / parts; p < end; p += kPanelsPerPass)
+      panels(xp, wp, yp, M, K, N, p, std::min(end, p + kPanelsPerPass));
+  });
+}
+
+ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> live,
+                      ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wd[1] % kPanel)
     return ffi::Error::InvalidArgument("matmul_cpu: expected x [M, K] and w [K, N] with N a multiple of 64");
   if (live.element_count() != 1) return ffi::Error::InvalidArgument("matmul_cpu: expected a scalar live row count");
+  if (x.element_type() != w.element_type())
+    return ffi::Error::InvalidArgument("matmul_cpu: x and w must share a dtype");
   const int64_t K = xd[1], N = wd[1];
   const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
-  const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
   float* yp = y->typed_data();
   std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
   if (M == 0) return ffi::Error::Success();
-  const int64_t num_panels = N / kPanel;
-  // One contiguous range of panels per thread (see panels()).
-  const int64_t parts = std::min<int64_t>(num_panels, std::max<int64_t>(1, pool.num_threads()));
-  paged::run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
-    panels(xp, wp, yp, M, K, N, part * num_panels / parts, (part + 1) * num_panels / parts);
-  });
+  switch (x.element_type()) {
+    case ffi::DataType::F32:
+      matmul(pool, x.typed_data<float>(), w.typed_data<float>(), yp, M, K, N);
+      break;
+    case ffi::DataType::BF16:
+      if (K % 2) return ffi::Error::InvalidArgument("matmul_cpu: bfloat16 needs an even K");
+      matmul(pool, static_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint16_t*>(w.untyped_data()),
+             yp, M, K, N);
+      break;
+    default:
+      return ffi::Error::InvalidArgument("matmul_cpu: dtype must be float32 or bfloat16");
+  }
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-// Whether this build has the fast path; without it the model keeps XLA's dot (models/linear.py: native_cpu_matmul).
-extern "C" int MatmulCpuIsVectorized() {
-#if defined(__AVX512F__)
-  return 1;
-#else
-  return 0;
-#endif
-}
+// Whether this build has the fast path for float32 / bfloat16; without it the model keeps XLA's dot
+// (models/linear.py: native_cpu_matmul).
+extern "C" int MatmulCpuIsVectorized() { return kVectorized<float>; }
+extern "C" int MatmulCpuBf16IsVectorized() { return kVectorized<uint16_t>; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulCpu, MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

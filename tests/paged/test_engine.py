@@ -154,3 +154,35 @@ def test_cpu_backend_paths_match_the_reference(tiny_model_dir, backend, layer_lo
                   layer_loop=layer_loop, show_progress=False)
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         assert got == expected, (seqs, budget)
+
+
+def test_bfloat16_pool_writes_match_xla_through_swap_and_copy_on_write(tiny_model_dir, monkeypatch):
+    """A bf16 pool on CPU is written by the native calls (tokens, copy-on-write blocks, swapped-in blocks);
+    the same run with XLA's scatter everywhere gives the same tokens. (Against a run without preemption the
+    tokens may differ: bf16 matmuls round differently in other batch shapes, and sampling can follow.)"""
+    from pallas_kernels import cpu
+    prompts = [{"prompt_token_ids": _ids(n, seed=n)} for n in (5, 17, 30, 9, 24, 12)]
+    params = [SamplingParams(temperature=1.0, n=2, max_tokens=30, ignore_eos=True, seed=i) for i in range(6)]
+
+    def run():
+        llm = LLM(tiny_model_dir, dtype="bfloat16", block_size=8, max_model_len=96, num_kv_blocks=20,
+                  preemption_mode="swap", show_progress=False)
+        moves = {"copy": 0, "swap_in": 0}
+        for name in moves:
+            original = getattr(llm.engine.mover, name)
+
+            def counted(*args, _name=name, _original=original):
+                moves[_name] += _name == "swap_in" or bool(args[0])  # copy() is called with no pairs too
+                return _original(*args)
+            setattr(llm.engine.mover, name, counted)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert _all_blocks_free(llm.engine)
+        return moves, [[c.token_ids for c in o.outputs] for o in outputs]
+
+    assert cpu.writes_pool_natively("bfloat16")
+    native_moves, native = run()
+    assert native_moves["swap_in"] > 0 and native_moves["copy"] > 0
+    monkeypatch.setattr(cpu, "writes_pool_natively", lambda dtype: False)
+    xla_moves, xla = run()
+    assert xla_moves == native_moves
+    assert xla == native

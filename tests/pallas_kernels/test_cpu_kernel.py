@@ -205,6 +205,41 @@ def test_matmul_portable_build_matches_float64(portable_target):
     np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), atol=2e-4, rtol=2e-5)
 
 
+def _bf16_case(rows, inner, cols, seed):
+    """bfloat16 operands and their exact float64 product: the products of two bf16 values are exact in
+    float32, so the kernel's error is float32 accumulation alone, as for the float32 path."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(inner, cols)), jnp.bfloat16)
+    return x, w, np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 48, 192])
+@pytest.mark.parametrize("inner, cols", [(64, 64), (200, 192), (302, 320), (896, 128)])
+def test_matmul_bfloat16_matches_float64(rows, inner, cols):
+    """Every row remainder; inner sizes that end mid-block (200 = 128 + 72, 302); every column of the
+    64-column panel, whose register order the pair interleave permutes (a wrong un-permute moves whole
+    columns, an error of ~1 against the 2e-4 allowed). Float32 result."""
+    x, w, want = _bf16_case(rows, inner, cols, rows * 1000 + inner + cols)
+    got = matmul_cpu(x, w)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-4, rtol=2e-5)
+
+
+def test_matmul_bfloat16_portable_build_matches_float64(portable_target):
+    x, w, want = _bf16_case(13, 200, 192, 0)
+    target = portable_target.replace("paged_attention_cpu", "matmul_cpu")
+    got = np.asarray(matmul_cpu(x, w, _target=target), np.float64)
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-5)
+
+
+def test_matmul_bfloat16_live_rows():
+    x, w, want = _bf16_case(20, 200, 128, 1)
+    got = np.asarray(jax.jit(matmul_cpu)(x, w, jnp.int32(9)))
+    assert not np.any(got[9:])
+    np.testing.assert_allclose(got[:9].astype(np.float64), want[:9], atol=2e-4, rtol=2e-5)
+
+
 @pytest.mark.parametrize("live", [0, 1, 7, 40, 47, 48, 100])
 def test_matmul_live_rows(live):
     """Rows from live_rows on are zeros (the input there holds garbage, NaN included); the rows before are
@@ -224,7 +259,8 @@ def test_matmul_live_rows(live):
 
 
 def test_matmul_fast_path_follows_the_cpu():
-    """The AVX-512 matmul is built (and used by the model) exactly when the CPU has AVX-512."""
+    """The AVX-512 matmul is built (and used by the model) exactly when the CPU has AVX-512, the bfloat16 one
+    exactly when it has AVX-512 BF16."""
     from pathlib import Path
 
     from pallas_kernels import cpu as cpu_kernel
@@ -232,15 +268,20 @@ def test_matmul_fast_path_follows_the_cpu():
     if not cpuinfo.exists():
         pytest.skip("no /proc/cpuinfo to compare with")
     assert available()[0]
-    assert cpu_kernel._VECTORIZED_MATMUL[0] == (" avx512f " in cpuinfo.read_text().replace("\n", " "))
+    flags = cpuinfo.read_text().replace("\n", " ")
+    assert cpu_kernel.matmul_is_vectorized("float32") == (" avx512f " in flags)
+    assert cpu_kernel.matmul_is_vectorized("bfloat16") == (" avx512_bf16 " in flags)
 
 
 def test_matmul_refuses_what_it_cannot_do():
     with pytest.raises(ValueError, match="multiple of 64"):
         matmul_cpu(jnp.zeros((4, 8)), jnp.zeros((8, 100)))
-    with pytest.raises(ValueError, match="float32"):
-        matmul_cpu(jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8, 64), jnp.bfloat16))
+    with pytest.raises(ValueError, match="even K"):
+        matmul_cpu(jnp.zeros((4, 7), jnp.bfloat16), jnp.zeros((7, 64), jnp.bfloat16))
+    with pytest.raises(ValueError, match="two float32 or two bfloat16"):
+        matmul_cpu(jnp.zeros((4, 8), jnp.bfloat16), jnp.zeros((8, 64)))
     with pytest.raises(ValueError, match="live_rows must be an integer scalar"):
         matmul_cpu(jnp.zeros((4, 8)), jnp.zeros((8, 64)), jnp.zeros(2, jnp.int32))
     with pytest.raises(ValueError, match="live_rows must be an integer scalar"):
         matmul_cpu(jnp.zeros((4, 8)), jnp.zeros((8, 64)), 2.5)
+
