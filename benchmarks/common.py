@@ -62,6 +62,18 @@ def random_workload(num_requests: int, input_range: tuple[int, int], output_rang
     return Workload(prompts, [int(o) for o in out_lens])
 
 
+def warmup_twin(workload: Workload, vocab: int, seed: int = 1) -> Workload:
+    """The same lengths with other token ids: a warm-up that compiles every shape the timed run meets while
+    leaving nothing a prefix cache could serve it from."""
+    rng = np.random.default_rng(seed)
+    prompts = []
+    for prompt in workload.prompts:
+        other = rng.integers(10, vocab, len(prompt))
+        other[0] = 10 + (prompt[0] - 10 + 1) % (vocab - 10)  # a different first token: no shared block at all
+        prompts.append(other.tolist())
+    return Workload(prompts, list(workload.output_lens))
+
+
 def read_jsonl_requests(path: str, limit: int | None = None) -> list[tuple[str | list[int], int]]:
     """(prompt text or token ids, output_len) from lines of {"prompt" or "prompt_token_ids", "output_len"}, the
     first `limit` of them (None: all); a bad line is an error naming it."""
@@ -96,11 +108,14 @@ def jsonl_workload(path: str, tokenizer) -> Workload:
 
 
 def matmul_rate(dtype="float32", size: int = 1024, repeats: int = 20) -> float:
-    """FLOP/s of a square jax matmul on the default device (best of `repeats`): the machine's compute roof."""
+    """FLOP/s of a square jax matmul on the default device (best of `repeats`): the machine's compute roof.
+
+    Accumulated in float32, as the engine's matmuls are (a bf16 result would take XLA's slow CPU path).
+    """
     import jax
     import jax.numpy as jnp
     a = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype)
-    f = jax.jit(lambda x: x @ x)
+    f = jax.jit(lambda x: jnp.dot(x, x, preferred_element_type=jnp.float32))
     f(a).block_until_ready()
     best = float("inf")
     for _ in range(repeats):
@@ -113,17 +128,18 @@ def matmul_rate(dtype="float32", size: int = 1024, repeats: int = 20) -> float:
 def workload_flops(config, workload: Workload) -> float:
     """Model FLOPs to prefill every prompt and decode every output token once (no recomputation counted).
 
-    Per token: 2 x (parameters touched: all layers' matrices plus the LM head; the embedding is a lookup) plus
-    attention, 4 x context x heads x head_dim per layer (scores and weighted sum).
+    Per token: 2 x the layers' matrices (the embedding is a lookup) plus attention, 4 x context x heads x
+    head_dim per layer (scores and weighted sum); the LM head, 2 x hidden x vocab, only for the positions that
+    sample a token (one per output token: the engine never computes logits for the rest of a prompt).
     """
     c = config
     per_layer = (c.hidden_size * (c.q_size + 2 * c.kv_size) + c.q_size * c.hidden_size
                  + 3 * c.hidden_size * c.intermediate_size)
-    dense = 2 * (c.num_layers * per_layer + c.hidden_size * c.vocab_size)
+    dense = 2 * c.num_layers * per_layer
     total = 0.0
     for p, o in zip(workload.prompt_lens, workload.output_lens):
         tokens = p + o - 1  # the last sampled token is never fed back
-        total += tokens * dense
+        total += tokens * dense + o * 2 * c.hidden_size * c.vocab_size
         total += 4 * c.num_layers * c.num_heads * c.head_dim * tokens * (tokens + 1) / 2
     return total
 

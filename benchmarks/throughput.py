@@ -21,7 +21,8 @@ import sys
 import time
 
 from benchmarks.common import (copy_bandwidth, default_model_dir, jsonl_workload, matmul_rate, pyplot,
-                               random_workload, workload_flops)
+                               random_workload, warmup_twin, workload_flops)
+from benchmarks.shapes import MODEL_SHAPES, model_shape_dir
 from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
 
 
@@ -53,14 +54,21 @@ class _CacheHits:
             cls.count += 1
 
 
-def run_paged(model_dir: str, workload, engine_args: dict) -> tuple[float, float, dict]:
+def _dtype_name(dtype) -> str:
+    import numpy as np
+    return np.dtype(dtype).name
+
+
+def run_paged(model_dir: str, workload, engine_args: dict, vocab: int) -> tuple[float, float, dict]:
     from paged import LLM, SamplingParams
     hits = _CacheHits.so_far()
     start = time.perf_counter()
     llm = LLM(model_dir, show_progress=False, **engine_args)
+    startup = time.perf_counter() - start
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in workload.output_lens]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
-    llm.generate(prompts, params, use_tqdm=False)  # warm-up: compiles every shape this workload produces
+    # Warm-up: compiles every shape this workload produces, on other token ids (nothing to hit in a prefix cache).
+    llm.generate([{"prompt_token_ids": p} for p in warmup_twin(workload, vocab).prompts], params, use_tqdm=False)
     warmup = time.perf_counter() - start
     engine = llm.engine
     compiles = engine.num_compilations
@@ -70,11 +78,16 @@ def run_paged(model_dir: str, workload, engine_args: dict) -> tuple[float, float
     seconds = time.perf_counter() - start
     split = {k: v for k, v in engine.step_timings.items()}
     by_kind = {k: split.pop(k) for k in ("device_decode_only", "device_with_prefill")}
-    extra = {"compilations_in_timed_run": engine.num_compilations - compiles, "shapes_compiled": compiles,
+    extra = {"dtype": _dtype_name(engine.dtype), "startup_seconds": startup, "compilations_in_timed_run": engine.num_compilations - compiles,
+             "shapes_compiled": compiles,
              "steps": int(split.pop("steps")), "step_time_split_s": split, "device_time_by_step_kind_s": by_kind,
              "preemptions": engine.num_preemptions, "compilation_cache_dir": engine.compilation_cache_dir,
              # Shapes loaded from the persistent cache during warm-up (a rerun's warm-up skips their compile).
              "warmup_compilation_cache_hits": _CacheHits.so_far() - hits}
+    # Free the KV pool (on CPU a share of host memory) before another engine starts in the same machine.
+    del llm, engine
+    import gc
+    gc.collect()
     return seconds, warmup, extra
 
 
@@ -143,6 +156,39 @@ def run_hf_continuous(model_dir: str, workload) -> tuple[float, float, dict] | N
     return time.perf_counter() - start, warmup, {}
 
 
+def run_vllm(python: str, model_dir: str, workload, dtype: str, max_model_len: int, seed: int, vocab: int,
+             env: dict[str, str] | None = None) -> tuple[float, float, dict] | None:
+    """vLLM on the same requests, in its own interpreter (benchmarks/vllm_baseline.py); None if it failed."""
+    import os
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        request, result = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
+        with open(request, "w") as f:
+            json.dump({"model": model_dir, "dtype": "auto" if dtype == "auto" else dtype,
+                       "max_model_len": max_model_len, "seed": seed, "prompts": workload.prompts,
+                       "warmup_prompts": warmup_twin(workload, vocab).prompts,
+                       "output_lens": workload.output_lens}, f)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_baseline.py")
+        # vLLM on CPU sizes its KV cache from the machine's total memory, not from what is free, and this
+        # process still holds its own (jax's heap); 4 GiB holds every benchmark workload here many times over.
+        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **(env or {})}
+        done = subprocess.run([python, script, request, result], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, env={**os.environ, **env})
+        if done.returncode or not os.path.exists(result):
+            # vLLM's root cause sits above its own shutdown tracebacks: show its error lines, then the end.
+            errors = [line for line in done.stdout.splitlines() if "Error" in line and not line.startswith(" ")]
+            print(f"vLLM ({python}) failed with exit code {done.returncode}:\n" + "\n".join(errors[:20])
+                  + f"\n...\n{done.stdout[-2000:]}", file=sys.stderr)
+            return None
+        with open(result) as f:
+            measured = json.load(f)
+    if measured["output_tokens"] != sum(workload.output_lens):
+        print(f"vLLM produced {measured['output_tokens']} tokens, not {sum(workload.output_lens)}", file=sys.stderr)
+        return None
+    return measured.pop("seconds"), measured.pop("warmup_seconds"), measured
+
+
 def plot(results: list[dict], path: str) -> bool:
     plt = pyplot()
     if plt is None:
@@ -162,9 +208,18 @@ def plot(results: list[dict], path: str) -> bool:
     return True
 
 
+def _env_item(text: str) -> str:
+    if "=" not in text or text.startswith("="):
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="HF checkpoint directory (default: the 30M benchmark Llama)")
+    parser.add_argument("--model-shape", default=None, choices=sorted(MODEL_SHAPES),
+                        help="instead of --model: a random-weight bfloat16 checkpoint with this real model's config "
+                             "(benchmarks/shapes.py), built on first use")
     parser.add_argument("--num-requests", type=int, default=48)
     parser.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
@@ -172,6 +227,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed, and the engine's")
     parser.add_argument("--hf-batch-sizes", nargs="*", default=["16", "all"], help="static batch sizes ('all')")
     parser.add_argument("--no-hf-continuous", action="store_true")
+    parser.add_argument("--vllm-python", default=None,
+                        help="a Python interpreter with vLLM installed (e.g. vllm-cpu): adds vLLM as a baseline, "
+                             "same model, requests and dtype, prefix caching off")
+    parser.add_argument("--vllm-env", nargs="*", default=[], metavar="KEY=VALUE", type=_env_item,
+                        help="environment for the vLLM process only, e.g. its recommended CPU setup: "
+                             "LD_PRELOAD=<libtcmalloc_minimal.so.4>:<libiomp5.so>")
     # Every engine option, as `paged generate` takes it; prefix caching off by default, so that no run is
     # flattered by hits on the warm-up's blocks.
     add_engine_arguments(parser, defaults={"enable_prefix_caching": False}, exclude=("seed",))
@@ -184,7 +245,9 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
     from models import load_model_config
-    model_dir = args.model or default_model_dir()
+    if args.model and args.model_shape:
+        raise SystemExit("give --model or --model-shape, not both")
+    model_dir = model_shape_dir(args.model_shape) if args.model_shape else args.model or default_model_dir()
     config = load_model_config(model_dir)
     if args.dataset:
         from transformers import AutoTokenizer
@@ -195,14 +258,15 @@ def main(argv=None) -> int:
     max_len = max(p + o for p, o in zip(workload.prompt_lens, workload.output_lens))
     engine_args = {**engine_kwargs_from_cli_args(args), "seed": args.seed,
                    "max_model_len": args.max_model_len or max_len}
-    rate = matmul_rate()
+    results = []
+    seconds, warmup, extra = run_paged(model_dir, workload, engine_args, config.vocab_size)
+    # The roofs, measured in the dtype the engine ran in (auto: the checkpoint's).
+    rate = matmul_rate(extra["dtype"])
     bandwidth = copy_bandwidth()
     flops = workload_flops(config, workload)
-    print(f"workload {workload.describe()}; model FLOPs {flops / 1e9:.1f} G; matmul rate {rate / 1e9:.1f} GFLOP/s; "
-          f"compute floor {sum(workload.output_lens) * rate / flops:.0f} output tokens/s", file=sys.stderr)
-
-    results = []
-    seconds, warmup, extra = run_paged(model_dir, workload, engine_args)
+    print(f"workload {workload.describe()}; model FLOPs {flops / 1e9:.1f} G; {extra['dtype']} matmul rate "
+          f"{rate / 1e9:.1f} GFLOP/s; compute floor {sum(workload.output_lens) * rate / flops:.0f} output tokens/s",
+          file=sys.stderr)
     results.append(_result("paged", workload, seconds, warmup, flops, rate, **extra))
     try:
         import torch
@@ -221,6 +285,13 @@ def main(argv=None) -> int:
             if measured is not None:
                 results.append(_result("hf-continuous", workload, measured[0], measured[1], flops, rate,
                                        **measured[2]))
+    if args.vllm_python:
+        measured = run_vllm(args.vllm_python, model_dir, workload, engine_args.get("dtype", "auto"),
+                            engine_args["max_model_len"], args.seed, config.vocab_size,
+                            dict(item.split("=", 1) for item in args.vllm_env))
+        if measured is not None:
+            measured[2]["env"] = args.vllm_env
+            results.append(_result("vllm", workload, measured[0], measured[1], flops, rate, **measured[2]))
     paged = results[0]["output_tokens_per_s"]
     for r in results:
         r["paged_speedup"] = paged / r["output_tokens_per_s"]
@@ -228,10 +299,15 @@ def main(argv=None) -> int:
               "copy_bytes_per_s": bandwidth,
               "compute_floor_output_tokens_per_s": sum(workload.output_lens) * rate / flops, "engine": engine_args,
               "results": results}
-    print(f"{'system':<16}{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}{'MFU':>7}{'paged x':>9}{'warm-up s':>11}")
+    # start-up: building the engine (weights loaded); warm-up: start-up plus the first generate call, which
+    # compiles every shape the workload meets.
+    print(f"{'system':<16}{'req/s':>8}{'out tok/s':>11}{'tot tok/s':>11}{'MFU':>7}{'paged x':>9}{'start-up s':>12}"
+          f"{'warm-up s':>11}")
     for r in results:
+        startup = f"{r['startup_seconds']:.1f}" if "startup_seconds" in r else "-"
         print(f"{r['system']:<16}{r['requests_per_s']:>8.2f}{r['output_tokens_per_s']:>11.1f}"
-              f"{r['total_tokens_per_s']:>11.1f}{r['mfu']:>7.1%}{r['paged_speedup']:>9.2f}{r['warmup_seconds']:>11.1f}")
+              f"{r['total_tokens_per_s']:>11.1f}{r['mfu']:>7.1%}{r['paged_speedup']:>9.2f}{startup:>12}"
+              f"{r['warmup_seconds']:>11.1f}")
     split = results[0]["step_time_split_s"]
     total = sum(split.values())
     print("paged step time split: " + ", ".join(f"{k} {v / total:.0%}" for k, v in split.items()))

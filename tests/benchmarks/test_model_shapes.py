@@ -1,0 +1,58 @@
+"""`--model-shape`: random checkpoints with a real model's config, read by this engine and by transformers."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import shapes
+
+
+@pytest.fixture
+def tiny_shape(monkeypatch, tmp_path):
+    """A Qwen2-shaped entry small enough for a test, built under a temporary cache root."""
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
+    config = dict(shapes.MODEL_SHAPES["qwen2.5-0.5b"], vocab_size=600, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    monkeypatch.setitem(shapes.MODEL_SHAPES, "tiny-qwen2", config)
+    return shapes.model_shape_dir("tiny-qwen2")
+
+
+def test_the_real_shape_has_the_published_size():
+    c = shapes.MODEL_SHAPES["qwen2.5-0.5b"]
+    head = c["hidden_size"] // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head, c["num_key_value_heads"] * head
+    per_layer = (c["hidden_size"] * (q + 2 * kv) + q + 2 * kv + q * c["hidden_size"]
+                 + 3 * c["hidden_size"] * c["intermediate_size"] + 2 * c["hidden_size"])
+    total = c["vocab_size"] * c["hidden_size"] + c["num_hidden_layers"] * per_layer + c["hidden_size"]
+    assert round(total / 1e6) == 494  # Qwen2.5-0.5B: 0.49B parameters (tied embeddings)
+
+
+def test_shape_checkpoint_is_bfloat16_and_built_once(tiny_shape):
+    from safetensors import safe_open
+    with safe_open(f"{tiny_shape}/model.safetensors", "np") as f:
+        assert {f.get_tensor(k).dtype.name for k in f.keys()} == {"bfloat16"}
+        assert "lm_head.weight" not in f.keys()  # tied
+    assert json.load(open(f"{tiny_shape}/config.json"))["architectures"] == ["Qwen2ForCausalLM"]
+    assert shapes.model_shape_dir("tiny-qwen2") == tiny_shape
+    with pytest.raises(ValueError, match="unknown model shape"):
+        shapes.model_shape_dir("no-such-model")
+
+
+@pytest.mark.torch
+def test_shape_checkpoint_reads_the_same_in_transformers(tiny_shape):
+    import torch
+    import transformers
+
+    from paged import LLM, SamplingParams
+    prompt = np.random.default_rng(0).integers(10, 600, 12).tolist()
+    llm = LLM(tiny_shape, dtype="float32", show_progress=False)
+    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0].outputs[0].token_ids
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_shape, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, eos_token_id=None,
+                             pad_token_id=0)
+    assert got == out[0, len(prompt):].tolist()
