@@ -217,7 +217,7 @@ def _bf16_case(rows, inner, cols, seed):
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 48, 192])
 @pytest.mark.parametrize("inner, cols", [(64, 64), (200, 192), (302, 320), (896, 128)])
 def test_matmul_bfloat16_matches_float64(rows, inner, cols):
-    """Every row remainder; inner sizes that end mid-block (200 = 128 + 72, 302); every column of the
+    """Every row remainder; inner sizes inside one block (200) and ending mid-block (302 = 256 + 46); every column of the
     64-column panel, whose register order the pair interleave permutes (a wrong un-permute moves whole
     columns, an error of ~1 against the 2e-4 allowed). Float32 result."""
     x, w, want = _bf16_case(rows, inner, cols, rows * 1000 + inner + cols)
