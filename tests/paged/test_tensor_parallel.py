@@ -101,3 +101,35 @@ def test_tensor_parallel_across_families(name, tmp_path):
     results = _run(model_dir, "xla", [1, 2])
     assert results[2]["tokens"] == results[1]["tokens"]
     assert results[2]["recompiled"] == 0
+
+
+POOL_WRITES_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from pallas_kernels import cpu
+    from paged import LLM, SamplingParams
+    model_dir = sys.argv[1]
+    prompts = [{"prompt_token_ids": list(range(10 + 7 * i, 10 + 7 * i + n))} for i, n in enumerate((5, 17, 30, 9))]
+    params = [SamplingParams(temperature=1.0, n=2, seed=i, max_tokens=24, ignore_eos=True) for i in range(4)]
+    out = {}
+    for native in (True, False):
+        if not native:
+            cpu.writes_pool_natively = lambda dtype: False
+        llm = LLM(model_dir, tensor_parallel_size=2, dtype="bfloat16", block_size=8, max_model_len=64,
+                  num_kv_blocks=12, preemption_mode="swap", show_progress=False, compilation_cache_dir=None)
+        tokens = [[c.token_ids for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+        out[str(native)] = {"tokens": tokens, "preemptions": llm.engine.num_preemptions}
+        del llm
+    print("RESULT " + json.dumps(out))
+""")
+
+
+def test_bfloat16_pool_writes_per_shard_match_xla(model_dir):
+    """Under tensor parallelism a bf16 pool's token writes, copy-on-write copies (n=2) and swap-ins run the
+    native calls per shard; the same run on XLA's scatter gives the same tokens."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    run = subprocess.run([sys.executable, "-c", POOL_WRITES_SCRIPT, model_dir], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["True"]["preemptions"] > 0 and result["True"]["preemptions"] == result["False"]["preemptions"]
+    assert result["True"]["tokens"] == result["False"]["tokens"]
