@@ -16,6 +16,7 @@ Warm-up and compilation are excluded from every system's timing and reported sep
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -86,7 +87,6 @@ def run_paged(model_dir: str, workload, engine_args: dict, vocab: int) -> tuple[
              "warmup_compilation_cache_hits": _CacheHits.so_far() - hits}
     # Free the KV pool (on CPU a share of host memory) before another engine starts in the same machine.
     del llm, engine
-    import gc
     gc.collect()
     return seconds, warmup, extra
 
@@ -165,7 +165,7 @@ def run_vllm(python: str, model_dir: str, workload, dtype: str, max_model_len: i
     with tempfile.TemporaryDirectory() as tmp:
         request, result = os.path.join(tmp, "request.json"), os.path.join(tmp, "result.json")
         with open(request, "w") as f:
-            json.dump({"model": model_dir, "dtype": "auto" if dtype == "auto" else dtype,
+            json.dump({"model": model_dir, "dtype": dtype,
                        "max_model_len": max_model_len, "seed": seed, "prompts": workload.prompts,
                        "warmup_prompts": warmup_twin(workload, vocab).prompts,
                        "output_lens": workload.output_lens}, f)

@@ -31,7 +31,7 @@ from pallas_kernels.cache import cache_root
 
 _SOURCE_DIR = Path(__file__).parent
 _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc")
-_HEADERS = (_SOURCE_DIR / "parallel.h",)
+_HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h")
 _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _KV_WRITE_TARGET = "write_kv_cpu"
@@ -109,6 +109,12 @@ def available() -> tuple[bool, str]:
     return reason is None, reason or ""
 
 
+def _require_kernels() -> None:
+    ok, reason = available()
+    if not ok:
+        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
+
+
 def paged_attention_cpu(
     q: jax.Array,
     k_cache: jax.Array,
@@ -136,9 +142,7 @@ def paged_attention_cpu(
     Returns:
       [T, num_q_heads, head_dim], q's dtype.
     """
-    ok, reason = available()
-    if not ok:
-        raise RuntimeError(f"the native CPU attention kernel is unavailable: {reason}")
+    _require_kernels()
     if q.ndim != 3 or k_cache.ndim != 5 or v_cache.shape != k_cache.shape:
         raise ValueError(f"expected q [T, Hq, D] and two equal pools [L, Hkv, NB, bs, D]; got q {q.shape}, "
                          f"k_cache {k_cache.shape}, v_cache {v_cache.shape}")
@@ -169,9 +173,7 @@ def write_kv_cpu(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | int,
 
     The pools are aliased to the results: inside a jitted step with the pool donated, nothing is copied.
     """
-    ok, reason = available()
-    if not ok:
-        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
+    _require_kernels()
     if k_cache.ndim != 5 or v_cache.shape != k_cache.shape or k.ndim != 3 or v.shape != k.shape \
             or k.shape[1:] != (k_cache.shape[1], k_cache.shape[4]) or slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"expected pools [L, Hkv, NB, bs, D], new k, v [T, Hkv, D] and slot_mapping [T]; got "
@@ -193,9 +195,7 @@ def copy_blocks_cpu(k_cache: jax.Array, v_cache: jax.Array, src: jax.Array, dst:
 
     src, dst: int32 [n]; no destination may be another pair's source (copy-on-write never does that).
     """
-    ok, reason = available()
-    if not ok:
-        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
+    _require_kernels()
     if k_cache.ndim != 5 or v_cache.shape != k_cache.shape or src.shape != dst.shape or src.ndim != 1:
         raise ValueError(f"expected two equal pools [L, Hkv, NB, bs, D] and src, dst [n]; got {k_cache.shape}, "
                          f"{v_cache.shape}, {src.shape}, {dst.shape}")
@@ -206,9 +206,7 @@ def copy_blocks_cpu(k_cache: jax.Array, v_cache: jax.Array, src: jax.Array, dst:
 def scatter_blocks_cpu(k_cache: jax.Array, v_cache: jax.Array, dst: jax.Array, k_data: jax.Array,
                        v_data: jax.Array) -> tuple[jax.Array, jax.Array]:
     """Data block i ([L, Hkv, n, bs, D], the pools' dtype) -> pool block dst[i] (int32 [n]), in place."""
-    ok, reason = available()
-    if not ok:
-        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
+    _require_kernels()
     expected = (*k_cache.shape[:2], dst.shape[0], *k_cache.shape[3:])
     if k_cache.ndim != 5 or v_cache.shape != k_cache.shape or k_data.shape != expected or v_data.shape != expected:
         raise ValueError(f"expected pools [L, Hkv, NB, bs, D] and data {list(expected)}; got {k_cache.shape}, "
@@ -235,9 +233,7 @@ def matmul_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = N
     live_rows: int32 scalar (may be traced); only rows [0, live_rows) are computed and the rest of the result
       is zeros (rows past a step's real tokens are padding). None: all M.
     """
-    ok, reason = available()
-    if not ok:
-        raise RuntimeError(f"the native CPU kernels are unavailable: {reason}")
+    _require_kernels()
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or w.shape[1] % 64:
         raise ValueError(f"expected x [M, K] and w [K, N] with N a multiple of 64; got {x.shape} and {w.shape}")
     if x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):

@@ -39,15 +39,21 @@ char* result_pool(const ffi::AnyBuffer& pool, ffi::Result<ffi::AnyBuffer>& out) 
   return dst;
 }
 
+bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
+  const auto ad = a.dimensions(), bd = b.dimensions();
+  if (ad.size() != bd.size()) return false;
+  for (size_t i = 0; i < ad.size(); ++i)
+    if (ad[i] != bd[i]) return false;
+  return true;
+}
+
 ffi::Error WriteKvImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> layer,
                        ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Buffer<ffi::S32> slot_mapping,
                        ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out) {
   const auto pd = k_cache.dimensions();
   const auto nd = k.dimensions();
-  if (pd.size() != 5 || nd.size() != 3 || v_cache.dimensions().size() != 5 || v.dimensions().size() != 3)
-    return ffi::Error::InvalidArgument("write_kv_cpu: expected pools [L, Hkv, NB, bs, D] and new k, v [T, Hkv, D]");
-  for (int i = 0; i < 5; ++i)
-    if (v_cache.dimensions()[i] != pd[i]) return ffi::Error::InvalidArgument("write_kv_cpu: the two pools differ");
+  if (pd.size() != 5 || nd.size() != 3 || !same_dims(k_cache, v_cache) || !same_dims(k, v))
+    return ffi::Error::InvalidArgument("write_kv_cpu: expected two equal pools [L, Hkv, NB, bs, D] and new k, v [T, Hkv, D]");
   const int64_t L = pd[0], H = pd[1], NB = pd[2], bs = pd[3], D = pd[4], T = nd[0];
   if (nd[1] != H || nd[2] != D || slot_mapping.element_count() != T)
     return ffi::Error::InvalidArgument("write_kv_cpu: k, v [T, Hkv, D] and slot_mapping [T] must fit the pool");
@@ -90,14 +96,6 @@ void move_blocks(const ffi::AnyBuffer& pool, char* out, const char* source, int6
       std::memcpy(out + (lh * NB + dst) * block_bytes, source + (lh * source_blocks + src) * block_bytes,
                   block_bytes);
   }
-}
-
-bool same_dims(const ffi::AnyBuffer& a, const ffi::AnyBuffer& b) {
-  const auto ad = a.dimensions(), bd = b.dimensions();
-  if (ad.size() != bd.size()) return false;
-  for (size_t i = 0; i < ad.size(); ++i)
-    if (ad[i] != bd[i]) return false;
-  return true;
 }
 
 ffi::Error CopyBlocksImpl(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<ffi::S32> src,

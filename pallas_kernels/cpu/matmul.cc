@@ -33,6 +33,7 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -49,14 +50,8 @@ constexpr int64_t kBlockK = 128;
 template <>
 constexpr int64_t kBlockK<uint16_t> = 256;
 
-inline float bf16_to_float(uint16_t v) {
-  const uint32_t bits = static_cast<uint32_t>(v) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
 inline float to_float(float v) { return v; }
-inline float to_float(uint16_t v) { return bf16_to_float(v); }
+inline float to_float(uint16_t v) { return paged::bf16_to_float(v); }
 
 #if defined(__AVX512F__)
 // Rows [0, rows) of `next` (stride ldw) for a tile to prefetch: its share of the next block's weights, so

@@ -164,7 +164,7 @@ def test_bfloat16_matches_transformers_in_bfloat16(checkpoint):
     outputs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
                                                   use_tqdm=False)]
     bf16 = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16).eval()
-    moe = any(k in name for k in ("moe",))
+    moe = "moe" in name
     paged_error = hf_error = 0.0
     compared = 0
     with torch.no_grad():
