@@ -2,13 +2,16 @@
 
     python -m benchmarks.throughput [--num-requests 48] [--input-len 16 256] [--output-len 16 256]
         [--model PATH] [--hf-batch-sizes 16 all] [--no-hf-continuous] [--json out.json] [--png out.png]
+        [--json-fractions 0.5 1]
 
 Systems, one process, one after another on the same requests (greedy, every request runs exactly its
 output_len tokens):
   - paged: this engine (LLM.generate);
   - hf-static-bN: transformers `generate` on left-padded static batches of N requests in arrival order, each
     batch running until its longest output is done (the approach continuous batching replaced);
-  - hf-continuous: transformers' own continuous batching (init_continuous_batching), when available.
+  - hf-continuous: transformers' own continuous batching (init_continuous_batching), when available;
+  - paged-json-F: with --json-fractions, this engine again with a fraction F of the requests constrained to a
+    JSON schema (structured outputs), to measure what constraints cost the batch.
 Warm-up and compilation are excluded from every system's timing and reported separately. MFU is model FLOPs
 (prompt + output tokens, see benchmarks/common.py) over time, against a matmul rate measured in the same run.
 """
@@ -28,7 +31,8 @@ from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
 
 
 def _result(name: str, workload, seconds: float, warmup: float, flops: float, rate: float, **extra) -> dict:
-    out_tokens = sum(workload.output_lens)
+    # Constrained requests end when their grammar does: count what was generated.
+    out_tokens = extra.get("output_tokens", sum(workload.output_lens))
     total = out_tokens + sum(workload.prompt_lens)
     return {"system": name, "seconds": seconds, "warmup_seconds": warmup,
             "requests_per_s": len(workload.prompts) / seconds, "output_tokens_per_s": out_tokens / seconds,
@@ -60,13 +64,32 @@ def _dtype_name(dtype) -> str:
     return np.dtype(dtype).name
 
 
-def run_paged(model_dir: str, workload, engine_args: dict, vocab: int) -> tuple[float, float, dict]:
-    from paged import LLM, SamplingParams
+# What --json-fractions constrains requests to: records of strings, integers and enums, with more of them
+# required than any output_len can hold, so that a constrained request runs to its output_len like the others
+# (the work stays the same and only the constraint's cost differs).
+JSON_SCHEMA = {"type": "object", "required": ["items"], "properties": {"items": {
+    "type": "array", "minItems": 10000, "items": {
+        "type": "object", "required": ["name", "qty"], "additionalProperties": False,
+        "properties": {"name": {"type": "string", "maxLength": 12}, "qty": {"type": "integer"},
+                       "tags": {"type": "array", "items": {"enum": ["new", "used", "spare"]}}}}}}}
+
+
+def _constrained(index: int, fraction: float) -> bool:
+    """Spreads the constrained requests evenly over arrival order."""
+    return int((index + 1) * fraction) > int(index * fraction)
+
+
+def run_paged(model_dir: str, workload, engine_args: dict, vocab: int,
+              json_fraction: float = 0.0) -> tuple[float, float, dict]:
+    from paged import LLM, SamplingParams, StructuredOutputsParams
     hits = _CacheHits.so_far()
     start = time.perf_counter()
     llm = LLM(model_dir, show_progress=False, **engine_args)
     startup = time.perf_counter() - start
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True) for o in workload.output_lens]
+    constraint = StructuredOutputsParams(json=JSON_SCHEMA)
+    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True,
+                             structured_outputs=constraint if _constrained(i, json_fraction) else None)
+              for i, o in enumerate(workload.output_lens)]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     # Warm-up: compiles every shape this workload produces, on other token ids (nothing to hit in a prefix cache).
     llm.generate([{"prompt_token_ids": p} for p in warmup_twin(workload, vocab).prompts], params, use_tqdm=False)
@@ -75,7 +98,7 @@ def run_paged(model_dir: str, workload, engine_args: dict, vocab: int) -> tuple[
     compiles = engine.num_compilations
     engine.step_timings = dict.fromkeys(engine.step_timings, 0.0)
     start = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     split = {k: v for k, v in engine.step_timings.items()}
     by_kind = {k: split.pop(k) for k in ("device_decode_only", "device_with_prefill")}
@@ -84,7 +107,11 @@ def run_paged(model_dir: str, workload, engine_args: dict, vocab: int) -> tuple[
              "steps": int(split.pop("steps")), "step_time_split_s": split, "device_time_by_step_kind_s": by_kind,
              "preemptions": engine.num_preemptions, "compilation_cache_dir": engine.compilation_cache_dir,
              # Shapes loaded from the persistent cache during warm-up (a rerun's warm-up skips their compile).
-             "warmup_compilation_cache_hits": _CacheHits.so_far() - hits}
+             "warmup_compilation_cache_hits": _CacheHits.so_far() - hits,
+             "output_tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs)}
+    if json_fraction:
+        extra.update(json_fraction=json_fraction, grammar_compile_seconds=engine.grammars.compile_seconds,
+                     constrained_requests=engine.num_constrained_requests // 2)  # warm-up + timed run
     # Free the KV pool (on CPU a share of host memory) before another engine starts in the same machine.
     del llm, engine
     gc.collect()
@@ -236,6 +263,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Every engine option, as `paged generate` takes it; prefix caching off by default, so that no run is
     # flattered by hits on the warm-up's blocks.
     add_engine_arguments(parser, defaults={"enable_prefix_caching": False}, exclude=("seed",))
+    parser.add_argument("--json-fractions", type=float, nargs="*", default=[], metavar="F",
+                        help="also run paged with these fractions of the requests JSON-constrained (e.g. 0.5 1)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
     return parser
@@ -268,6 +297,13 @@ def main(argv=None) -> int:
           f"{rate / 1e9:.1f} GFLOP/s; compute floor {sum(workload.output_lens) * rate / flops:.0f} output tokens/s",
           file=sys.stderr)
     results.append(_result("paged", workload, seconds, warmup, flops, rate, **extra))
+    for fraction in args.json_fractions:
+        if not 0 < fraction <= 1:
+            raise SystemExit(f"--json-fractions must be in (0, 1], got {fraction}")
+        measured = run_paged(model_dir, workload, engine_args, config.vocab_size, fraction)
+        results.append(_result(f"paged-json-{fraction:.0%}", workload, *measured[:2], flops, rate, **measured[2]))
+        print(f"paged with {fraction:.0%} JSON-constrained: grammar compile "
+              f"{measured[2]['grammar_compile_seconds'] * 1e3:.1f} ms", file=sys.stderr)
     try:
         import torch
         torch.set_num_threads(max(1, torch.get_num_threads()))

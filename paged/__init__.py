@@ -5,8 +5,10 @@ from paged.config import EngineConfig
 from paged.llm import LLM
 from paged.outputs import CompletionOutput, Logprob, RequestOutput
 from paged.sampling_params import InvalidTokenIds, SamplingParams
+from paged.structured_outputs import InvalidStructuredOutput, StructuredOutputsParams
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "EngineBrokenError", "EngineConfig", "InvalidTokenIds", "Logprob",
-           "RequestOutput", "SamplingParams", "StepFailedError", "__version__"]
+__all__ = ["LLM", "LLMEngine", "CompletionOutput", "EngineBrokenError", "EngineConfig", "InvalidStructuredOutput",
+           "InvalidTokenIds", "Logprob", "RequestOutput", "SamplingParams", "StepFailedError",
+           "StructuredOutputsParams", "__version__"]

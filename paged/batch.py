@@ -109,6 +109,7 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     wants_logprobs = np.zeros(s_pad, bool)
     penalty_rows: list[tuple[int, np.ndarray, np.ndarray]] = []
     adjustment_rows: list[tuple[int, list[int], list[float]]] = []  # (row, token ids, biases)
+    constrained_rows = []  # (row, grammar) of rows whose sample is the next token of a constrained output
 
     offset = 0
     for i, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
@@ -141,6 +142,8 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
             adjustment_rows.append((i, [*params.logit_bias, *banned],
                                     [*params.logit_bias.values(), *[-np.inf] * len(banned)]))
         wants_logprobs[i] = params.logprobs is not None
+        if request.grammar is not None and stop == request.num_tokens:
+            constrained_rows.append((i, request.grammar))
         if params.has_penalties:
             presence[i], frequency[i] = params.presence_penalty, params.frequency_penalty
             repetition[i] = params.repetition_penalty
@@ -161,6 +164,10 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     for i, ids, biases in adjustment_rows:
         bias_ids[i, :len(ids)] = ids
         bias_values[i, :len(ids)] = biases
+    # Masks only when some row is constrained: other steps keep the shape (and the work) they had without.
+    allowed_tokens = np.full((s_pad, constrained_rows[0][1].mask_words if constrained_rows else 0), -1, np.int32)
+    for i, grammar in constrained_rows:
+        grammar.fill_bitmask(allowed_tokens[i])
     page_tables = np.where(has_row[:, None], block_manager.page_table[rows], SINK_BLOCK).astype(np.int32)
     return StepInputs(
         token_ids=token_ids,
@@ -174,7 +181,8 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
                                   output_index=output_index, bias_ids=bias_ids, bias_values=bias_values,
                                   presence_penalty=presence, frequency_penalty=frequency,
                                   repetition_penalty=repetition, penalty_ids=penalty_ids,
-                                  penalty_counts=penalty_counts, wants_logprobs=wants_logprobs),
+                                  penalty_counts=penalty_counts, wants_logprobs=wants_logprobs,
+                                  allowed_tokens=allowed_tokens),
     )
 
 

@@ -65,6 +65,10 @@ class EngineConfig:
                 "$PAGED_CACHE_DIR/xla, i.e. ~/.cache/paged/xla); none to leave JAX's settings alone")
     tensor_parallel_size: int = _option(1, "devices the model is split over (Megatron layout on a jax mesh; "
                                            "must divide the attention and KV heads)")
+    # vLLM's structured_outputs_config.disable_any_whitespace: JSON constraints then allow no whitespace between
+    # tokens. Models trained to write compact JSON lose nothing; random or weak models cannot loop on blanks.
+    structured_outputs_disable_any_whitespace: bool = _option(
+        False, "JSON constraints allow no whitespace between tokens (requests may also ask for it)")
     quantization: str | None = _option(None, "quantization method of the checkpoint (none implemented yet)")
 
     def validate(self) -> None:
@@ -95,6 +99,9 @@ class EngineConfig:
               f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         check(self.layer_loop in ("auto", "scan", "unroll"),
               f"layer_loop must be 'auto', 'scan' or 'unroll', got {self.layer_loop!r}")
+        check(isinstance(self.structured_outputs_disable_any_whitespace, bool),
+              "structured_outputs_disable_any_whitespace must be True or False, got "
+              f"{self.structured_outputs_disable_any_whitespace!r}")
         check(isinstance(self.async_scheduling, bool),
               f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         check(self.compilation_cache_dir is None or (isinstance(self.compilation_cache_dir, str)

@@ -20,6 +20,7 @@ from paged.chat import text_token_ids
 from paged.config import EngineConfig, engine_option_names
 from paged.parallel import ShardedAttention, make_mesh
 from paged.detokenizer import IncrementalDetokenizer, find_stop_string
+from paged.grammar import GrammarCompiler
 from paged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged.request import PLACEHOLDER, ParentRequest, Request, RequestStatus
 from paged.runner import BlockMover, ModelRunner, kv_block_bytes, kv_budget_bytes
@@ -80,6 +81,9 @@ class LLMEngine:
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
         self.eos_token_ids: tuple[int, ...] = eos
+        self.grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos,
+                                         config.structured_outputs_disable_any_whitespace)
+                         if self.tokenizer is not None else None)
 
         max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         num_blocks = self._num_blocks(config, max_blocks_per_seq)
@@ -98,6 +102,7 @@ class LLMEngine:
         windows = self.model_config.layer_windows
         self.release_window = max(windows) if windows and all(w > 0 for w in windows) else 0
         self.requests: dict[str, ParentRequest] = {}
+        self.num_constrained_requests = 0  # requests added with a structured-output constraint
         self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model (not cache hits)
         # Host wall time per phase of step(), summed: "prepare" includes launching the jitted step, "device" is
         # the wait for its result (with async scheduling, only what the host work did not hide).
@@ -150,6 +155,11 @@ class LLMEngine:
         params.check_vocab(vocab)
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        constraint = params.structured_outputs
+        if constraint is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs needs a tokenizer; this engine has none")
+            self.grammars.compile(constraint)  # a ValueError before anything is queued; cached from here on
         length_limit = self.config.max_model_len
         if params.max_tokens is not None:
             length_limit = min(length_limit, len(prompt_token_ids) + params.max_tokens)
@@ -161,11 +171,13 @@ class LLMEngine:
                            if self.tokenizer is not None else None)
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             children.append(Request(child_id, prompt, [int(t) for t in prompt_token_ids], params, seed,
-                                    detokenizer, self.eos_token_ids, index=index, length_limit=length_limit))
+                                    detokenizer, self.eos_token_ids, index=index, length_limit=length_limit,
+                                    grammar=self.grammars.matcher(constraint) if constraint is not None else None))
         return ParentRequest(request_id, children)
 
     def add_request(self, request: ParentRequest) -> None:
         self.requests[request.request_id] = request
+        self.num_constrained_requests += request.leader.grammar is not None
         self.scheduler.add(request.leader)
 
     def abort_request(self, request_id: str) -> None:
@@ -206,8 +218,9 @@ class LLMEngine:
     def _step(self, previous: "_InFlight | None") -> list[RequestOutput]:
         self._scheduled = None
         outputs = []
-        if previous is not None and previous.penalised:
-            # Penalties count a request's tokens on the host: its token in flight must be read first.
+        if previous is not None and previous.reads_back:
+            # Penalties count a request's tokens on the host, and a grammar's next mask depends on its last
+            # token: such a request's token in flight must be read before it is scheduled again.
             outputs, previous = self._postprocess(previous), None
         t0 = time.perf_counter()
         batch = self._scheduled = self.scheduler.schedule()
@@ -248,7 +261,7 @@ class LLMEngine:
         inputs = prepare_inputs(batch, self.block_manager, self.buckets)
         out, tokens = self.runner.launch(inputs, previous.tokens if previous is not None else None)
         token_index = []
-        penalised = False
+        reads_back = False
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             request.num_computed_tokens += num_new
             if request.num_computed_tokens < request.num_tokens:
@@ -257,8 +270,8 @@ class LLMEngine:
             token_index.append(request.num_tokens)
             request.token_ids.append(PLACEHOLDER)
             request.placeholder_row = row
-            penalised = penalised or request.params.has_penalties
-        return _InFlight(batch, token_index, out, tokens, penalised)
+            reads_back = reads_back or request.params.has_penalties or request.grammar is not None
+        return _InFlight(batch, token_index, out, tokens, reads_back)
 
     def _postprocess(self, flight: "_InFlight") -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -335,6 +348,13 @@ class LLMEngine:
             request.first_token_time = time.monotonic()
         delta = request.detokenizer.add(token) if request.detokenizer is not None else ""
         request.text += delta
+        grammar_done = False
+        if request.grammar is not None:
+            if not request.grammar.accept(token):  # only if every token was masked (e.g. min_tokens vs. EOS)
+                logger.warning("request %s: its grammar rejected token %d (%s)", request.request_id, token,
+                               request.grammar.error)
+                return self.scheduler.finish(request, "abort")
+            grammar_done = request.grammar.is_terminated
         num_out = index + 1 - request.num_prompt_tokens
         if num_out >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
@@ -348,6 +368,8 @@ class LLMEngine:
                     end = position + len(stop) if params.include_stop_str_in_output else position
                     request.text = request.text[:end]
                     return self.scheduler.finish(request, "stop", stop)
+        if grammar_done:  # the output is complete: nothing but EOS could follow
+            return self.scheduler.finish(request, "stop")
         if index + 1 >= request.length_limit:
             return self.scheduler.finish(request, "length")
 
@@ -424,7 +446,7 @@ class _InFlight:
     token_index: list[int]
     out: SamplerOutput
     tokens: jax.Array  # int32 [max_num_seqs]: the samples, for the next step to read on the device
-    penalised: bool  # a request with penalties has a token in flight: read it before scheduling again
+    reads_back: bool  # a request with penalties or a grammar has a token in flight: read it before scheduling
 
 
 def _load_tokenizer(path: str):

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import TYPE_CHECKING
 
 from paged.detokenizer import IncrementalDetokenizer
 from paged.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from paged.grammar import GrammarMatcher
 
 
 # Stands in token_ids for a token the device has sampled but the host has not read yet (async scheduling):
@@ -32,7 +36,7 @@ class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, detokenizer: IncrementalDetokenizer | None,
                  eos_token_ids: tuple[int, ...] = (), index: int = 0, parent: "ParentRequest | None" = None,
-                 length_limit: int | None = None):
+                 length_limit: int | None = None, grammar: "GrammarMatcher | None" = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -40,6 +44,7 @@ class Request:
         self.params = params
         # Total tokens at which it finishes by length (max_tokens or max_model_len); None: no limit.
         self.length_limit = length_limit
+        self.grammar = grammar  # where the output stands in its structured-output grammar, if it has one
         self.placeholder_row = -1
         self.seed = seed
         self.index = index  # position among the n samples of its parent

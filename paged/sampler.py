@@ -4,10 +4,11 @@ Each row carries its own temperature, filters, penalties and seed; a row's rando
 with the number of tokens it has generated, so its samples do not depend on what else shares the batch (or
 on preemption, which recomputes but does not re-sample).
 
-Order of operations on a row's logits (vLLM's): logit biases (logit_bias, and -inf for the stop ids that
+Order of operations on a row's logits (vLLM's): the structured-output mask (tokens the row's grammar does not
+allow next go to -inf), logit biases (logit_bias, and -inf for the stop ids that
 min_tokens holds back), penalties (repetition, then frequency and presence), then greedy argmax or
 temperature -> min_p -> top_k -> top_p -> draw. Logprobs report the model's raw distribution (log-softmax of
-the logits before any of that), as vLLM does by default.
+the logits before any of that, the grammar's mask aside), as vLLM does by default.
 """
 
 from __future__ import annotations
@@ -38,6 +39,9 @@ class SamplingMetadata:
       penalty_ids: int32 [S, W]; distinct tokens of the row's prompt and output, -1 = unused.
       penalty_counts: int32 [S, W]; how often each of them occurs in the output so far.
       wants_logprobs: bool [S]; whether the row asked for logprobs.
+      allowed_tokens: int32 [S, ceil(V / 32)] packed bitmask (bit i % 32 of word i // 32: token i allowed),
+        -1 words for unconstrained rows; int32 [S, 0] when no row of the step is constrained (no mask pass,
+        and the one compiled shape such steps have always had).
     """
 
     temperature: jax.Array
@@ -54,6 +58,7 @@ class SamplingMetadata:
     penalty_ids: jax.Array
     penalty_counts: jax.Array
     wants_logprobs: jax.Array
+    allowed_tokens: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -153,6 +158,17 @@ def _first_max_index(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, index, x.shape[-1] - 1), axis=-1)
 
 
+def apply_token_mask(logits: jax.Array, allowed_tokens: jax.Array) -> jax.Array:
+    """logits float32 [S, V] with the tokens whose bit is clear in allowed_tokens (int32 [S, W]) at -inf;
+    ids past W * 32 count as disallowed."""
+    rows, vocab = logits.shape
+    bits = (allowed_tokens[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(rows, -1) != 0
+    if allowed.shape[1] < vocab:
+        allowed = jnp.pad(allowed, ((0, 0), (0, vocab - allowed.shape[1])))
+    return jnp.where(allowed[:, :vocab], logits, -jnp.inf)
+
+
 def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     """Picks one token per row from float32 logits [S, V].
 
@@ -160,6 +176,8 @@ def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
     the full path's first change to the logits copies them (the raw ones stay live for logprobs), and on CPU
     that copy and the passes over it were 1.5-6% of a decode step.
     """
+    if meta.allowed_tokens.shape[1]:  # static: some row of this step is constrained
+        logits = apply_token_mask(logits, meta.allowed_tokens)
     plain_greedy = ~(jnp.any(meta.temperature > 0) | _needs_penalty(meta) | jnp.any(meta.bias_ids >= 0)
                      | jnp.any(meta.wants_logprobs))
     return jax.lax.cond(plain_greedy, _greedy, _sample_full, logits, meta)

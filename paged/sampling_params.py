@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from paged.structured_outputs import StructuredOutputsParams
+
 # Must match paged.sampler.MAX_LOGPROBS (kept here so validating params does not import jax).
 MAX_LOGPROBS = 20
 
@@ -60,6 +62,8 @@ class SamplingParams:
     # token id -> bias added to its logit before penalties and sampling (-100 bans it in practice, 100
     # all but forces it), as OpenAI's and vLLM's logit_bias.
     logit_bias: dict[int, float] | None = None
+    # A JSON schema, regex, choice list or grammar the output must match (paged/structured_outputs.py).
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -69,6 +73,11 @@ class SamplingParams:
         self.logit_bias = dict(self.logit_bias or {})
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.structured_outputs, dict):
+            try:
+                self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise ValueError(f"structured_outputs: {exc}") from None
         self.validate()
 
     def validate(self) -> None:
@@ -114,6 +123,11 @@ class SamplingParams:
             check(_is_number(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS,
                   f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                   f"got {bias!r} for token {token}")
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+              "structured_outputs must be None or a StructuredOutputsParams, got "
+              f"{type(self.structured_outputs).__name__}")
+        if self.structured_outputs is not None:
+            self.structured_outputs.validate()
         if self.prompt_logprobs is not None:
             raise NotImplementedError("prompt_logprobs is not implemented yet")
 

@@ -11,6 +11,7 @@ import time
 
 from models.tiny import TINY_MODEL_NAME
 from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
+from serving.tool_calls import TOOL_CALL_PARSERS
 
 
 def _add_model_and_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -79,6 +80,8 @@ def _serve(args: argparse.Namespace) -> int:
     from serving.openai_server import ServerLimits, build_app
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (" + ", ".join(TOOL_CALL_PARSERS) + ")")
     model = _model(args)
     engine = LLMEngine(model, **engine_kwargs_from_cli_args(args))
     if args.precompile:
@@ -97,7 +100,8 @@ def _serve(args: argparse.Namespace) -> int:
                                batching_delay_ms=args.batching_delay_ms, observer=metrics, on_death=on_engine_death)
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
                           allow_request_chat_template=args.trust_request_chat_template)
-    app = build_app(async_engine, name, metrics, api_key=args.api_key, model_path=model, limits=limits)
+    app = build_app(async_engine, name, metrics, api_key=args.api_key, model_path=model, limits=limits,
+                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to the grace period,
     # then the app's shutdown aborts whatever is left.
     class GracefulServer(uvicorn.Server):
@@ -152,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="larger request bodies get HTTP 413 (default: 4 MiB)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="let requests bring their own chat_template (Jinja run on this server; off by default)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="let the model decide when to call tools (tool_choice auto); needs --tool-call-parser")
+    serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                       help="how tool calls are found in the text of tool_choice=auto outputs")
     serve.add_argument("--precompile", action="store_true", help="compile every shape bucket before serving")
     serve.add_argument("--shutdown-grace-s", type=int, default=30)
     serve.add_argument("--log-level", default="info")

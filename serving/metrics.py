@@ -30,6 +30,12 @@ class EngineMetrics:
         self.preemptions = Counter("paged:num_preemptions", "Preemptions (recompute or swap)", labels, registry=r)
         self.success = Counter("paged:request_success", "Finished requests by finish reason",
                                labels + ["finished_reason"], registry=r)
+        self.constrained = Counter("paged:structured_output_requests", "Requests with a structured-output "
+                                   "constraint (JSON schema, regex, choice, grammar)", labels, registry=r)
+        self.grammars_compiled = Counter("paged:structured_output_grammars_compiled", "Grammars compiled (cache "
+                                         "misses)", labels, registry=r)
+        self.grammar_compile_seconds = Counter("paged:structured_output_compile_seconds", "Time spent compiling "
+                                               "grammars", labels, registry=r)
         hist = lambda name, doc: Histogram(name, doc, labels, buckets=_LATENCY_BUCKETS, registry=r)
         self.ttft = hist("paged:time_to_first_token_seconds", "Time to first token")
         self.itl = hist("paged:inter_token_latency_seconds", "Time between consecutive output tokens")
@@ -39,6 +45,8 @@ class EngineMetrics:
         self._seen_preemptions = 0
         self._seen_queries = 0
         self._seen_hits = 0
+        self._seen_constrained = 0
+        self._seen_compiled = (0, 0.0)
         self._tokens_seen: dict[str, int] = {}
         self._last_token_time: dict[str, float] = {}
 
@@ -54,6 +62,13 @@ class EngineMetrics:
         self.prefix_queries.labels(m).inc(stats["prefix_cache_queries"] - self._seen_queries)
         self.prefix_hits.labels(m).inc(stats["prefix_cache_hits"] - self._seen_hits)
         self._seen_queries, self._seen_hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
+        self.constrained.labels(m).inc(engine.num_constrained_requests - self._seen_constrained)
+        self._seen_constrained = engine.num_constrained_requests
+        if engine.grammars is not None:  # compiled on server workers: read its running totals
+            compiled = engine.grammars.num_compiled, engine.grammars.compile_seconds
+            self.grammars_compiled.labels(m).inc(compiled[0] - self._seen_compiled[0])
+            self.grammar_compile_seconds.labels(m).inc(max(0.0, compiled[1] - self._seen_compiled[1]))
+            self._seen_compiled = compiled
 
     def on_step(self, engine, outputs, step_start: float, step_end: float) -> None:
         self.update_gauges(engine)

@@ -23,7 +23,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from paged import InvalidTokenIds, RequestOutput, SamplingParams
+from paged import InvalidStructuredOutput, InvalidTokenIds, RequestOutput, SamplingParams
+from serving.tool_calls import (PARSERS, ToolCallStream, constrained_calls, functions_of, tool_choice_mode,
+                                tool_constraint)
 from paged.chat import chat_prompt_token_ids, text_token_ids
 from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from serving.metrics import EngineMetrics
@@ -98,6 +100,7 @@ class ServerState:
     api_key: str | None = None
     model_path: str | None = None
     limits: ServerLimits = ServerLimits()
+    tool_call_parser: str | None = None  # finds calls in tool_choice=auto outputs; None: auto is refused
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     # Tokenization and chat templates run here, off the event loop and the engine thread.
     workers: ThreadPoolExecutor = dataclasses.field(
@@ -185,6 +188,8 @@ def sampling_params(state: ServerState, body, max_tokens: int | None, logprobs: 
         raise APIError(400, f"n={body.n} exceeds this server's max_num_seqs={max_num_seqs}", param="n")
     try:
         params = body.sampling_params(max_tokens, logprobs)
+    except InvalidStructuredOutput as exc:
+        raise APIError(400, str(exc), param=exc.field.split(".")[0])
     except ValueError as exc:
         raise APIError(400, str(exc))
     try:  # the engine checks again on submit, but its errors would name the prompt
@@ -194,15 +199,35 @@ def sampling_params(state: ServerState, body, max_tokens: int | None, logprobs: 
     return params
 
 
+async def compile_constraint(state: ServerState, params: SamplingParams, field: str) -> None:
+    """Compiles the request's grammar in a worker (the engine thread then finds it cached): a bad schema,
+    regex or grammar is a 400 naming `field`, the request's field that holds it."""
+    constraint = params.structured_outputs
+    if constraint is None:
+        return
+    grammars = state.engine.engine.grammars
+    if grammars is None:
+        raise APIError(400, "this server has no tokenizer, which structured outputs need", param=field)
+    try:
+        await state.in_worker(grammars.compile, constraint)
+    except InvalidStructuredOutput as exc:
+        raise APIError(400, str(exc) if field == "structured_outputs" else f"{field}: {exc.detail}", param=field)
+
+
+def constraint_field(body) -> str:
+    return "structured_outputs" if body.structured_outputs is not None else "response_format"
+
+
 def _render_chat(state: ServerState, messages: list[dict], chat_template: str | None,
-                 add_generation_prompt: bool) -> list[int]:
+                 add_generation_prompt: bool, tools: list | None = None) -> list[int]:
     """Runs in a worker: the chat template's token ids (ValueError for what it cannot render or fit)."""
     chars = sum(len(str(m.get("content") or "")) for m in messages)
     if chars > state.max_prompt_chars:
         raise ValueError(f"the messages hold {chars} characters, more than max_model_len={state.max_model_len} "
                          "tokens can hold")
     return chat_prompt_token_ids(state.tokenizer, messages, chat_template=chat_template,
-                                 add_generation_prompt=add_generation_prompt, max_chars=state.max_prompt_chars)
+                                 add_generation_prompt=add_generation_prompt, max_chars=state.max_prompt_chars,
+                                 tools=tools)
 
 
 def _tokenize_text(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
@@ -214,12 +239,12 @@ def _tokenize_text(state: ServerState, text: str, add_special_tokens: bool) -> l
 
 
 async def chat_token_ids(state: ServerState, messages: list[dict], chat_template: str | None,
-                         add_generation_prompt: bool) -> list[int]:
+                         add_generation_prompt: bool, tools: list | None = None) -> list[int]:
     if chat_template is not None and not state.limits.allow_request_chat_template:
         raise APIError(400, "this server does not take a chat_template from requests (start it with "
                             "--trust-request-chat-template to allow it)", param="chat_template")
     try:
-        return await state.in_worker(_render_chat, state, messages, chat_template, add_generation_prompt)
+        return await state.in_worker(_render_chat, state, messages, chat_template, add_generation_prompt, tools)
     except ValueError as exc:
         raise APIError(400, str(exc), param="messages") from None
 
@@ -356,6 +381,7 @@ async def completions(body: CompletionRequest, raw: Request, state: State):
     if body.echo and body.logprobs is not None:
         raise APIError(400, "echo together with logprobs is not supported", param="echo")
     params = sampling_params(state, body, body.max_tokens, body.logprobs)
+    await compile_constraint(state, params, constraint_field(body))
     tokenizer, served_model_name = state.tokenizer, state.served_model_name
     prompt = body.prompt
     if isinstance(prompt, str):
@@ -438,6 +464,53 @@ def chat_logprobs(completion, start: int, end: int, k: int) -> dict:
     return {"content": content}
 
 
+def tool_setup(state: ServerState, body: ChatCompletionRequest, params: SamplingParams) -> ToolSetup:
+    """Reads tools and tool_choice; `required` and a named function become the request's constraint."""
+    try:
+        functions = functions_of(body.tools or [])
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tools") from None
+    try:
+        mode, name = tool_choice_mode(body.tool_choice, functions)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from None
+    if mode == "auto" and state.tool_call_parser is None:  # also the default when tools are given (as vLLM)
+        raise APIError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice and '
+                            '--tool-call-parser; or pass tool_choice "required", "none" or a named function',
+                       param="tool_choice")
+    constraint = tool_constraint(mode, name, functions, body.parallel_tool_calls is not False)
+    if constraint is not None:
+        if params.structured_outputs is not None:
+            raise APIError(400, f"tool_choice={body.tool_choice!r} cannot be combined with {constraint_field(body)}",
+                           param="tool_choice")
+        params.structured_outputs = constraint
+    parser = PARSERS[state.tool_call_parser]() if mode == "auto" else None
+    return ToolSetup(mode, name, parser, body.tools if functions else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolSetup:
+    mode: str  # none, auto, required or named
+    name: str | None  # the named function
+    parser: object | None  # auto's parser
+    tools: list | None  # for the chat template
+
+    def message(self, completion) -> tuple[dict, str | None]:
+        """The assistant message of a finished choice, and its finish_reason."""
+        if self.mode in ("required", "named"):
+            calls = constrained_calls(self.mode, self.name, completion.text)
+            content = None if calls else completion.text
+        elif self.mode == "auto":
+            content, calls = self.parser.parse(completion.text)
+        else:
+            return {"role": "assistant", "content": completion.text}, completion.finish_reason
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.as_dict() for call in calls]
+            return message, "tool_calls"
+        return message, completion.finish_reason
+
+
 async def chat_completions(body: ChatCompletionRequest, raw: Request, state: State):
     """POST /v1/chat/completions"""
     check_model(state, body.model)
@@ -446,8 +519,12 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = sampling_params(state, body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    user_constraint = params.structured_outputs is not None
+    tools = tool_setup(state, body, params)
+    await compile_constraint(state, params, constraint_field(body) if user_constraint else "tools")
     served_model_name = state.served_model_name
-    ids = await chat_token_ids(state, message_dicts(body.messages), body.chat_template, body.add_generation_prompt)
+    ids = await chat_token_ids(state, message_dicts(body.messages), body.chat_template, body.add_generation_prompt,
+                               tools.tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     try:
         streams = await submit_all(state, [(None, ids)], params, request_id)
@@ -458,14 +535,18 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
 
     if not body.stream:
         (output,) = await run_to_completion(streams, raw)
-        choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
-                    "logprobs": chat_logprobs(c, 0, len(c.token_ids), k) if body.logprobs else None,
-                    "finish_reason": c.finish_reason, "stop_reason": c.stop_reason} for c in output.outputs]
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = tools.message(c)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": chat_logprobs(c, 0, len(c.token_ids), k) if body.logprobs else None,
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
         return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
                 "model": served_model_name, "choices": choices, "usage": usage([output])}
 
     async def events():
         tracker = _Choices(params)
+        tool_streams = {i: ToolCallStream(tools.mode, tools.name, tools.parser) for i in range(params.n)}
         include_usage = body.include_usage_in_stream()
         base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": served_model_name}
@@ -480,16 +561,26 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
                 if c.index in done:
                     continue
                 finished = c.finish_reason is not None
+                sent = tracker.sent_text.get(c.index, 0)
                 text, start, end = tracker.delta(c.index, c, finished)
-                if text or start != end:
-                    yield _sse({**base, "choices": [{
-                        "index": c.index, "delta": {"content": text},
-                        "logprobs": chat_logprobs(c, start, end, k) if body.logprobs else None,
-                        "finish_reason": None}], **extra})
+                finish_reason = c.finish_reason
+                if tools.mode == "none":
+                    if text or start != end:
+                        yield _sse({**base, "choices": [{
+                            "index": c.index, "delta": {"content": text},
+                            "logprobs": chat_logprobs(c, start, end, k) if body.logprobs else None,
+                            "finish_reason": None}], **extra})
+                else:
+                    stream = tool_streams[c.index]
+                    for delta in stream.deltas(c.text, sent + len(text), finished):
+                        yield _sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
+                                                         "finish_reason": None}], **extra})
+                    if finished and stream.calls:
+                        finish_reason = "tool_calls"
                 if finished:
                     done.add(c.index)
                     yield _sse({**base, "choices": [{"index": c.index, "delta": {}, "logprobs": None,
-                                                     "finish_reason": c.finish_reason,
+                                                     "finish_reason": finish_reason,
                                                      "stop_reason": c.stop_reason}], **extra})
             final = output
         if include_usage:
@@ -684,7 +775,7 @@ def _openapi(app: FastAPI) -> dict:
 
 def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetrics | None = None,
               api_key: str | None = None, model_path: str | None = None,
-              limits: ServerLimits = ServerLimits()) -> FastAPI:
+              limits: ServerLimits = ServerLimits(), tool_call_parser: str | None = None) -> FastAPI:
     """The app starts the engine thread on startup and stops it (aborting what is left) on shutdown."""
 
     @contextlib.asynccontextmanager
@@ -695,7 +786,7 @@ def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetric
         engine.stop()
 
     app = FastAPI(title="paged", version="0.1.0", lifespan=lifespan)
-    app.state.paged = ServerState(engine, served_model_name, metrics, api_key, model_path, limits)
+    app.state.paged = ServerState(engine, served_model_name, metrics, api_key, model_path, limits, tool_call_parser)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

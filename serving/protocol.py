@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from paged import SamplingParams
+from paged import SamplingParams, StructuredOutputsParams
+from paged.structured_outputs import InvalidStructuredOutput
 
 
 # Unknown fields are ignored, as OpenAI does. Known ones are strict: no string-to-number or bool-to-int
@@ -40,12 +42,16 @@ class _Request(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    # Fields that change what a request means and are not implemented yet: accepted by the schema so that
-    # they get a 400 naming them (`unimplemented_field`), never silently ignored.
+    # OpenAI's {"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}},
+    # and vLLM's own field (json, regex, choice, grammar, json_object, disable_any_whitespace).
     response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    # Tool calling (chat only; serving/tool_calls.py).
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # Fields that change what a request means and are not implemented yet: accepted by the schema so that
+    # they get a 400 naming them (`unimplemented_field`), never silently ignored.
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
     prompt_logprobs: int | None = None
@@ -53,16 +59,9 @@ class _Request(BaseModel):
     def unimplemented_field(self) -> str | None:
         """The first field set to something this server does not implement (None: all is served as asked).
 
-        Values that ask for the default behaviour pass: response_format {"type": "text"}, tool_choice "none",
-        an empty tools list.
+        Tools are served on /v1/chat/completions only.
         """
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            return "response_format"
-        if self.tools:
-            return "tools"
-        if self.tool_choice is not None and self.tool_choice != "none":
-            return "tool_choice"
-        for name in ("parallel_tool_calls", "functions", "function_call", "prompt_logprobs"):
+        for name in ("functions", "function_call", "prompt_logprobs"):
             if getattr(self, name) is not None:
                 return name
         return None
@@ -78,7 +77,21 @@ class _Request(BaseModel):
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty or 1.0, logprobs=logprobs, logit_bias=self._logit_bias())
+            repetition_penalty=self.repetition_penalty or 1.0, logprobs=logprobs, logit_bias=self._logit_bias(),
+            structured_outputs=self.structured_outputs_params())
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """The constraint of response_format or structured_outputs (InvalidStructuredOutput naming the
+        request's field if it is malformed)."""
+        if self.structured_outputs is not None:
+            if self.response_format is not None and self.response_format.get("type") != "text":
+                raise InvalidStructuredOutput("structured_outputs", "pass either response_format or "
+                                              "structured_outputs, not both")
+            try:
+                return StructuredOutputsParams(**self.structured_outputs)
+            except TypeError as exc:
+                raise InvalidStructuredOutput("structured_outputs", str(exc)) from None
+        return response_format_params(self.response_format)
 
     @field_validator("logit_bias")
     @classmethod
@@ -92,6 +105,27 @@ class _Request(BaseModel):
         return {int(key): value for key, value in (self.logit_bias or {}).items()}
 
 
+def response_format_params(response_format: dict[str, Any] | None) -> StructuredOutputsParams | None:
+    """OpenAI's response_format as a constraint (None for text)."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise InvalidStructuredOutput("response_format", "json_schema.schema must be a JSON schema object")
+        try:
+            return StructuredOutputsParams(json=schema)
+        except InvalidStructuredOutput as exc:
+            raise InvalidStructuredOutput("response_format", str(exc)) from None
+    raise InvalidStructuredOutput("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
+
+
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(default=16, ge=1)
@@ -103,6 +137,10 @@ class CompletionRequest(_Request):
     def unimplemented_field(self) -> str | None:
         if self.suffix:
             return "suffix"
+        if self.tools:
+            return "tools"  # a completion has no template to show them to, nor a message to return calls in
+        if self.tool_choice is not None and self.tool_choice != "none":
+            return "tool_choice"
         if self.best_of is not None and self.best_of != self.n:
             return "best_of"
         return super().unimplemented_field()
@@ -149,8 +187,21 @@ def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
         item = message.model_dump(exclude_none=True)
         if isinstance(message.content, list):
             item["content"] = "".join(part.get("text", "") for part in message.content if part.get("type") == "text")
+        if isinstance(item.get("tool_calls"), list):  # templates index the arguments: JSON text -> an object
+            item["tool_calls"] = [_with_parsed_arguments(call) for call in item["tool_calls"]]
         out.append(item)
     return out
+
+
+def _with_parsed_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
 
 # ---- responses (for the OpenAPI document: clients and fuzzers read it) ----------------------------------
@@ -203,6 +254,9 @@ class CompletionResponse(_Completion):
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    # [{"id", "type": "function", "function": {"name", "arguments" (JSON text)}}]; streamed as deltas
+    # {"tool_calls": [{"index", "id", "type", "function": {"name", "arguments"}}]} with arguments in pieces.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(_Choice):

@@ -44,3 +44,16 @@ def test_throughput_benchmark_reads_a_dataset(tiny_model_dir, tmp_path):
     text_tokens = len(AutoTokenizer.from_pretrained(tiny_model_dir).encode("Hello world"))
     assert workload["requests"] == 2 and workload["output_tokens"] == 8
     assert workload["prompt_tokens"] == text_tokens + 4
+
+
+def test_throughput_benchmark_runs_json_constrained_fractions(tiny_model_dir, tmp_path):
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", tiny_model_dir, "--num-requests", "4", "--input-len", "4", "8",
+                 "--output-len", "6", "10", "--hf-batch-sizes", "--no-hf-continuous", "--json-fractions", "0.5", "1",
+                 "--json", str(out)]) == 0
+    results = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"paged", "paged-json-50%", "paged-json-100%"}
+    assert results["paged-json-50%"]["constrained_requests"] == 2
+    assert results["paged-json-100%"]["constrained_requests"] == 4
+    assert results["paged-json-100%"]["grammar_compile_seconds"] > 0
+    assert all(r["output_tokens"] > 0 for r in results.values())

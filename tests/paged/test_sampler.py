@@ -56,7 +56,7 @@ def test_filtered_distribution_matches_float64_reference(seed):
 
 def _meta(n, temperature, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_index=None, banned=None,
           presence=0.0, frequency=0.0, repetition=1.0, penalty_ids=None, penalty_counts=None, logprobs=False,
-          bias_ids=None, bias_values=None):
+          bias_ids=None, bias_values=None, allowed_tokens=None):
     """`banned` [n, B] ids become -inf biases; `bias_ids`/`bias_values` [n, B] are passed as they are."""
     full = lambda v, dtype: jnp.full((n,), v, dtype)
     if banned is not None:
@@ -74,7 +74,8 @@ def _meta(n, temperature, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_inde
         repetition_penalty=jnp.asarray(np.broadcast_to(repetition, (n,)), jnp.float32),
         penalty_ids=jnp.asarray(penalty_ids if penalty_ids is not None else -np.ones((n, 1)), jnp.int32),
         penalty_counts=jnp.asarray(penalty_counts if penalty_counts is not None else np.zeros((n, 1)), jnp.int32),
-        wants_logprobs=full(logprobs, bool))
+        wants_logprobs=full(logprobs, bool),
+        allowed_tokens=jnp.asarray(allowed_tokens if allowed_tokens is not None else np.zeros((n, 0)), jnp.int32))
 
 
 def test_top_k_one_equals_greedy():

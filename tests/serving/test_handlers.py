@@ -33,8 +33,8 @@ def test_handlers_run_without_an_app():
     assert caught.value.status == 400 and caught.value.param == "tokens"
     with pytest.raises(APIError) as caught:
         asyncio.run(chat_completions(ChatCompletionRequest(model="tiny", messages=[{"role": "user", "content": "x"}],
-                                                           tools=[{"type": "function"}]), None, state))
-    assert caught.value.param == "tools"
+                                                           functions=[{"name": "f"}]), None, state))
+    assert caught.value.param == "functions"
     with pytest.raises(APIError) as caught:
         asyncio.run(models_named(state, "other"))
     assert caught.value.status == 404 and caught.value.param == "model"

@@ -1,0 +1,134 @@
+"""Grammar compilation and per-request matching for structured outputs, on llguidance.
+
+Why llguidance (vLLM's "guidance" backend) and not xgrammar (vLLM's default): xgrammar 0.2.9 imports torch
+when it is imported (xgrammar/matcher.py, xgrammar/testing.py), and torch is never a runtime dependency of
+this engine. llguidance has no Python dependencies, compiles JSON schemas, regexes, choices and Lark/GBNF
+grammars against a Hugging Face fast tokenizer, and fills the same packed bitmask from numpy: int32 words,
+bit i % 32 of word i // 32 set when token i may come next.
+
+A compiled grammar is cached by its constraint (StructuredOutputsParams.key); each request's matcher is a
+copy of the cached one, advanced on the host by every token the request accepts.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import numpy as np
+
+from paged.structured_outputs import InvalidStructuredOutput, StructuredOutputsParams
+
+# Compiled grammars kept (least recently used dropped first): a server sees a few schemas many times.
+CACHE_SIZE = 256
+
+
+class GrammarCompiler:
+    """Compiles constraints for one tokenizer; thread-safe (the server compiles off the engine thread).
+
+    vocab_size: the model's logits width; token ids the tokenizer lacks are never allowed.
+    eos_token_ids: allowed exactly where the grammar may end.
+    disable_any_whitespace: the default for JSON constraints (a request can only turn it on).
+    """
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 disable_any_whitespace: bool = False):
+        self._tokenizer = tokenizer
+        self.vocab_size = max(vocab_size, len(tokenizer))
+        self._eos_token_ids = list(eos_token_ids)
+        self.disable_any_whitespace = disable_any_whitespace
+        self._lock = threading.Lock()
+        self._ll_tokenizer = None
+        self._cache: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+        self.num_compiled = 0
+        self.compile_seconds = 0.0  # summed over compilations (cache hits cost nothing)
+
+    @property
+    def mask_words(self) -> int:
+        """int32 words of one row's bitmask."""
+        return (self.vocab_size + 31) // 32
+
+    def _tokenizer_for_llguidance(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                import llguidance.hf
+                from transformers import PreTrainedTokenizerFast
+                if not isinstance(self._tokenizer, PreTrainedTokenizerFast):
+                    raise ValueError("structured outputs need a fast (tokenizers-backed) tokenizer, got "
+                                     f"{type(self._tokenizer).__name__}")
+                self._ll_tokenizer = llguidance.hf.from_tokenizer(
+                    self._tokenizer, n_vocab=self.vocab_size, eos_token=self._eos_token_ids or None)
+            return self._ll_tokenizer
+
+    def compile(self, params: StructuredOutputsParams):
+        """The compiled grammar of `params` (cached); raises InvalidStructuredOutput naming the field."""
+        compact = params.disable_any_whitespace or self.disable_any_whitespace
+        key = (*params.key, compact)
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+        import llguidance
+        tokenizer = self._tokenizer_for_llguidance()
+        start = time.perf_counter()
+        field = f"structured_outputs.{params.kind}"
+        grammar = _grammar_text(params, field, compact)
+        matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise InvalidStructuredOutput(field, matcher.get_error())
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            self.num_compiled += 1
+            self.compile_seconds += elapsed
+            self._cache[key] = matcher
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+        return matcher
+
+    def matcher(self, params: StructuredOutputsParams) -> "GrammarMatcher":
+        """A fresh matcher at the start of `params`' grammar."""
+        return GrammarMatcher(self.compile(params).deep_copy(), self.mask_words)
+
+
+class GrammarMatcher:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher, mask_words: int):
+        self._matcher = matcher
+        self.mask_words = mask_words
+
+    def fill_bitmask(self, row: np.ndarray) -> None:
+        """Writes the allowed next tokens into row (int32 [mask_words], C-contiguous)."""
+        assert row.dtype == np.int32 and row.shape == (self.mask_words,) and row.flags.c_contiguous, row
+        self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+
+    def accept(self, token: int) -> bool:
+        """Advances past `token`; False if the grammar does not allow it (the matcher then stays in error)."""
+        return self._matcher.consume_token(token)
+
+    @property
+    def is_terminated(self) -> bool:
+        """Nothing more can follow (the output is complete)."""
+        return self._matcher.is_stopped()
+
+    @property
+    def error(self) -> str:
+        return self._matcher.get_error()
+
+
+def _grammar_text(params: StructuredOutputsParams, field: str, compact: bool) -> str:
+    import llguidance
+    whitespace = {"whitespace_flexible": not compact}
+    try:
+        if params.json is not None:
+            return llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=whitespace)
+        if params.json_object:
+            return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=whitespace)
+        if params.regex is not None:
+            return llguidance.LLMatcher.grammar_from_regex(params.regex)
+        if params.choice is not None:
+            return llguidance.grammar_from("choice", params.choice)
+        return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
+    except ValueError as exc:
+        raise InvalidStructuredOutput(field, str(exc)) from None
