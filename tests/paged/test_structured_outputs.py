@@ -204,3 +204,22 @@ def test_grammars_are_compiled_once(tiny_llm):
         tiny_llm.generate("Hello", SamplingParams(max_tokens=30, structured_outputs={"json": schema}),
                           use_tqdm=False)
     assert grammars.num_compiled == before + 1
+
+
+def test_constraints_with_prefix_caching_and_stop_strings(tiny_model_dir):
+    llm = LLM(tiny_model_dir, block_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
+              enable_prefix_caching=True, show_progress=False)
+    prompt = "Paged attention keeps the key-value cache in fixed-size blocks, like pages"
+    params = SamplingParams(temperature=1.0, seed=4, max_tokens=60,
+                            structured_outputs=StructuredOutputsParams(regex=r"([a-z]{1,5} ){3,6}END"))
+    first = llm.generate(prompt, params, use_tqdm=False)[0]
+    again = llm.generate(prompt, params, use_tqdm=False)[0]  # served from the prefix cache this time
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].text == first.outputs[0].text
+    assert re.fullmatch(r"([a-z]{1,5} ){3,6}END", first.outputs[0].text)
+    # A stop string cuts the constrained output where it appears, as it would any other.
+    stopped = llm.generate(prompt, SamplingParams(temperature=1.0, seed=4, max_tokens=60, stop=" ",
+                                                  structured_outputs=params.structured_outputs), use_tqdm=False)[0]
+    completion = stopped.outputs[0]
+    assert completion.finish_reason == "stop" and completion.stop_reason == " "
+    assert completion.text == first.outputs[0].text.split(" ")[0]
