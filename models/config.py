@@ -5,9 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from models.quantization import WeightQuant
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +95,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     checkpoint_dtype: str = "float32"
+    # How the linear layers are held quantized (models/quantization.py); set by the loader, None: float.
+    weight_quant: "WeightQuant | None" = None
 
     @property
     def q_size(self) -> int:

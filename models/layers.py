@@ -120,7 +120,7 @@ class GatedMLP(Block):
         cfg = self.config
         inter = self.intermediate_size or cfg.intermediate_size
         linear = lambda n, name, parallel: Linear(n, self.dtype, cfg.mlp_bias, parallel, self.linear_backend,
-                                                  name=name)
+                                                  quant=cfg.weight_quant, name=name)
         act = activation(cfg.hidden_act)
         hidden = act(linear(inter, "gate_proj", "column")(x, live_rows)) * linear(inter, "up_proj", "column")(
             x, live_rows)
@@ -139,7 +139,7 @@ class PagedSelfAttention(Block):
         cfg = self.config
         num_tokens = x.shape[0]
         linear = lambda n, name, bias, parallel: Linear(n, self.dtype, bias, parallel, self.linear_backend,
-                                                        name=name)
+                                                        quant=cfg.weight_quant, name=name)
         q = linear(cfg.q_size, "q_proj", cfg.attention_bias, "column")(x, live_rows)
         k = linear(cfg.kv_size, "k_proj", cfg.attention_bias, "column")(x, live_rows)
         v = linear(cfg.kv_size, "v_proj", cfg.attention_bias, "column")(x, live_rows)

@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from models.quantization import WeightQuant, dequantize
 from pallas_kernels import cpu
 
 TENSOR_AXIS = "tensor"  # the mesh axis tensor parallelism splits weights over
@@ -90,7 +91,9 @@ def linear_backend(name: str) -> Callable:
 class Linear(nn.Module):
     """y = x @ kernel (+ bias), computed in `dtype` (out in `out_dtype`, default `dtype`).
 
-    Parameters: kernel [in, out] and, with `use_bias`, bias [out], both `dtype`.
+    Parameters: kernel [in, out] and, with `use_bias`, bias [out], both `dtype`. With `quant`, the kernel is
+    held quantized instead (qweight, scales, zero_offsets and perm: models/quantization.py) and dequantized
+    inside the step.
     """
 
     features: int
@@ -99,13 +102,19 @@ class Linear(nn.Module):
     parallel: str = "replicated"
     backend: str = "xla"
     out_dtype: Any = None  # e.g. float32 logits from a bfloat16 LM head
+    quant: WeightQuant | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
         axes = kernel_axes(self.parallel)
-        kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(), axes),
-                            (x.shape[-1], self.features), self.dtype)
-        y = linear_backend(self.backend)(x.astype(self.dtype), kernel, live_rows, self.out_dtype)
+        if self.quant is None:
+            kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(), axes),
+                                (x.shape[-1], self.features), self.dtype)
+            y = linear_backend(self.backend)(x.astype(self.dtype), kernel, live_rows, self.out_dtype)
+        else:
+            x, params = self._quantized_params(x, axes)
+            y = quantized_matmul(self.backend, x.astype(self.dtype), params, self.quant.bits, live_rows,
+                                 self.out_dtype)
         if self.use_bias:
             # A row-parallel layer adds its bias once, after the partial sums are reduced: replicated.
             bias_axes = (axes[-1],) if self.parallel == "column" else (None,)
@@ -113,6 +122,38 @@ class Linear(nn.Module):
                               self.dtype)
             y = y + bias.astype(y.dtype)
         return y
+
+    def _quantized_params(self, x: jax.Array, axes) -> tuple[jax.Array, dict[str, jax.Array]]:
+        params = {}
+        for name, (shape, dtype) in self.quant.param_shapes(x.shape[-1], self.features).items():
+            param_axes = (None,) if name == "perm" else axes
+            params[name] = self.param(name, nn.with_partitioning(nn.initializers.zeros, param_axes), shape,
+                                      self.dtype if dtype == "compute" else jnp.dtype(dtype))
+        if "perm" in params:  # act_order: the rows were regrouped at load; the input follows them
+            x = jnp.take(x, params["perm"], axis=-1)
+        return x, params
+
+
+def quantized_matmul(backend: str, x: jax.Array, params: dict[str, jax.Array], bits: int,
+                     live_rows: jax.Array | None, out_dtype: Any) -> jax.Array:
+    """x [..., K] @ the quantized kernel (models/quantization.py's layout), in `out_dtype` (default x's).
+
+    With the native CPU backend, per-channel int8 weights (one group) at decode sizes go to the native matmul
+    as int8, so a step reads one byte per weight: y = scale * (x @ q) - zero_offset * sum(x). Everything else
+    dequantizes the kernel in the step and runs the backend's float matmul.
+    """
+    qweight, scales, offsets = params["qweight"], params["scales"], params["zero_offsets"]
+    rows = 1
+    for size in x.shape[:-1]:
+        rows *= size
+    if (backend == "cpu" and bits == 8 and scales.shape[0] == 1 and qweight.shape[1] % 64 == 0
+            and 0 < rows <= cpu.MATMUL_MAX_ROWS["int8"] and cpu.matmul_is_vectorized("int8")):
+        x32 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
+        acc = cpu.matmul_cpu(x32, qweight, live_rows)
+        y = acc * scales.astype(jnp.float32) - jnp.sum(x32, axis=-1, keepdims=True) * offsets.astype(jnp.float32)
+        return y.reshape(*x.shape[:-1], qweight.shape[1]).astype(out_dtype or x.dtype)
+    kernel = dequantize(qweight, scales, offsets, bits)
+    return linear_backend(backend)(x, kernel, live_rows, out_dtype)
 
 
 class GroupedLinear(nn.Module):

@@ -80,7 +80,9 @@ class LlamaForCausalLM:
 
     # ---- checkpoint layout --------------------------------------------------------------------------
 
-    _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+    # paged_*: a quantized layer's tensors in models/quantization.py's layout, as the loader converted them.
+    _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias|paged_qweight|paged_scales|"
+                           r"paged_zero_offsets|paged_perm)$")
     # Experts, stacked per layer on an expert axis: Mixtral's w1/w3/w2 and Qwen-MoE's gate/up/down.
     _EXPERT_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
     _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -124,6 +126,8 @@ class LlamaForCausalLM:
         if self.config.model_type == "glm4":  # its sandwich norms, in Gemma's names
             module = self._GLM4_NORMS.get(module, module)
         parts = tuple(module.split("."))
+        if kind.startswith("paged_"):
+            return ("layers", *parts, kind[len("paged_"):]), layer, False
         if parts[-1].endswith("norm"):
             return ("layers", *parts, "scale"), layer, False
         return ("layers", *parts, "kernel" if kind == "weight" else "bias"), layer, kind == "weight"

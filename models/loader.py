@@ -7,6 +7,7 @@ one full copy of the weights exists at a time (plus one tensor).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any
@@ -20,6 +21,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from models.config import ModelConfig, load_model_config
+from models.quantized_checkpoints import ONLINE_METHODS, QUANT_SUFFIXES, convert, quantize_online, weight_quant
 from models.registry import model_class
 
 _DTYPES = {
@@ -91,10 +93,15 @@ def _flat(tree) -> dict[tuple[str, ...], Any]:
 def _expected_shapes(model) -> dict[tuple[str, ...], tuple[int, ...]]:
     """Every parameter the model needs: its global ones and its decoder layer's, stacked over layers (from
     the modules' own init)."""
-    shapes = {key: leaf.shape for key, leaf in _flat(nn.unbox(model.global_params())).items()}
+    return {key: shape for key, (shape, _) in _expected(model).items()}
+
+
+def _expected(model) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
+    """(shape, dtype) of every parameter, keyed as `_expected_shapes`."""
+    out = {key: (leaf.shape, np.dtype(leaf.dtype)) for key, leaf in _flat(nn.unbox(model.global_params())).items()}
     for key, leaf in _flat(nn.unbox(model.layer_params())).items():
-        shapes[("layers", *key)] = (model.config.num_layers, *leaf.shape)
-    return shapes
+        out[("layers", *key)] = ((model.config.num_layers, *leaf.shape), np.dtype(leaf.dtype))
+    return out
 
 
 def partition_specs(model) -> dict[tuple[str, ...], PartitionSpec]:
@@ -117,36 +124,61 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
     With a `mesh`, each array is split by its partition spec (`partition_specs`) as it goes to the devices:
     every device receives only its own slice.
     """
-    expected = _expected_shapes(model)
+    expected_with_dtypes = _expected(model)
+    expected = {key: shape for key, (shape, _) in expected_with_dtypes.items()}
     specs = partition_specs(model) if mesh is not None else {}
     buffers: dict[tuple[str, ...], np.ndarray] = {}
     filled: dict[tuple[str, ...], int] = {}
     params: dict = {}
     files = _safetensors_files(model_dir)
+    scheme = config.weight_quant
+    quantized_layers: dict[str, dict[str, np.ndarray]] = {}  # checkpoint prefix -> its packed tensors
+
+    def offer(name: str, read) -> None:
+        target = model.checkpoint_target(name)
+        if target is None or target[0] not in expected:
+            return  # e.g. rotary inv_freq buffers, or lm_head when tied
+        key, index, transpose = target
+        index = () if index is None else (index,) if isinstance(index, int) else tuple(index)
+        tensor = read().T if transpose else read()
+        want = expected[key][len(index):]
+        if tensor.shape != want:
+            raise ValueError(f"checkpoint tensor {name} has shape {tensor.shape} (after transpose: "
+                             f"{transpose}); the config implies {want}")
+        if key not in buffers:
+            buffers[key] = np.empty(expected[key], expected_with_dtypes[key][1])
+            filled[key] = 0
+        buffers[key][index] = tensor
+        filled[key] += 1
+        if filled[key] == int(np.prod(expected[key][:len(index)])):  # every layer (and expert)
+            _put_loaded(params, key, buffers.pop(key), stacked_layers, config.num_layers, mesh, specs.get(key))
+        bar.update()
+
+    def quantized_key(prefix: str) -> tuple[str, ...] | None:
+        target = model.checkpoint_target(prefix + ".paged_qweight")
+        return target[0] if target is not None and target[0] in expected else None
+
     with tqdm(desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
         for path in files:
             with safe_open(path, framework="np") as f:
                 for stored_name in f.keys():
                     for name, read in model.split_fused(stored_name, f):
-                        target = model.checkpoint_target(name)
-                        if target is None or target[0] not in expected:
-                            continue  # e.g. rotary inv_freq buffers, or lm_head when tied
-                        key, index, transpose = target
-                        index = () if index is None else (index,) if isinstance(index, int) else tuple(index)
-                        tensor = read().T if transpose else read()
-                        want = expected[key][len(index):]
-                        if tensor.shape != want:
-                            raise ValueError(f"checkpoint tensor {name} has shape {tensor.shape} (after transpose: "
-                                             f"{transpose}); the config implies {want}")
-                        if key not in buffers:
-                            buffers[key] = np.empty(expected[key], dtype)
-                            filled[key] = 0
-                        buffers[key][index] = tensor
-                        filled[key] += 1
-                        if filled[key] == int(np.prod(expected[key][:len(index)])):  # every layer (and expert)
-                            _put_loaded(params, key, buffers.pop(key), stacked_layers, config.num_layers,
-                                        mesh, specs.get(key))
-                        bar.update()
+                        prefix, _, suffix = name.rpartition(".")
+                        if scheme is not None and quantized_key(prefix) is not None:
+                            if scheme.method in ONLINE_METHODS and suffix == "weight":
+                                for part, array in quantize_online(read().T, scheme, dtype).items():
+                                    offer(f"{prefix}.paged_{part}", lambda array=array: array)
+                                continue
+                            if suffix in QUANT_SUFFIXES:  # converted once the layer's tensors are all read
+                                quantized_layers.setdefault(prefix, {})[suffix] = read()
+                                continue
+                        offer(name, read)
+        for prefix, tensors in quantized_layers.items():
+            key = quantized_key(prefix)
+            packed_rows, out_features = expected[key][1:]
+            in_features = packed_rows * (2 if scheme.bits == 4 else 1)
+            for part, array in convert(prefix, tensors, scheme, in_features, out_features, dtype).items():
+                offer(f"{prefix}.paged_{part}", lambda array=array: array)
     missing = [".".join(k) for k in expected if _get(params, k) is None and _get_layer0(params, k) is None]
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} lacks tensors for: {', '.join(missing)}")
@@ -200,13 +232,36 @@ def _get_layer0(tree: dict, key: tuple[str, ...]):
 
 
 def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stacked_layers: bool = True,
-               linear_backend: str = "xla", mesh=None):
+               linear_backend: str = "xla", mesh=None, quantization: str | None = None):
     """Returns (model_dir, config, model, params, numpy dtype); see load_params for `stacked_layers` and
-    `mesh`, and models.linear for `linear_backend`."""
+    `mesh`, models.linear for `linear_backend`, models/quantized_checkpoints.py for `quantization` (None: the
+    checkpoint's own `quantization_config`, if any)."""
     model_dir = resolve_model_path(model)
     config = load_model_config(model_dir)
     cls = model_class(config.architecture)
+    scheme = weight_quant(_quantization_config(model_dir), quantization, is_moe=config.num_experts > 0)
+    if scheme is not None:
+        if cls.__name__ != "LlamaForCausalLM":
+            raise NotImplementedError(f"quantized {config.architecture} models are not implemented yet")
+        if mesh is not None:
+            raise NotImplementedError("quantized models with tensor parallelism are not implemented yet")
+        config = dataclasses.replace(config, weight_quant=scheme)
     np_dtype = resolve_dtype(dtype, config)
     instance = cls(config, np_dtype, linear_backend=linear_backend)
     params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers, mesh)
     return model_dir, config, instance, params, np_dtype
+
+
+def _quantization_config(model_dir: str) -> dict | None:
+    with open(os.path.join(model_dir, "config.json")) as f:
+        return json.load(f).get("quantization_config")
+
+
+def weight_bytes(params) -> dict[str, int]:
+    """Bytes of the parameters by dtype ("int8", "uint8" (packed int4), "bfloat16", ...) and their "total"."""
+    out: dict[str, int] = {}
+    for leaf in jax.tree_util.tree_leaves(params):
+        name = np.dtype(leaf.dtype).name
+        out[name] = out.get(name, 0) + int(leaf.nbytes)
+    out["total"] = sum(out.values())
+    return out

@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from models import get_attention_backend, load_model, load_model_config, resolve_model_path
+from models.loader import weight_bytes
 from pallas_kernels import select_backends
 from paged import compilation_cache
 from paged.batch import Buckets, padding_inputs, prepare_inputs
@@ -54,8 +55,6 @@ class LLMEngine:
                             f"paged.EngineConfig: {', '.join(engine_option_names())}")
         config = EngineConfig(**engine_args)
         config.validate()
-        if config.quantization is not None:
-            raise NotImplementedError(f"quantization={config.quantization!r} is not implemented yet")
         tokenizer, dtype = config.tokenizer, config.dtype
         self.compilation_cache_dir = compilation_cache.configure(config.compilation_cache_dir)
         platform = jax.default_backend()
@@ -74,7 +73,9 @@ class LLMEngine:
         unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and platform == "cpu")
         model_dir, self.model_config, self.model, params, self.dtype = load_model(
             model_dir, dtype, show_progress, stacked_layers=not unroll, linear_backend=self.linear_backend,
-            mesh=self.mesh)
+            mesh=self.mesh, quantization=config.quantization)
+        # Bytes of the weights by dtype (int8, uint8 for packed int4, the float dtype for the rest) and total.
+        self.weight_bytes = weight_bytes(params)
         self.config = config = config.resolved(self.model_config.max_position_embeddings)
         self.tokenizer = _load_tokenizer(tokenizer or model_dir)
         eos = self.model_config.eos_token_ids

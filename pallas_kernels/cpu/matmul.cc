@@ -1,5 +1,5 @@
-// Decode-sized matmul y[M, N] = x[M, K] @ w[K, N] on the CPU, as an XLA FFI custom call: float32, or
-// bfloat16 operands with float32 accumulation and result.
+// Decode-sized matmul y[M, N] = x[M, K] @ w[K, N] on the CPU, as an XLA FFI custom call: float32, bfloat16
+// operands, or float32 x with int8 weights (weight-only quantization), with float32 accumulation and result.
 //
 // Why: XLA's CPU dot (YNNPACK) runs the decode steps' matmuls (M = 8-64 rows against the weights) at about
 // 63% of its large-matmul rate whatever M is; in the CPU benchmark those matmuls are most of the step.
@@ -14,9 +14,13 @@
 // (x[m, k], x[m, k+1]) is one 32-bit broadcast, as x is row-major. The weights stay [K, N] as loaded, at half
 // the bytes per decode step. XLA's own bf16 dot (f32 result) is 206 GFLOP/s at 8 rows on the benchmark CPU.
 //
+// int8 weights: each 64-byte row of a panel is widened to float32 in registers (vpmovsxbd, vcvtdq2ps) and
+// multiplied as float32 weights are; the caller applies the per-channel scales and zero offsets to y. A
+// decode step then reads one byte per weight instead of four (float32) or two (bfloat16).
+//
 // Contract:
 //   x     [M, K]  float32, or bfloat16 (then K even) (row-major)
-//   w     [K, N]  x's dtype, N a multiple of 64
+//   w     [K, N]  x's dtype, or int8 when x is float32; N a multiple of 64
 //   live  []      int32: rows [0, live) are computed, rows [live, M) of y are zeros. A step's products are
 //                 padded to a bucket of rows; the padding is 8-12% of the rows of its compute-bound decode
 //                 steps on the benchmark workload, and skipping it leaves every live row's result as it was
@@ -45,13 +49,17 @@ constexpr int64_t kPanel = 64;       // columns per panel: four 16-float vectors
 // Panel rows per block, read once from memory and kept in L1 across row tiles: 128 float32 rows or 256
 // bfloat16 rows, 32 KB either way. (bf16 blocks of 128 rows moved y's partial sums twice as often: 64 rows
 // ran at 709 against 799 GFLOP/s, 256 rows at 745 against 820; 512-row blocks were no faster.)
+// int8 blocks are 512 rows, 32 KB as well.
 template <typename T>
 constexpr int64_t kBlockK = 128;
 template <>
 constexpr int64_t kBlockK<uint16_t> = 256;
+template <>
+constexpr int64_t kBlockK<int8_t> = 512;
 
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) { return paged::bf16_to_float(v); }
+inline float to_float(int8_t v) { return static_cast<float>(v); }
 
 #if defined(__AVX512F__)
 // Rows [0, rows) of `next` (stride ldw) for a tile to prefetch: its share of the next block's weights, so
@@ -85,6 +93,35 @@ inline void micro_tile(const float* x, int64_t ldx, const float* w, int64_t ldw,
     if (k % stride == 0 && next_row < ahead.rows) prefetch_row(ahead.next + next_row++ * ldw);
     const __m512 b0 = _mm512_loadu_ps(wk), b1 = _mm512_loadu_ps(wk + 16);
     const __m512 b2 = _mm512_loadu_ps(wk + 32), b3 = _mm512_loadu_ps(wk + 48);
+    for (int r = 0; r < MR; ++r) {
+      const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
+      acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
+      acc[r][3] = _mm512_fmadd_ps(a, b3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(y + r * ldy + c * 16, acc[r][c]);
+}
+
+// int8 weights, float32 x: as above, each weight row's 64 bytes widened to four float32 vectors.
+template <int MR>
+inline void micro_tile(const float* x, int64_t ldx, const int8_t* w, int64_t ldw, float* y, int64_t ldy,
+                       int64_t kc, bool first, Ahead<int8_t> ahead) {
+  const int64_t stride = ahead.rows ? std::max<int64_t>(1, kc / ahead.rows) : kc + 1;
+  int64_t next_row = 0;
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * ldy + c * 16);
+  for (int64_t k = 0; k < kc; ++k) {
+    const int8_t* wk = w + k * ldw;
+    if (k % stride == 0 && next_row < ahead.rows) prefetch_row(ahead.next + next_row++ * ldw);
+    const __m512i q = _mm512_loadu_si512(wk);
+    const __m512 b0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(q)));
+    const __m512 b1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 1)));
+    const __m512 b2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 2)));
+    const __m512 b3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 3)));
     for (int r = 0; r < MR; ++r) {
       const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
       acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
@@ -159,12 +196,14 @@ inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_
 }
 #endif
 
-// Whether this build has the register-blocked path for T (else the plain loop below runs).
+// Whether this build has the register-blocked path for weights of type T (else the plain loop below runs).
 template <typename T>
 constexpr bool kVectorized = false;
 #if defined(__AVX512F__)
 template <>
 constexpr bool kVectorized<float> = true;
+template <>
+constexpr bool kVectorized<int8_t> = true;
 #endif
 #if defined(__AVX512BF16__)
 template <>
@@ -174,8 +213,8 @@ constexpr bool kVectorized<uint16_t> = true;
 // Panels [p_begin, p_end) of y, a block of kBlockK<T> weight rows at a time: within a block a row's reads are
 // contiguous across the panels (not one 256-byte piece per row and panel, which the hardware prefetcher
 // and the TLB handle worse); partial sums wait in y between blocks.
-template <typename T>
-void panels(const T* x, const T* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p_begin, int64_t p_end) {
+template <typename X, typename T>
+void panels(const X* x, const T* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p_begin, int64_t p_end) {
   if constexpr (kVectorized<T>) {
 #if defined(__AVX512F__)
     const int64_t tiles = (M + 5) / 6;
@@ -204,7 +243,7 @@ void panels(const T* x, const T* w, float* y, int64_t M, int64_t K, int64_t N, i
         int64_t m0 = 0;
         for (; m0 + 6 <= M; m0 += 6)
           micro_tile<6>(x + m0 * K + k0, K, wp, N, y + m0 * N + n0, N, kc, first, ahead(m0 / 6));
-        const T* xr = x + m0 * K + k0;
+        const X* xr = x + m0 * K + k0;
         float* yr = y + m0 * N + n0;
         const Ahead<T> last = ahead(m0 / 6);
         switch (M - m0) {
@@ -238,8 +277,8 @@ void panels(const T* x, const T* w, float* y, int64_t M, int64_t K, int64_t N, i
 // over a 152k vocabulary (39 MB of partial sums at 64 rows) ran at 5 GB/s of weights instead of 30.
 constexpr int64_t kPanelsPerPass = 16;
 
-template <typename T>
-void matmul(ffi::ThreadPool& pool, const T* xp, const T* wp, float* yp, int64_t M, int64_t K, int64_t N) {
+template <typename X, typename T>
+void matmul(ffi::ThreadPool& pool, const X* xp, const T* wp, float* yp, int64_t M, int64_t K, int64_t N) {
   const int64_t num_panels = N / kPanel;
   // One contiguous range of panels per thread (see panels()), walked kPanelsPerPass at a time.
   const int64_t parts = std::min<int64_t>(num_panels, std::max<int64_t>(1, pool.num_threads()));
@@ -257,8 +296,9 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wd[1] % kPanel)
     return ffi::Error::InvalidArgument("matmul_cpu: expected x [M, K] and w [K, N] with N a multiple of 64");
   if (live.element_count() != 1) return ffi::Error::InvalidArgument("matmul_cpu: expected a scalar live row count");
-  if (x.element_type() != w.element_type())
-    return ffi::Error::InvalidArgument("matmul_cpu: x and w must share a dtype");
+  const bool int8_weights = x.element_type() == ffi::DataType::F32 && w.element_type() == ffi::DataType::S8;
+  if (x.element_type() != w.element_type() && !int8_weights)
+    return ffi::Error::InvalidArgument("matmul_cpu: x and w must share a dtype (or be float32 and int8)");
   const int64_t K = xd[1], N = wd[1];
   const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
   float* yp = y->typed_data();
@@ -266,7 +306,10 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   if (M == 0) return ffi::Error::Success();
   switch (x.element_type()) {
     case ffi::DataType::F32:
-      matmul(pool, x.typed_data<float>(), w.typed_data<float>(), yp, M, K, N);
+      if (int8_weights)
+        matmul(pool, x.typed_data<float>(), static_cast<const int8_t*>(w.untyped_data()), yp, M, K, N);
+      else
+        matmul(pool, x.typed_data<float>(), w.typed_data<float>(), yp, M, K, N);
       break;
     case ffi::DataType::BF16:
       if (K % 2) return ffi::Error::InvalidArgument("matmul_cpu: bfloat16 needs an even K");
@@ -285,6 +328,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
 // (models/linear.py: native_cpu_matmul).
 extern "C" int MatmulCpuIsVectorized() { return kVectorized<float>; }
 extern "C" int MatmulCpuBf16IsVectorized() { return kVectorized<uint16_t>; }
+extern "C" int MatmulCpuInt8IsVectorized() { return kVectorized<int8_t>; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulCpu, MatmulImpl,
                               ffi::Ffi::Bind()

@@ -1,0 +1,156 @@
+"""Quantized checkpoints and online quantization, converted to models/quantization.py's one layout.
+
+Formats, as their producers write them (the unpacking follows each format's public description):
+- GPTQ (AutoGPTQ / GPTQModel, checkpoint_format "gptq" or "gptq_v2"): qweight int32 [in * bits / 32, out],
+  packed along the input dimension (value j of a word at bit offset bits * j); qzeros int32
+  [groups, out * bits / 32], packed along the output dimension, holding zero - 1 in "gptq" (v1) format and the
+  zero itself in "gptq_v2"; scales [groups, out]; g_idx int32 [in], each input row's group (not sorted with
+  desc_act). W[i, o] = scales[g, o] * (q[i, o] - zero[g, o]) with g = g_idx[i].
+- AWQ "gemm": qweight int32 [in, out / 8], packed along the output dimension in the order 0, 2, 4, 6, 1, 3, 5, 7;
+  qzeros int32 [in / group, out / 8], packed the same way, no offset; scales [in / group, out].
+  W = (q - zero) * scale.
+- online int8 (`quantization="int8"` on a float checkpoint): symmetric, one scale per output channel.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from models.quantization import QUANT_BITS, WeightQuant, pack, quantize_per_channel_int8
+
+QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+ONLINE_METHODS = ("int8",)
+_AWQ_REORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # column c of an 8-column word sits in nibble _AWQ_REORDER[c]
+
+
+def weight_quant(quantization_config: dict | None, requested: str | None, *, is_moe: bool) -> WeightQuant | None:
+    """The scheme a model loads with: the checkpoint's `quantization_config`, or `requested` online.
+
+    Raises ValueError (or NotImplementedError) naming the config field and value before any weight is read.
+    """
+    if requested is not None and not isinstance(requested, str):
+        raise ValueError(f"quantization must be a method name or None, got {requested!r}")
+    if quantization_config is None:
+        if requested is None:
+            return None
+        if requested in ONLINE_METHODS:
+            scheme = WeightQuant(bits=8, group_size=-1, method=requested)
+        elif requested in ("gptq", "awq", "compressed-tensors"):
+            raise ValueError(f"quantization={requested!r} needs a checkpoint quantized that way; this one has no "
+                             "quantization_config in its config.json")
+        else:
+            raise NotImplementedError(f"quantization={requested!r} is not implemented (online methods: "
+                                      f"{', '.join(ONLINE_METHODS)}; checkpoint formats: gptq, awq)")
+    else:
+        method = str(quantization_config.get("quant_method", "")).lower()
+        if requested is not None and requested != method:
+            raise ValueError(f"quantization={requested!r} does not match the checkpoint's "
+                             f"quantization_config.quant_method={method!r}")
+        scheme = _checkpoint_scheme(quantization_config, method)
+    if is_moe:
+        raise NotImplementedError(f"quantized ({scheme.method}) mixture-of-experts models are not implemented yet")
+    return scheme
+
+
+def _checkpoint_scheme(config: dict, method: str) -> WeightQuant:
+    bits = config.get("bits", config.get("w_bit"))
+    group_size = config.get("group_size", config.get("q_group_size", -1))
+    if method not in ("gptq", "awq"):
+        raise NotImplementedError(f"quantization_config.quant_method={method!r} is not implemented yet "
+                                  "(implemented: gptq, awq)")
+    if bits not in QUANT_BITS or (method == "awq" and bits != 4):
+        raise NotImplementedError(f"quantization_config.bits={bits!r} is not implemented for {method} "
+                                  f"(implemented: {'4' if method == 'awq' else '4, 8'})")
+    if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        raise ValueError(f"quantization_config.group_size must be -1 or a positive integer, got {group_size!r}")
+    if method == "awq":
+        version = str(config.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise NotImplementedError(f"quantization_config.version={version!r} is not implemented for awq "
+                                      "(implemented: gemm)")
+        if group_size == -1:
+            raise NotImplementedError("quantization_config.group_size=-1 is not implemented for awq")
+        return WeightQuant(bits=4, group_size=group_size, method="awq")
+    checkpoint_format = str(config.get("checkpoint_format", "gptq")).lower()
+    if checkpoint_format not in ("gptq", "gptq_v2"):
+        raise NotImplementedError(f"quantization_config.checkpoint_format={checkpoint_format!r} is not "
+                                  "implemented (implemented: gptq, gptq_v2)")
+    act_order = bool(config.get("desc_act", False)) and group_size != -1
+    return WeightQuant(bits=bits, group_size=group_size, act_order=act_order,
+                       method="gptq_v2" if checkpoint_format == "gptq_v2" else "gptq")
+
+
+def quantize_online(kernel: np.ndarray, scheme: WeightQuant, dtype) -> dict[str, np.ndarray]:
+    """A float kernel [in, out] in the layout (only int8 is online today)."""
+    assert scheme.method == "int8", scheme
+    return quantize_per_channel_int8(kernel, dtype)
+
+
+def convert(prefix: str, tensors: dict[str, np.ndarray], scheme: WeightQuant, in_features: int,
+            out_features: int, dtype) -> dict[str, np.ndarray]:
+    """One layer's checkpoint tensors (by suffix: qweight, qzeros, scales, g_idx) in the layout.
+
+    Raises ValueError naming the tensor and the shape the config implies.
+    """
+    scheme.check(in_features, prefix)
+    groups = scheme.num_groups(in_features)
+    per_word = 32 // scheme.bits
+    if scheme.method == "awq":
+        expected = {"qweight": (in_features, out_features // 8), "qzeros": (groups, out_features // 8),
+                    "scales": (groups, out_features)}
+    else:
+        expected = {"qweight": (in_features // per_word, out_features),
+                    "qzeros": (groups, out_features // per_word), "scales": (groups, out_features)}
+    for suffix, shape in expected.items():
+        if suffix not in tensors:
+            raise ValueError(f"checkpoint lacks {prefix}.{suffix} ({scheme.method}, expected shape {shape})")
+        if tuple(tensors[suffix].shape) != shape:
+            raise ValueError(f"checkpoint tensor {prefix}.{suffix} has shape {tuple(tensors[suffix].shape)}; "
+                             f"{scheme.method} with bits={scheme.bits}, group_size={scheme.group_size} and this "
+                             f"config implies {shape}")
+    scales = tensors["scales"].astype(np.float32)
+    if scheme.method == "awq":
+        q = _unpack_awq(tensors["qweight"])
+        zeros = _unpack_awq(tensors["qzeros"]).astype(np.float32)
+        return pack(q, zeros, scales, 4, dtype)
+    q = _unpack_words(tensors["qweight"].view(np.uint32), scheme.bits, axis=0)
+    zeros = _unpack_words(tensors["qzeros"].view(np.uint32), scheme.bits, axis=1).astype(np.float32)
+    if scheme.method == "gptq":
+        zeros += 1  # v1 checkpoints store zero - 1
+    perm = None
+    if "g_idx" in tensors and scheme.group_size != -1:
+        g_idx = np.asarray(tensors["g_idx"]).astype(np.int64)
+        if g_idx.shape != (in_features,) or g_idx.min() < 0 or g_idx.max() >= groups:
+            raise ValueError(f"checkpoint tensor {prefix}.g_idx must be {in_features} group indices in [0, "
+                             f"{groups}), got shape {g_idx.shape}")
+        sequential = np.arange(in_features) // scheme.group_size
+        if scheme.act_order:
+            if not (np.bincount(g_idx, minlength=groups) == scheme.group_size).all():
+                raise ValueError(f"checkpoint tensor {prefix}.g_idx must put exactly group_size="
+                                 f"{scheme.group_size} rows in each group")
+            perm = np.argsort(g_idx, kind="stable")
+            q = q[perm]
+        elif not (g_idx == sequential).all():
+            raise ValueError(f"checkpoint tensor {prefix}.g_idx is not sequential but quantization_config."
+                             "desc_act is false")
+    elif scheme.act_order:
+        perm = np.arange(in_features)
+    return pack(q, zeros, scales, scheme.bits, dtype, perm)
+
+
+def _unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """uint32 words -> their bits-wide values, value j of each word at bit offset bits * j, expanded along
+    `axis` (word w's values become entries w * (32 / bits) + j)."""
+    per_word = 32 // bits
+    shifts = (np.arange(per_word, dtype=np.uint32) * bits)
+    mask = np.uint32((1 << bits) - 1)
+    if axis == 0:
+        values = (words[:, None, :] >> shifts[None, :, None]) & mask
+        return values.reshape(words.shape[0] * per_word, words.shape[1]).astype(np.uint8)
+    values = (words[:, :, None] >> shifts[None, None, :]) & mask
+    return values.reshape(words.shape[0], words.shape[1] * per_word).astype(np.uint8)
+
+
+def _unpack_awq(words: np.ndarray) -> np.ndarray:
+    nibbles = _unpack_words(words.view(np.uint32), 4, axis=1).reshape(words.shape[0], -1, 8)
+    return nibbles[:, :, _AWQ_REORDER].reshape(words.shape[0], -1)

@@ -1,0 +1,230 @@
+"""Quantized checkpoints (GPTQ, AWQ) and online int8 against transformers running the dequantized weights.
+
+The checkpoints are written here by packers that follow each format's public description (AutoGPTQ's
+"gptq" layout, AutoAWQ's "gemm" layout), independently of the engine's unpacking; transformers then runs the
+float weights those codes stand for (the same math: dequantize, then a float32 matmul), and the engine must
+give the same greedy tokens from the packed files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from paged import LLM, SamplingParams
+from tests.hf_checkpoints import build_checkpoint, hf_greedy
+
+PROMPTS = [[5, 17, 42, 99, 3], [200, 201, 7], [11, 12, 13, 14, 15, 16, 17, 18], [300, 2, 250]]
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble k of a word holds column AWQ_ORDER[k]
+
+
+def _asymmetric_codes(w_in_out: np.ndarray, bits: int, groups: np.ndarray, num_groups: int, rng):
+    """Per-group min/max codes of w [in, out]; groups[i] is row i's group. Returns q [in, out], zeros and
+    scales [num_groups, out] (scales rounded to float16, as checkpoints store them)."""
+    levels = (1 << bits) - 1
+    zeros = np.zeros((num_groups, w_in_out.shape[1]))
+    scales = np.zeros((num_groups, w_in_out.shape[1]))
+    for g in range(num_groups):
+        rows = w_in_out[groups == g]
+        lo, hi = rows.min(0), rows.max(0)
+        scales[g] = np.maximum(hi - lo, 1e-3) / levels
+        # Zero points of 1 or more: GPTQ's v1 format stores zero - 1, which cannot hold 0 (AutoGPTQ's own limit).
+        zeros[g] = np.clip(np.round(-lo / scales[g]) + rng.integers(-1, 2, size=lo.shape), 1, levels)
+    scales = scales.astype(np.float16).astype(np.float64)
+    q = np.clip(np.round(w_in_out / scales[groups]) + zeros[groups], 0, levels).astype(np.int64)
+    return q, zeros.astype(np.int64), scales
+
+
+def _pack_along(values: np.ndarray, bits: int, axis: int) -> np.ndarray:
+    """int32 words holding 32 / bits values each along `axis`, value j at bit offset bits * j."""
+    per_word = 32 // bits
+    v = np.moveaxis(values.astype(np.uint64), axis, 0)
+    v = v.reshape(v.shape[0] // per_word, per_word, *v.shape[1:])
+    words = np.zeros(v.shape[:1] + v.shape[2:], np.uint64)
+    for j in range(per_word):
+        words |= v[:, j] << np.uint64(bits * j)
+    return np.ascontiguousarray(np.moveaxis(words.astype(np.uint32).view(np.int32), 0, axis))
+
+
+def _gptq_layer(w_out_in, bits, group_size, desc_act, rng):
+    """GPTQ "gptq" (v1) tensors and the float weight [out, in] they decode to."""
+    w = w_out_in.T.astype(np.float64)
+    in_features = w.shape[0]
+    gs = in_features if group_size == -1 else group_size
+    num_groups = in_features // gs
+    order = rng.permutation(in_features) if desc_act else np.arange(in_features)
+    g_idx = np.empty(in_features, np.int64)
+    g_idx[order] = np.arange(in_features) // gs  # desc_act: groups follow a permutation of the rows
+    q, zeros, scales = _asymmetric_codes(w, bits, g_idx, num_groups, rng)
+    tensors = {"qweight": _pack_along(q, bits, 0), "qzeros": _pack_along(zeros - 1, bits, 1),
+               "scales": scales.astype(np.float16), "g_idx": g_idx.astype(np.int32)}
+    dequantized = scales[g_idx] * (q - zeros[g_idx])
+    return tensors, dequantized.T.astype(np.float32)
+
+
+def _awq_layer(w_out_in, group_size, rng):
+    w = w_out_in.T.astype(np.float64)
+    in_features, out_features = w.shape
+    groups = np.arange(in_features) // group_size
+    q, zeros, scales = _asymmetric_codes(w, 4, groups, in_features // group_size, rng)
+
+    def pack(values):  # [rows, out] -> int32 [rows, out / 8], AWQ's interleaved nibble order
+        v = values.astype(np.uint64).reshape(values.shape[0], out_features // 8, 8)
+        words = np.zeros(v.shape[:2], np.uint64)
+        for k, column in enumerate(AWQ_ORDER):
+            words |= v[:, :, column] << np.uint64(4 * k)
+        return words.astype(np.uint32).view(np.int32)
+
+    tensors = {"qweight": pack(q), "qzeros": pack(zeros), "scales": scales.astype(np.float16)}
+    return tensors, (scales[groups] * (q - zeros[groups])).T.astype(np.float32)
+
+
+def _write_quantized(float_dir, out_dir, ref_dir, layer_fn, quantization_config, drop=()):
+    """The quantized checkpoint (out_dir) and the float checkpoint of its dequantized weights (ref_dir)."""
+    rng = np.random.default_rng(0)
+    for d in (out_dir, ref_dir):
+        shutil.copytree(float_dir, d, dirs_exist_ok=True)
+    weights = load_file(os.path.join(float_dir, "model.safetensors"))
+    packed, reference = {}, {}
+    for name, tensor in weights.items():
+        module = name.rsplit(".", 2)
+        if name.endswith(".weight") and module[-2] in LINEAR:
+            tensors, dequantized = layer_fn(tensor, rng)
+            prefix = name[:-len(".weight")]
+            packed.update({f"{prefix}.{k}": v for k, v in tensors.items() if k not in drop})
+            reference[name] = dequantized
+        else:
+            packed[name] = reference[name] = tensor
+    # safetensors writes an array's buffer as it lies: transposed views must be made contiguous first.
+    save_file({k: np.ascontiguousarray(v) for k, v in packed.items()}, os.path.join(out_dir, "model.safetensors"))
+    save_file({k: np.ascontiguousarray(v) for k, v in reference.items()}, os.path.join(ref_dir, "model.safetensors"))
+    config = json.loads(open(os.path.join(float_dir, "config.json")).read())
+    config["quantization_config"] = quantization_config
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out_dir, ref_dir
+
+
+def _greedy(model_dir, **options):
+    llm = LLM(model_dir, dtype="float32", block_size=8, max_model_len=64, show_progress=False, **options)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                           SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs], llm.engine
+
+
+@pytest.fixture(scope="module", params=["llama-gqa", "qwen2-tied"])
+def float_dir(request, tmp_path_factory):
+    return build_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)))
+
+
+GPTQ_CASES = [(4, 32, True), (4, -1, False), (8, 16, True), (8, 32, False)]
+
+
+@pytest.mark.parametrize("bits, group_size, desc_act", GPTQ_CASES)
+def test_gptq_matches_transformers_on_the_dequantized_weights(float_dir, tmp_path, bits, group_size, desc_act):
+    config = {"quant_method": "gptq", "bits": bits, "group_size": group_size, "desc_act": desc_act, "sym": False,
+              "checkpoint_format": "gptq"}
+    quantized, reference = _write_quantized(
+        float_dir, tmp_path / "q", tmp_path / "ref",
+        lambda w, rng: _gptq_layer(w, bits, group_size, desc_act, rng), config)
+    tokens, engine = _greedy(str(quantized))
+    assert tokens == hf_greedy(str(reference), PROMPTS, 12)
+    assert engine.model_config.weight_quant.bits == bits
+    assert engine.weight_bytes["int8" if bits == 8 else "uint8"] > 0
+
+
+def test_gptq_mutations_are_caught(float_dir, tmp_path):
+    """Reading the zero points without GPTQ's +1, or ignoring g_idx, must change the tokens: the comparison
+    above is sensitive to both."""
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True, "sym": False}
+    quantized, reference = _write_quantized(
+        float_dir, tmp_path / "q", tmp_path / "ref", lambda w, rng: _gptq_layer(w, 4, 16, True, rng), config)
+    want = hf_greedy(str(reference), PROMPTS, 12)
+    assert _greedy(str(quantized))[0] == want
+    no_offset = json.loads((quantized / "config.json").read_text())
+    no_offset["quantization_config"]["checkpoint_format"] = "gptq_v2"  # zeros read as stored: no +1
+    (quantized / "config.json").write_text(json.dumps(no_offset))
+    assert _greedy(str(quantized))[0] != want
+    no_g_idx, _ = _write_quantized(float_dir, tmp_path / "q2", tmp_path / "ref2",
+                                   lambda w, rng: _gptq_layer(w, 4, 16, True, rng), config, drop=("g_idx",))
+    assert _greedy(str(no_g_idx))[0] != want
+
+
+def test_awq_matches_transformers_and_its_nibble_order_matters(float_dir, tmp_path, monkeypatch):
+    config = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True}
+    quantized, reference = _write_quantized(float_dir, tmp_path / "q", tmp_path / "ref",
+                                            lambda w, rng: _awq_layer(w, 32, rng), config)
+    want = hf_greedy(str(reference), PROMPTS, 12)
+    assert _greedy(str(quantized))[0] == want
+    import models.quantized_checkpoints as formats
+    monkeypatch.setattr(formats, "_AWQ_REORDER", np.arange(8))  # columns read in storage order
+    assert _greedy(str(quantized))[0] != want
+
+
+def test_online_int8_matches_per_channel_round_to_nearest(float_dir, tmp_path):
+    ref = tmp_path / "ref"
+    shutil.copytree(float_dir, ref)
+    weights = load_file(os.path.join(float_dir, "model.safetensors"))
+    for name, w in weights.items():
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR:
+            scale = np.abs(w.astype(np.float64)).max(axis=1, keepdims=True) / 127  # per output row of [out, in]
+            weights[name] = (np.round(w / scale) * scale).astype(np.float32)
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.path.join(ref, "model.safetensors"))
+    tokens, engine = _greedy(float_dir, quantization="int8")
+    assert tokens == hf_greedy(str(ref), PROMPTS, 12)
+    assert engine.model_config.weight_quant.method == "int8" and engine.weight_bytes["int8"] > 0
+
+
+def test_quantized_weights_take_a_fraction_of_the_bfloat16_bytes(tmp_path):
+    """Layers of realistic width (group 128): int4 at most 0.3x and int8 at most 0.55x of bf16, scales and zero
+    points included (the embeddings and norms stay bf16 and are left out of the ratio)."""
+    from models.tiny import create_tiny_llama
+    float_dir = create_tiny_llama(str(tmp_path / "wide"), hidden_size=512, intermediate_size=1024, num_layers=1,
+                                  num_heads=8, num_kv_heads=8)
+    quantized, _ = _write_quantized(float_dir, tmp_path / "q", tmp_path / "ref",
+                                    lambda w, rng: _gptq_layer(w, 4, 128, False, rng),
+                                    {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False})
+
+    def layer_bytes(engine):
+        import jax
+        layers = engine.runner.params["layers"]
+        return sum(leaf.nbytes for path, leaf in jax.tree_util.tree_flatten_with_path(layers)[0]
+                   if any(getattr(p, "key", None) in LINEAR for p in path))
+
+    options = dict(dtype="bfloat16", block_size=8, max_model_len=64, show_progress=False)
+    bf16 = layer_bytes(LLM(float_dir, **options).engine)
+    int4 = layer_bytes(LLM(str(quantized), **options).engine)
+    int8 = layer_bytes(LLM(float_dir, quantization="int8", **options).engine)
+    assert int4 <= 0.3 * bf16 and int8 <= 0.55 * bf16, (int4 / bf16, int8 / bf16)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"bits": 3}, "quantization_config.bits=3"),
+    ({"quant_method": "bitsandbytes"}, "quant_method='bitsandbytes'"),
+    ({"group_size": 48}, "group_size 48"),
+    ({"checkpoint_format": "marlin"}, "checkpoint_format='marlin'"),
+])
+def test_unsupported_or_inconsistent_configs_fail_before_loading(float_dir, tmp_path, change, message):
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, **change}
+    quantized, _ = _write_quantized(float_dir, tmp_path / "q", tmp_path / "ref",
+                                    lambda w, rng: _gptq_layer(w, 4, 32, False, rng), config)
+    with pytest.raises((ValueError, NotImplementedError), match=message):
+        LLM(str(quantized), show_progress=False)
+
+
+def test_misshaped_scales_name_the_tensor(float_dir, tmp_path):
+    def bad_scales(w, rng):
+        tensors, dequantized = _gptq_layer(w, 4, 32, False, rng)
+        tensors["scales"] = tensors["scales"][:, :-1]
+        return tensors, dequantized
+
+    quantized, _ = _write_quantized(float_dir, tmp_path / "q", tmp_path / "ref", bad_scales,
+                                    {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False})
+    with pytest.raises(ValueError, match=r"model\.layers\.\d+\.\w+\.\w+_proj\.scales has shape"):
+        LLM(str(quantized), show_progress=False)
