@@ -223,7 +223,10 @@ def scatter_blocks_cpu(k_cache: jax.Array, v_cache: jax.Array, dst: jax.Array, k
 # bfloat16 (AVX-512 BF16) against XLA's bf16 dot with a float32 result, GFLOP/s on the 0.5B shape's products
 # (896x896, 896x128, 896x4864, 4864x896; 6 of each per call): 8 rows 396 vs 160, 32: 678 vs 388, 64: 763 vs
 # 419, 128: 780 vs 673, 256: 783 vs 776, 384: 627 vs 683 (benchmarks in docs/performance.md).
-MATMUL_MAX_ROWS = {"float32": 192, "bfloat16": 256, "int8": 192}
+# int8 weights (float32 x): the alternative is dequantizing the whole kernel to float32 in every step, so the
+# native call wins at prompt sizes too; on the 30M benchmark model with --quantization int8, prompt steps took
+# 0.91 s of device time with it against 1.36 s when steps over 192 rows dequantized for XLA's dot.
+MATMUL_MAX_ROWS = {"float32": 192, "bfloat16": 256, "int8": 2048}
 
 
 def matmul_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = None, *,

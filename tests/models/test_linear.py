@@ -92,7 +92,8 @@ def test_native_matmul_routes_and_matches_xla(monkeypatch, lhs_shape, rhs_shape,
 @pytest.mark.parametrize("bits, group_size, rows, dtype, native", [
     (8, -1, 8, jnp.float32, True),      # per-channel int8 at decode size: the native int8 matmul
     (8, -1, 192, jnp.bfloat16, True),   # bf16 activations go in as float32
-    (8, -1, 193, jnp.float32, False),   # prompt-sized: dequantize, then XLA's dot
+    (8, -1, 512, jnp.float32, True),    # prompt-sized too (dequantizing every step costs more)
+    (8, -1, 2049, jnp.float32, False),  # past cpu.MATMUL_MAX_ROWS["int8"]: dequantize, then XLA's dot
     (8, 32, 8, jnp.float32, False),     # grouped scales: dequantized
     (4, 32, 8, jnp.float32, False),
     (4, -1, 8, jnp.bfloat16, False),
