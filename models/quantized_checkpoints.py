@@ -9,6 +9,11 @@ Formats, as their producers write them (the unpacking follows each format's publ
 - AWQ "gemm": qweight int32 [in, out / 8], packed along the output dimension in the order 0, 2, 4, 6, 1, 3, 5, 7;
   qzeros int32 [in / group, out / 8], packed the same way, no offset; scales [in / group, out].
   W = (q - zero) * scale.
+- compressed-tensors "pack-quantized" (llm-compressor's W4A16 / W8A16): weight_packed int32
+  [out, in * bits / 32], packed along the input dimension as GPTQ's words are, holding q + 2^(bits - 1) for the
+  signed code q; weight_scale [out, groups]; weight_zero_point int32 [out * bits / 32, groups] (asymmetric
+  only), packed along the output dimension with the same offset; weight_shape [out, in].
+  W = (q - zero_point) * scale.
 - online int8 (`quantization="int8"` on a float checkpoint): symmetric, one scale per output channel.
 """
 
@@ -18,7 +23,8 @@ import numpy as np
 
 from models.quantization import QUANT_BITS, WeightQuant, pack, quantize_per_channel_int8
 
-QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
+QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx",  # GPTQ, AWQ
+                  "weight_packed", "weight_scale", "weight_zero_point", "weight_shape")  # compressed-tensors
 ONLINE_METHODS = ("int8",)
 _AWQ_REORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # column c of an 8-column word sits in nibble _AWQ_REORDER[c]
 
@@ -53,11 +59,13 @@ def weight_quant(quantization_config: dict | None, requested: str | None, *, is_
 
 
 def _checkpoint_scheme(config: dict, method: str) -> WeightQuant:
+    if method == "compressed-tensors":
+        return _compressed_tensors_scheme(config)
     bits = config.get("bits", config.get("w_bit"))
     group_size = config.get("group_size", config.get("q_group_size", -1))
     if method not in ("gptq", "awq"):
         raise NotImplementedError(f"quantization_config.quant_method={method!r} is not implemented yet "
-                                  "(implemented: gptq, awq)")
+                                  "(implemented: gptq, awq, compressed-tensors)")
     if bits not in QUANT_BITS or (method == "awq" and bits != 4):
         raise NotImplementedError(f"quantization_config.bits={bits!r} is not implemented for {method} "
                                   f"(implemented: {'4' if method == 'awq' else '4, 8'})")
@@ -80,6 +88,44 @@ def _checkpoint_scheme(config: dict, method: str) -> WeightQuant:
                        method="gptq_v2" if checkpoint_format == "gptq_v2" else "gptq")
 
 
+def _compressed_tensors_scheme(config: dict) -> WeightQuant:
+    """One weight scheme for every quantized layer, weights only, in the pack-quantized format."""
+    groups = config.get("config_groups") or {}
+    if not groups:
+        raise ValueError("quantization_config.config_groups is empty")
+    weights = set()
+    for name, group in groups.items():
+        field = f"quantization_config.config_groups.{name}"
+        for kind in ("input_activations", "output_activations"):
+            if group.get(kind):
+                raise NotImplementedError(f"{field}.{kind} is set: activation quantization (e.g. W8A8) is not "
+                                          "implemented yet, only weight-only schemes (W4A16, W8A16)")
+        args = group.get("weights") or {}
+        fmt = group.get("format") or config.get("format")
+        if fmt != "pack-quantized":
+            raise NotImplementedError(f"{field}.format={fmt!r} is not implemented yet (implemented: pack-quantized)")
+        if args.get("type") != "int" or args.get("num_bits") not in QUANT_BITS:
+            raise NotImplementedError(f"{field}.weights: type={args.get('type')!r} num_bits={args.get('num_bits')!r} "
+                                      "is not implemented (implemented: int with 4 or 8 bits)")
+        strategy = args.get("strategy")
+        if strategy not in ("group", "channel"):
+            raise NotImplementedError(f"{field}.weights.strategy={strategy!r} is not implemented (implemented: "
+                                      "group, channel)")
+        if args.get("actorder"):
+            raise NotImplementedError(f"{field}.weights.actorder={args['actorder']!r} is not implemented yet")
+        group_size = args.get("group_size") if strategy == "group" else -1
+        if strategy == "group" and (not isinstance(group_size, int) or group_size <= 0):
+            raise ValueError(f"{field}.weights.group_size must be a positive integer, got {group_size!r}")
+        weights.add((args["num_bits"], group_size))
+    if len(weights) != 1:
+        raise NotImplementedError("quantization_config.config_groups with different weight schemes per layer are "
+                                  f"not implemented yet (got {sorted(weights)})")
+    bits, group_size = weights.pop()
+    if not any("lm_head" in entry for entry in config.get("ignore") or []):
+        raise NotImplementedError("a quantized lm_head is not implemented (quantization_config.ignore lacks lm_head)")
+    return WeightQuant(bits=bits, group_size=group_size, method="compressed-tensors")
+
+
 def quantize_online(kernel: np.ndarray, scheme: WeightQuant, dtype) -> dict[str, np.ndarray]:
     """A float kernel [in, out] in the layout (only int8 is online today)."""
     assert scheme.method == "int8", scheme
@@ -95,6 +141,8 @@ def convert(prefix: str, tensors: dict[str, np.ndarray], scheme: WeightQuant, in
     scheme.check(in_features, prefix)
     groups = scheme.num_groups(in_features)
     per_word = 32 // scheme.bits
+    if scheme.method == "compressed-tensors":
+        return _convert_compressed_tensors(prefix, tensors, scheme, in_features, out_features, groups, dtype)
     if scheme.method == "awq":
         expected = {"qweight": (in_features, out_features // 8), "qzeros": (groups, out_features // 8),
                     "scales": (groups, out_features)}
@@ -136,6 +184,31 @@ def convert(prefix: str, tensors: dict[str, np.ndarray], scheme: WeightQuant, in
     elif scheme.act_order:
         perm = np.arange(in_features)
     return pack(q, zeros, scales, scheme.bits, dtype, perm)
+
+
+def _convert_compressed_tensors(prefix, tensors, scheme, in_features, out_features, groups, dtype):
+    per_word = 32 // scheme.bits
+    expected = {"weight_packed": (out_features, in_features // per_word), "weight_scale": (out_features, groups)}
+    if "weight_zero_point" in tensors:
+        expected["weight_zero_point"] = (-(-out_features // per_word), groups)
+    for suffix, shape in expected.items():
+        if suffix not in tensors:
+            raise ValueError(f"checkpoint lacks {prefix}.{suffix} (compressed-tensors, expected shape {shape})")
+        if tuple(tensors[suffix].shape) != shape:
+            raise ValueError(f"checkpoint tensor {prefix}.{suffix} has shape {tuple(tensors[suffix].shape)}; "
+                             f"pack-quantized with num_bits={scheme.bits}, group_size={scheme.group_size} and this "
+                             f"config implies {shape}")
+    if "weight_shape" in tensors and tuple(int(v) for v in tensors["weight_shape"]) != (out_features, in_features):
+        raise ValueError(f"checkpoint tensor {prefix}.weight_shape is {tensors['weight_shape'].tolist()}; the config "
+                         f"implies {[out_features, in_features]}")
+    q = _unpack_words(tensors["weight_packed"].view(np.uint32), scheme.bits, axis=1).T  # codes + offset, [in, out]
+    centre = 1 << (scheme.bits - 1)
+    if "weight_zero_point" in tensors:
+        zeros = _unpack_words(tensors["weight_zero_point"].view(np.uint32), scheme.bits, axis=0)[:out_features]
+        zeros = zeros.T.astype(np.float32)  # zero point + offset, [groups, out]: the codes' own domain
+    else:
+        zeros = np.full((groups, out_features), centre, np.float32)  # symmetric
+    return pack(q, zeros, tensors["weight_scale"].astype(np.float32).T, scheme.bits, dtype)
 
 
 def _unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:

@@ -228,3 +228,66 @@ def test_misshaped_scales_name_the_tensor(float_dir, tmp_path):
                                     {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False})
     with pytest.raises(ValueError, match=r"model\.layers\.\d+\.\w+\.\w+_proj\.scales has shape"):
         LLM(str(quantized), show_progress=False)
+
+
+@pytest.mark.parametrize("bits, strategy, symmetric", [(4, "group", False), (4, "channel", True),
+                                                       (8, "channel", True), (8, "group", False)])
+def test_compressed_tensors_checkpoints_written_by_the_library_itself(float_dir, tmp_path, bits, strategy,
+                                                                      symmetric):
+    """llm-compressor's format, written by compressed-tensors' own compressor (pack-quantized); the reference
+    is the same model decompressed by the library and run by transformers."""
+    ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors needs torch (Python 3.11 here)")
+    import torch
+    import transformers
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+    del ct
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    args = QuantizationArgs(num_bits=bits, type="int", strategy=strategy, symmetric=symmetric,
+                            group_size=16 if strategy == "group" else None)
+    apply_quantization_config(model, QuantizationConfig(
+        config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=args)}, ignore=["lm_head"]))
+    for module in model.modules():
+        if hasattr(module, "quantization_scheme"):  # min/max calibration of the weights, as llm-compressor's
+            w = module.weight.data
+            grouped = w.unflatten(-1, (w.shape[-1] // 16, 16)) if strategy == "group" else w.unsqueeze(1)
+            scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
+            module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+            module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
+    compressor.compress_model(model)
+    out = tmp_path / "ct"
+    model.save_pretrained(out)
+    compressor.update_config(str(out))
+    for name in os.listdir(float_dir):
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(float_dir, name), out)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+
+    compressor.decompress_model(model)
+    want = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                                       pad_token_id=0, eos_token_id=None)
+            want.append(generated[0, len(prompt):].tolist())
+    tokens, engine = _greedy(str(out))
+    assert tokens == want
+    assert engine.model_config.weight_quant.method == "compressed-tensors"
+
+
+def test_compressed_tensors_activation_quantization_is_refused_by_name(float_dir, tmp_path):
+    config = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "format": "int-quantized",
+                                            "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
+                                            "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}}
+    out = tmp_path / "w8a8"
+    shutil.copytree(float_dir, out)
+    raw = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
+    with pytest.raises(NotImplementedError, match=r"config_groups\.group_0\.input_activations"):
+        LLM(str(out), show_progress=False)
