@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.quantization import WeightQuant, dequantize
+from models.quantization import WeightQuant, dequantize, dequantize_float8
 from pallas_kernels import cpu
 
 TENSOR_AXIS = "tensor"  # the mesh axis tensor parallelism splits weights over
@@ -128,10 +128,15 @@ class Linear(nn.Module):
         for name, (shape, dtype) in self.quant.param_shapes(x.shape[-1], self.features).items():
             param_axes = (None,) if name == "perm" else axes
             params[name] = self.param(name, nn.with_partitioning(nn.initializers.zeros, param_axes), shape,
-                                      self.dtype if dtype == "compute" else jnp.dtype(dtype))
+                                      self.dtype if dtype == "compute" else _dtype(dtype))
         if "perm" in params:  # act_order: the rows were regrouped at load; the input follows them
             x = jnp.take(x, params["perm"], axis=-1)
         return x, params
+
+
+def _dtype(name: str):
+    import ml_dtypes
+    return jnp.dtype(getattr(ml_dtypes, name)) if name.startswith("float8") else jnp.dtype(name)
 
 
 def quantized_matmul(backend: str, x: jax.Array, params: dict[str, jax.Array], bits: int,
@@ -142,6 +147,9 @@ def quantized_matmul(backend: str, x: jax.Array, params: dict[str, jax.Array], b
     as int8, so a step reads one byte per weight: y = scale * (x @ q) - zero_offset * sum(x). Everything else
     dequantizes the kernel in the step and runs the backend's float matmul.
     """
+    if "zero_offsets" not in params:  # float8 codes with block scales
+        return linear_backend(backend)(x, dequantize_float8(params["qweight"], params["scales"], x.dtype),
+                                       live_rows, out_dtype)
     qweight, scales, offsets = params["qweight"], params["scales"], params["zero_offsets"]
     rows = 1
     for size in x.shape[:-1]:

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from tqdm.auto import tqdm
 
 from models.config import ModelConfig, load_model_config
-from models.quantized_checkpoints import ONLINE_METHODS, QUANT_SUFFIXES, convert, quantize_online, weight_quant
+from models.quantized_checkpoints import convert, is_online, quantize_online, quantized_suffixes, weight_quant
 from models.registry import model_class
 
 _DTYPES = {
@@ -160,23 +160,24 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
 
     with tqdm(desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
         for path in files:
-            with safe_open(path, framework="np") as f:
+            with safe_open(path, framework="np") as opened:
+                f = _WithFloat8(opened, path)
                 for stored_name in f.keys():
                     for name, read in model.split_fused(stored_name, f):
                         prefix, _, suffix = name.rpartition(".")
                         if scheme is not None and quantized_key(prefix) is not None:
-                            if scheme.method in ONLINE_METHODS and suffix == "weight":
+                            if is_online(scheme) and suffix == "weight":
                                 for part, array in quantize_online(read().T, scheme, dtype).items():
                                     offer(f"{prefix}.paged_{part}", lambda array=array: array)
                                 continue
-                            if suffix in QUANT_SUFFIXES:  # converted once the layer's tensors are all read
+                            if suffix in quantized_suffixes(scheme):  # converted once the layer's are all read
                                 quantized_layers.setdefault(prefix, {})[suffix] = read()
                                 continue
                         offer(name, read)
         for prefix, tensors in quantized_layers.items():
             key = quantized_key(prefix)
             packed_rows, out_features = expected[key][1:]
-            in_features = packed_rows * (2 if scheme.bits == 4 else 1)
+            in_features = packed_rows * (2 if scheme.bits == 4 else 1)  # int4: two rows a byte
             for part, array in convert(prefix, tensors, scheme, in_features, out_features, dtype).items():
                 offer(f"{prefix}.paged_{part}", lambda array=array: array)
     missing = [".".join(k) for k in expected if _get(params, k) is None and _get_layer0(params, k) is None]
@@ -250,6 +251,37 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
     instance = cls(config, np_dtype, linear_backend=linear_backend)
     params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers, mesh)
     return model_dir, config, instance, params, np_dtype
+
+
+class _WithFloat8:
+    """A safetensors handle that also reads float8 tensors (F8_E4M3, F8_E5M2), which safetensors' numpy
+    backend cannot name: their bytes are mapped from the file and viewed as ml_dtypes' float8 types."""
+
+    _FLOAT8 = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+    def __init__(self, handle, path: str):
+        self._handle, self._path = handle, path
+        self._header: dict | None = None
+
+    def keys(self):
+        return self._handle.keys()
+
+    def get_tensor(self, name: str) -> np.ndarray:
+        header = self._read_header()
+        entry = header.get(name, {})
+        if entry.get("dtype") not in self._FLOAT8:
+            return self._handle.get_tensor(name)
+        start, end = entry["data_offsets"]
+        raw = np.memmap(self._path, np.uint8, "r", offset=self._data_start + start, shape=(end - start,))
+        return np.array(raw).view(self._FLOAT8[entry["dtype"]]).reshape(entry["shape"])
+
+    def _read_header(self) -> dict:
+        if self._header is None:
+            with open(self._path, "rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                self._header = json.loads(f.read(size))
+            self._data_start = 8 + size
+        return self._header
 
 
 def _quantization_config(model_dir: str) -> dict | None:

@@ -10,6 +10,11 @@ Whatever the checkpoint (GPTQ, AWQ, or a float one quantized online), a quantize
                   contiguous; the layer reads x[..., perm] (GPTQ's desc_act, where g_idx is not sorted)
 Groups are `group_size` consecutive input rows (group_size == in: one scale per output channel).
 
+float8 weights (HF "fp8" checkpoints, online fp8) hold instead:
+    qweight       float8_e4m3fn [in, out]
+    scales        float32 [in / group_size, out / block_out]: one per block of group_size x block_out weights
+                  (128 x 128 in the FP8 releases, in x 1 per output channel online); W = qweight * scale
+
 The checkpoint formats convert to it once, on the host, at load time (models/quantized_checkpoints.py); the
 matmul dequantizes inside the jitted step (`dequantize`), so weights stay quantized in memory.
 """
@@ -38,6 +43,8 @@ class WeightQuant:
     group_size: int
     act_order: bool = False
     method: str = "int8"
+    kind: str = "int"  # or "float8" (e4m3 codes, block scales, no zero points)
+    block_out: int = 1  # float8: output columns per scale
 
     def num_groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else in_features // self.group_size
@@ -45,8 +52,11 @@ class WeightQuant:
     def group_rows(self, in_features: int) -> int:
         return in_features if self.group_size == -1 else self.group_size
 
-    def check(self, in_features: int, name: str) -> None:
-        """Raises ValueError when `in_features` cannot be split into this scheme's groups (or nibble pairs)."""
+    def check(self, in_features: int, name: str, out_features: int | None = None) -> None:
+        """Raises ValueError when the layer cannot be split into this scheme's groups (or nibble pairs)."""
+        if out_features is not None and out_features % self.block_out:
+            raise ValueError(f"{name}: weight block of {self.block_out} output columns ({self.method}) does not "
+                             f"divide the output dimension {out_features}")
         if self.group_size != -1 and in_features % self.group_size:
             raise ValueError(f"{name}: group_size {self.group_size} ({self.method}) does not divide the input "
                              f"dimension {in_features}")
@@ -56,6 +66,9 @@ class WeightQuant:
     def param_shapes(self, in_features: int, out_features: int) -> dict[str, tuple[tuple[int, ...], str]]:
         """name -> (shape, dtype name or "compute") of the layer's parameters."""
         groups = self.num_groups(in_features)
+        if self.kind == "float8":
+            return {"qweight": ((in_features, out_features), "float8_e4m3fn"),
+                    "scales": ((groups, out_features // self.block_out), "float32")}
         qweight = ((in_features, out_features), "int8") if self.bits == 8 else \
             ((in_features // 2, out_features), "uint8")
         shapes = {"qweight": qweight, "scales": ((groups, out_features), "compute"),
@@ -78,6 +91,13 @@ def dequantize(qweight: jax.Array, scales: jax.Array, zero_offsets: jax.Array, b
     return (q * scales[:, None, :] - zero_offsets[:, None, :]).reshape(-1, out)
 
 
+def dequantize_float8(qweight: jax.Array, scales: jax.Array, dtype) -> jax.Array:
+    """The float kernel [in, out] in `dtype` of float8 codes [in, out] and block scales [in / bi, out / bo]."""
+    (rows, cols), (row_blocks, col_blocks) = qweight.shape, scales.shape
+    q = qweight.astype(jnp.float32).reshape(row_blocks, rows // row_blocks, col_blocks, cols // col_blocks)
+    return (q * scales[:, None, :, None]).reshape(rows, cols).astype(dtype)
+
+
 # ---- host-side packing into the layout (numpy) ----------------------------------------------------------
 
 def pack(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, bits: int, dtype,
@@ -98,6 +118,15 @@ def pack(q: np.ndarray, zeros: np.ndarray, scales: np.ndarray, bits: int, dtype,
     if perm is not None:
         out["perm"] = perm.astype(np.int32)
     return out
+
+
+def quantize_per_channel_float8(kernel: np.ndarray) -> dict[str, np.ndarray]:
+    """Online fp8 (vLLM's quantization="fp8" on a float checkpoint, weights per output channel): e4m3 codes of
+    kernel / scale, scale = max |column| / 448 (e4m3's largest finite value), rounded to nearest."""
+    import ml_dtypes
+    w = kernel.astype(np.float32)
+    scales = np.maximum(np.abs(w).max(axis=0, keepdims=True), np.finfo(np.float32).tiny) / 448.0
+    return {"qweight": (w / scales).astype(ml_dtypes.float8_e4m3fn), "scales": scales.astype(np.float32)}
 
 
 def quantize_per_channel_int8(kernel: np.ndarray, dtype) -> dict[str, np.ndarray]:

@@ -14,18 +14,29 @@ Formats, as their producers write them (the unpacking follows each format's publ
   signed code q; weight_scale [out, groups]; weight_zero_point int32 [out * bits / 32, groups] (asymmetric
   only), packed along the output dimension with the same offset; weight_shape [out, in].
   W = (q - zero_point) * scale.
-- online int8 (`quantization="int8"` on a float checkpoint): symmetric, one scale per output channel.
+- HF "fp8" (`quant_method: fp8`, the FP8 releases of Qwen3 and DeepSeek): weight float8_e4m3fn [out, in] and
+  weight_scale_inv float32 [out / 128, in / 128] (`weight_block_size`), W = weight * weight_scale_inv per block.
+  Activations stay in the compute dtype here (weight-only); vLLM's fp8 GEMMs also quantize them per token group.
+- online int8 / fp8 (`quantization="int8"` or `"fp8"` on a float checkpoint): symmetric, one scale per output
+  channel.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from models.quantization import QUANT_BITS, WeightQuant, pack, quantize_per_channel_int8
+from models.quantization import (QUANT_BITS, WeightQuant, pack, quantize_per_channel_float8,
+                                 quantize_per_channel_int8)
 
 QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx",  # GPTQ, AWQ
-                  "weight_packed", "weight_scale", "weight_zero_point", "weight_shape")  # compressed-tensors
-ONLINE_METHODS = ("int8",)
+                  "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",  # compressed-tensors
+                  "weight_scale_inv")  # HF fp8 (its codes are `weight`: see quantized_suffixes)
+ONLINE_METHODS = ("int8", "fp8")  # what quantization= may ask of a float checkpoint
+
+
+def is_online(scheme: WeightQuant) -> bool:
+    """Quantized from float weights while loading (not read from a quantized checkpoint)."""
+    return scheme.method in ("int8", "fp8-online")
 _AWQ_REORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # column c of an 8-column word sits in nibble _AWQ_REORDER[c]
 
 
@@ -39,17 +50,20 @@ def weight_quant(quantization_config: dict | None, requested: str | None, *, is_
     if quantization_config is None:
         if requested is None:
             return None
-        if requested in ONLINE_METHODS:
-            scheme = WeightQuant(bits=8, group_size=-1, method=requested)
+        if requested == "int8":
+            scheme = WeightQuant(bits=8, group_size=-1, method="int8")
+        elif requested == "fp8":
+            scheme = WeightQuant(bits=8, group_size=-1, method="fp8-online", kind="float8")
         elif requested in ("gptq", "awq", "compressed-tensors"):
             raise ValueError(f"quantization={requested!r} needs a checkpoint quantized that way; this one has no "
                              "quantization_config in its config.json")
         else:
             raise NotImplementedError(f"quantization={requested!r} is not implemented (online methods: "
-                                      f"{', '.join(ONLINE_METHODS)}; checkpoint formats: gptq, awq)")
+                                      f"{', '.join(ONLINE_METHODS)}; checkpoint formats: gptq, awq, "
+                                      "compressed-tensors, fp8)")
     else:
         method = str(quantization_config.get("quant_method", "")).lower()
-        if requested is not None and requested != method:
+        if requested is not None and requested != method:  # (fp8 names both the online method and this format)
             raise ValueError(f"quantization={requested!r} does not match the checkpoint's "
                              f"quantization_config.quant_method={method!r}")
         scheme = _checkpoint_scheme(quantization_config, method)
@@ -61,11 +75,13 @@ def weight_quant(quantization_config: dict | None, requested: str | None, *, is_
 def _checkpoint_scheme(config: dict, method: str) -> WeightQuant:
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(config)
+    if method == "fp8":
+        return _fp8_scheme(config)
     bits = config.get("bits", config.get("w_bit"))
     group_size = config.get("group_size", config.get("q_group_size", -1))
     if method not in ("gptq", "awq"):
         raise NotImplementedError(f"quantization_config.quant_method={method!r} is not implemented yet "
-                                  "(implemented: gptq, awq, compressed-tensors)")
+                                  "(implemented: gptq, awq, compressed-tensors, fp8)")
     if bits not in QUANT_BITS or (method == "awq" and bits != 4):
         raise NotImplementedError(f"quantization_config.bits={bits!r} is not implemented for {method} "
                                   f"(implemented: {'4' if method == 'awq' else '4, 8'})")
@@ -126,9 +142,31 @@ def _compressed_tensors_scheme(config: dict) -> WeightQuant:
     return WeightQuant(bits=bits, group_size=group_size, method="compressed-tensors")
 
 
+def _fp8_scheme(config: dict) -> WeightQuant:
+    if config.get("activation_scheme", "dynamic") != "dynamic":
+        raise NotImplementedError(f"quantization_config.activation_scheme={config['activation_scheme']!r} is not "
+                                  "implemented (implemented: dynamic, run weight-only)")
+    fmt = str(config.get("fmt", "e4m3")).lower()
+    if fmt != "e4m3":
+        raise NotImplementedError(f"quantization_config.fmt={fmt!r} is not implemented (implemented: e4m3)")
+    block = config.get("weight_block_size")
+    if block is None:
+        raise NotImplementedError("quantization_config.weight_block_size=None (per-tensor fp8 scales) is not "
+                                  "implemented yet (implemented: block scales)")
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"quantization_config.weight_block_size must be [out, in] block sizes, got {block!r}")
+    return WeightQuant(bits=8, group_size=block[1], method="fp8", kind="float8", block_out=block[0])
+
+
+def quantized_suffixes(scheme: WeightQuant) -> tuple[str, ...]:
+    """Suffixes of a quantized layer's checkpoint tensors, which the loader gathers for `convert`."""
+    return (*QUANT_SUFFIXES, "weight") if scheme.method == "fp8" else QUANT_SUFFIXES
+
+
 def quantize_online(kernel: np.ndarray, scheme: WeightQuant, dtype) -> dict[str, np.ndarray]:
-    """A float kernel [in, out] in the layout (only int8 is online today)."""
-    assert scheme.method == "int8", scheme
+    """A float kernel [in, out] in the layout (int8, or fp8 per output channel)."""
+    if scheme.kind == "float8":
+        return quantize_per_channel_float8(kernel)
     return quantize_per_channel_int8(kernel, dtype)
 
 
@@ -138,9 +176,11 @@ def convert(prefix: str, tensors: dict[str, np.ndarray], scheme: WeightQuant, in
 
     Raises ValueError naming the tensor and the shape the config implies.
     """
-    scheme.check(in_features, prefix)
+    scheme.check(in_features, prefix, out_features)
     groups = scheme.num_groups(in_features)
     per_word = 32 // scheme.bits
+    if scheme.method == "fp8":
+        return _convert_fp8(prefix, tensors, scheme, in_features, out_features, groups)
     if scheme.method == "compressed-tensors":
         return _convert_compressed_tensors(prefix, tensors, scheme, in_features, out_features, groups, dtype)
     if scheme.method == "awq":
@@ -184,6 +224,23 @@ def convert(prefix: str, tensors: dict[str, np.ndarray], scheme: WeightQuant, in
     elif scheme.act_order:
         perm = np.arange(in_features)
     return pack(q, zeros, scales, scheme.bits, dtype, perm)
+
+
+def _convert_fp8(prefix, tensors, scheme, in_features, out_features, groups):
+    import ml_dtypes
+    expected = {"weight": (out_features, in_features),
+                "weight_scale_inv": (out_features // scheme.block_out, groups)}
+    for suffix, shape in expected.items():
+        if suffix not in tensors:
+            raise ValueError(f"checkpoint lacks {prefix}.{suffix} (fp8, expected shape {shape})")
+        if tuple(tensors[suffix].shape) != shape:
+            raise ValueError(f"checkpoint tensor {prefix}.{suffix} has shape {tuple(tensors[suffix].shape)}; fp8 "
+                             f"with weight_block_size [{scheme.block_out}, {scheme.group_rows(in_features)}] and "
+                             f"this config implies {shape}")
+    weight = tensors["weight"]
+    if weight.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
+        raise ValueError(f"checkpoint tensor {prefix}.weight is {weight.dtype}; fp8 checkpoints hold float8_e4m3fn")
+    return {"qweight": np.ascontiguousarray(weight.T), "scales": tensors["weight_scale_inv"].astype(np.float32).T}
 
 
 def _convert_compressed_tensors(prefix, tensors, scheme, in_features, out_features, groups, dtype):

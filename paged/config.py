@@ -69,9 +69,9 @@ class EngineConfig:
     # tokens. Models trained to write compact JSON lose nothing; random or weak models cannot loop on blanks.
     structured_outputs_disable_any_whitespace: bool = _option(
         False, "JSON constraints allow no whitespace between tokens (requests may also ask for it)")
-    quantization: str | None = _option(None, "quantize online (int8: weight-only, per output channel) or check "
-                                             "the checkpoint's own quantization_config (gptq, awq); default: "
-                                             "the checkpoint's")
+    quantization: str | None = _option(None, "quantize online (int8 or fp8: weight-only, per output channel) or "
+                                             "check the checkpoint's own quantization_config (gptq, awq, "
+                                             "compressed-tensors, fp8); default: the checkpoint's")
 
     def validate(self) -> None:
         def check(ok: bool, message: str) -> None:

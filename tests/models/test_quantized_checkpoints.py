@@ -291,3 +291,66 @@ def test_compressed_tensors_activation_quantization_is_refused_by_name(float_dir
     (out / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
     with pytest.raises(NotImplementedError, match=r"config_groups\.group_0\.input_activations"):
         LLM(str(out), show_progress=False)
+
+
+def _write_fp8(float_dir, out_dir, ref_dir, block):
+    """An HF "fp8" checkpoint (float8_e4m3fn weights, weight_scale_inv per [out, in] block), written with torch's
+    float8 dtype as the FP8 releases are, and the float checkpoint of the weights it decodes to."""
+    import ml_dtypes
+    import torch
+    from safetensors.torch import save_file as save_torch
+    for d in (out_dir, ref_dir):
+        shutil.copytree(float_dir, d, dirs_exist_ok=True)
+    weights = load_file(os.path.join(float_dir, "model.safetensors"))
+    packed, reference = {}, {}
+    for name, w in weights.items():
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR:
+            out_f, in_f = w.shape
+            blocks = np.abs(w).reshape(out_f // block[0], block[0], in_f // block[1], block[1]).max(axis=(1, 3))
+            scale = (blocks / 448.0).astype(np.float32)
+            full = np.repeat(np.repeat(scale, block[0], 0), block[1], 1)
+            codes = (w / full).astype(ml_dtypes.float8_e4m3fn)
+            packed[name] = torch.from_numpy(np.ascontiguousarray(codes).view(np.uint8)).view(torch.float8_e4m3fn)
+            packed[name[:-len("weight")] + "weight_scale_inv"] = torch.from_numpy(scale)
+            reference[name] = torch.from_numpy((codes.astype(np.float32) * full).astype(np.float32))
+        else:
+            packed[name] = reference[name] = torch.from_numpy(np.ascontiguousarray(w))
+    save_torch(packed, os.path.join(out_dir, "model.safetensors"))
+    save_torch(reference, os.path.join(ref_dir, "model.safetensors"))
+    config = json.loads(open(os.path.join(float_dir, "config.json")).read())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                                     "weight_block_size": list(block)}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f)
+    return out_dir, ref_dir
+
+
+def test_fp8_block_checkpoints_match_transformers_on_the_dequantized_weights(float_dir, tmp_path):
+    quantized, reference = _write_fp8(float_dir, tmp_path / "q", tmp_path / "ref", (32, 16))
+    tokens, engine = _greedy(str(quantized))
+    assert tokens == hf_greedy(str(reference), PROMPTS, 12)
+    assert engine.model_config.weight_quant.kind == "float8" and engine.weight_bytes["float8_e4m3fn"] > 0
+
+
+def test_online_fp8_matches_per_channel_e4m3(float_dir, tmp_path):
+    import ml_dtypes
+    ref = tmp_path / "ref"
+    shutil.copytree(float_dir, ref)
+    weights = load_file(os.path.join(float_dir, "model.safetensors"))
+    for name, w in weights.items():
+        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR:
+            scale = (np.abs(w).max(axis=1, keepdims=True) / 448.0).astype(np.float32)  # per output row of [out, in]
+            weights[name] = ((w / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale).astype(np.float32)
+    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.path.join(ref, "model.safetensors"))
+    tokens, engine = _greedy(float_dir, quantization="fp8")
+    assert tokens == hf_greedy(str(ref), PROMPTS, 12)
+    assert engine.model_config.weight_quant.method == "fp8-online"
+
+
+def test_fp8_with_static_activation_scales_is_refused(float_dir, tmp_path):
+    quantized, _ = _write_fp8(float_dir, tmp_path / "q", tmp_path / "ref", (32, 16))
+    config = json.loads((quantized / "config.json").read_text())
+    config["quantization_config"]["activation_scheme"] = "static"
+    (quantized / "config.json").write_text(json.dumps(config))
+    with pytest.raises(NotImplementedError, match="activation_scheme='static'"):
+        LLM(str(quantized), show_progress=False)

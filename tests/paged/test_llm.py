@@ -194,7 +194,7 @@ def test_missing_model_and_unsupported_architecture(tmp_path, tiny_model_dir):
 
 def test_not_yet_implemented_options_say_so(tiny_model_dir):
     with pytest.raises(NotImplementedError):
-        LLM(tiny_model_dir, show_progress=False, quantization="fp8")  # online fp8: not yet
+        LLM(tiny_model_dir, show_progress=False, quantization="bitsandbytes")
     # Tensor parallelism exists (tests/paged/test_tensor_parallel.py); here there is one device for it.
     with pytest.raises(ValueError, match="tensor_parallel_size=2 needs 2 devices; found 1"):
         LLM(tiny_model_dir, show_progress=False, tensor_parallel_size=2)
