@@ -143,9 +143,10 @@ def quantized_matmul(backend: str, x: jax.Array, params: dict[str, jax.Array], b
                      live_rows: jax.Array | None, out_dtype: Any) -> jax.Array:
     """x [..., K] @ the quantized kernel (models/quantization.py's layout), in `out_dtype` (default x's).
 
-    With the native CPU backend, per-channel int8 weights (one group) at decode sizes go to the native matmul
-    as int8, so a step reads one byte per weight: y = scale * (x @ q) - zero_offset * sum(x). Everything else
-    dequantizes the kernel in the step and runs the backend's float matmul.
+    With the native CPU backend, int8 and int4 codes go to the native quantized matmul as they are stored, so a
+    step reads one byte (or half of one) per weight: y = x @ (codes * scales) - (x's sums per group) @
+    zero_offsets. Layers it cannot take (N not a multiple of 64, groups that do not fit its 128-row blocks) and
+    other backends dequantize the kernel in the step and run the float matmul.
     """
     if "zero_offsets" not in params:  # float8 codes with block scales
         return linear_backend(backend)(x, dequantize_float8(params["qweight"], params["scales"], x.dtype),
@@ -154,12 +155,14 @@ def quantized_matmul(backend: str, x: jax.Array, params: dict[str, jax.Array], b
     rows = 1
     for size in x.shape[:-1]:
         rows *= size
-    if (backend == "cpu" and bits == 8 and scales.shape[0] == 1 and qweight.shape[1] % 64 == 0
-            and 0 < rows <= cpu.MATMUL_MAX_ROWS["int8"] and cpu.matmul_is_vectorized("int8")):
-        x32 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
-        acc = cpu.matmul_cpu(x32, qweight, live_rows)
-        y = acc * scales.astype(jnp.float32) - jnp.sum(x32, axis=-1, keepdims=True) * offsets.astype(jnp.float32)
-        return y.reshape(*x.shape[:-1], qweight.shape[1]).astype(out_dtype or x.dtype)
+    in_features, (groups, out_features) = x.shape[-1], scales.shape
+    if (backend == "cpu" and 0 < rows <= cpu.MATMUL_MAX_ROWS["int8"]
+            and cpu.quant_matmul_takes(in_features, out_features, groups, bits)):
+        x32 = x.reshape(rows, in_features).astype(jnp.float32)
+        y = cpu.quant_matmul_cpu(x32, qweight, scales.astype(jnp.float32), live_rows)
+        group_sums = x32.reshape(rows, groups, in_features // groups).sum(axis=-1)  # [rows, G]
+        y = y - jnp.dot(group_sums, offsets.astype(jnp.float32), preferred_element_type=jnp.float32)
+        return y.reshape(*x.shape[:-1], out_features).astype(out_dtype or x.dtype)
     kernel = dequantize(qweight, scales, offsets, bits)
     return linear_backend(backend)(x, kernel, live_rows, out_dtype)
 

@@ -34,6 +34,7 @@ _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SO
 _HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h")
 _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
+_QUANT_MATMUL_TARGET = "quant_matmul_cpu"
 _KV_WRITE_TARGET = "write_kv_cpu"
 _COPY_BLOCKS_TARGET = "copy_blocks_cpu"
 _SCATTER_BLOCKS_TARGET = "scatter_blocks_cpu"
@@ -93,7 +94,8 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
         jax.ffi.register_ffi_target(f"{_MATMUL_TARGET}{target[len(_TARGET):]}",
                                     jax.ffi.pycapsule(library.MatmulCpu), platform="cpu")
         for name, symbol in ((_KV_WRITE_TARGET, library.WriteKvCpu), (_COPY_BLOCKS_TARGET, library.CopyBlocksCpu),
-                             (_SCATTER_BLOCKS_TARGET, library.ScatterBlocksCpu)):
+                             (_SCATTER_BLOCKS_TARGET, library.ScatterBlocksCpu),
+                             (_QUANT_MATMUL_TARGET, library.QuantMatmulCpu)):
             jax.ffi.register_ffi_target(f"{name}{target[len(_TARGET):]}", jax.ffi.pycapsule(symbol), platform="cpu")
         if target == _TARGET:
             _VECTORIZED_MATMUL.update(float32=bool(library.MatmulCpuIsVectorized()),
@@ -252,6 +254,39 @@ def matmul_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = N
         raise ValueError(f"live_rows must be an integer scalar; got {live.dtype}{list(live.shape)}")
     call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
     return call(x, w, live.astype(jnp.int32))
+
+
+def quant_matmul_cpu(x: jax.Array, w: jax.Array, scales: jax.Array, live_rows: jax.Array | int | None = None, *,
+                     _target: str = _QUANT_MATMUL_TARGET) -> jax.Array:
+    """x [M, K] @ (codes * per-group scales) by the native kernel, float32 [M, N] (zero points: the caller's).
+
+    x: float32 [M, K]. w: int8 codes [K, N], or uint8 [K / 2, N] holding int4 codes + 8 (rows 2i and 2i + 1 in
+    the low and high nibble). scales: float32 [G, N], G dividing K, K / G a multiple or a divisor of 128 (even
+    for int4). live_rows: as for `matmul_cpu`.
+    """
+    _require_kernels()
+    rows = {jnp.dtype(jnp.int8): x.shape[1], jnp.dtype(jnp.uint8): x.shape[1] // 2}.get(jnp.dtype(w.dtype))
+    if x.ndim != 2 or w.ndim != 2 or scales.ndim != 2 or x.dtype != jnp.float32 or rows is None:
+        raise ValueError(f"expected float32 x [M, K], int8 or uint8 w, scales [G, N]; got {x.dtype}{list(x.shape)}, "
+                         f"{w.dtype}{list(w.shape)}, {scales.dtype}{list(scales.shape)}")
+    groups = scales.shape[0]
+    if (w.shape[0] != rows or w.shape[1] % 64 or scales.shape[1] != w.shape[1] or x.shape[1] % groups
+            or not _groups_fit(x.shape[1] // groups, w.dtype == jnp.uint8)):
+        raise ValueError(f"quant_matmul_cpu: w {list(w.shape)} and scales {list(scales.shape)} do not fit x "
+                         f"{list(x.shape)} (N a multiple of 64; rows per group a multiple or divisor of 128)")
+    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
+    call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
+    return call(x, w, scales.astype(jnp.float32), live.astype(jnp.int32))
+
+
+def _groups_fit(group_rows: int, int4: bool) -> bool:
+    return (group_rows % 128 == 0 or 128 % group_rows == 0) and not (int4 and group_rows % 2)
+
+
+def quant_matmul_takes(in_features: int, out_features: int, groups: int, bits: int) -> bool:
+    """Whether `quant_matmul_cpu` takes a layer of this shape (and the build has its fast path)."""
+    return (matmul_is_vectorized("int8") and out_features % 64 == 0 and in_features % groups == 0
+            and _groups_fit(in_features // groups, bits == 4))
 
 
 def matmul_is_vectorized(dtype="float32") -> bool:

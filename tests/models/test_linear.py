@@ -90,28 +90,30 @@ def test_native_matmul_routes_and_matches_xla(monkeypatch, lhs_shape, rhs_shape,
 
 
 @pytest.mark.parametrize("bits, group_size, rows, dtype, native", [
-    (8, -1, 8, jnp.float32, True),      # per-channel int8 at decode size: the native int8 matmul
+    (8, -1, 8, jnp.float32, True),      # per-channel int8 at decode size: the native quantized matmul
     (8, -1, 192, jnp.bfloat16, True),   # bf16 activations go in as float32
     (8, -1, 512, jnp.float32, True),    # prompt-sized too (dequantizing every step costs more)
     (8, -1, 2049, jnp.float32, False),  # past cpu.MATMUL_MAX_ROWS["int8"]: dequantize, then XLA's dot
-    (8, 32, 8, jnp.float32, False),     # grouped scales: dequantized
-    (4, 32, 8, jnp.float32, False),
-    (4, -1, 8, jnp.bfloat16, False),
+    (8, 32, 8, jnp.float32, True),      # grouped scales
+    (4, 32, 8, jnp.float32, True),      # packed int4
+    (4, -1, 8, jnp.bfloat16, True),
+    (4, 24, 8, jnp.float32, False),     # 24-row groups do not fit the 128-row blocks: dequantized
 ])
 def test_quantized_linear_matches_float64_of_the_decoded_weights(monkeypatch, bits, group_size, rows, dtype,
                                                                    native):
     """Against float64 numpy of W = q * scale - zero_offset, decoded here from the layout's description."""
     from models.quantization import WeightQuant
     calls = []
-    real = cpu_kernel.matmul_cpu
-    monkeypatch.setattr(cpu_kernel, "matmul_cpu", lambda *a, **k: calls.append(a[1].dtype) or real(*a, **k))
+    real = cpu_kernel.quant_matmul_cpu
+    monkeypatch.setattr(cpu_kernel, "quant_matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
     rng = np.random.default_rng(bits + rows)
     quant = WeightQuant(bits=bits, group_size=group_size)
+    in_features = 72 if group_size == 24 else 64
     layer = Linear(128, dtype, backend="cpu", quant=quant)
-    x = jnp.asarray(rng.normal(size=(rows, 64)), dtype)
+    x = jnp.asarray(rng.normal(size=(rows, in_features)), dtype)
     shapes = nn.unbox(layer.init(jax.random.key(0), x)["params"])
-    q = rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), size=(64, 128))
-    groups = quant.num_groups(64)
+    q = rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), size=(in_features, 128))
+    groups = quant.num_groups(in_features)
     scales = rng.uniform(0.01, 0.1, size=(groups, 128))
     offsets = rng.uniform(-0.2, 0.2, size=(groups, 128))
     if bits == 8:
@@ -123,10 +125,10 @@ def test_quantized_linear_matches_float64_of_the_decoded_weights(monkeypatch, bi
               "zero_offsets": jnp.asarray(offsets, dtype)}
     assert {k: v.shape for k, v in params.items()} == {k: v.shape for k, v in shapes.items()}
     got = np.asarray(layer.apply({"params": params}, x), np.float64)
-    g = np.arange(64) // quant.group_rows(64)
+    g = np.arange(in_features) // quant.group_rows(in_features)
     w = q * np.asarray(params["scales"], np.float64)[g] - np.asarray(params["zero_offsets"], np.float64)[g]
     want = np.asarray(x, np.float64) @ w
-    assert (jnp.int8 in calls) == (native and cpu_kernel.matmul_is_vectorized("int8"))
+    assert bool(calls) == (native and cpu_kernel.matmul_is_vectorized("int8"))
     tol = 1e-4 if dtype == jnp.float32 else 3e-2  # bf16 rounds x and the result: 2^-8 relative
     np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), rtol=tol)
 
