@@ -190,15 +190,20 @@ inline void widen_scaled_row(__m512i q, const __m512 s[4], float* row) {
 // A block of kc rows of quantized weights, all in one group, widened to float32 times the group's scales
 // (64 floats at `scale`) into `widened`. Bits 8: int8 rows [kc, 64] (stride ldw). Bits 4: kc / 2 rows of
 // packed pairs (low nibble row 2i, high nibble row 2i + 1, each code + 8).
+// `next` (same stride, or null): the block that comes after, whose rows are prefetched one per row widened.
 template <int Bits>
-inline void widen_scaled_block(const uint8_t* w, int64_t ldw, const float* scale, int64_t kc) {
+inline void widen_scaled_block(const uint8_t* w, int64_t ldw, const float* scale, int64_t kc, const uint8_t* next) {
   const __m512 s[4] = {_mm512_loadu_ps(scale), _mm512_loadu_ps(scale + 16), _mm512_loadu_ps(scale + 32),
                        _mm512_loadu_ps(scale + 48)};
   if constexpr (Bits == 8) {
-    for (int64_t k = 0; k < kc; ++k) widen_scaled_row(_mm512_loadu_si512(w + k * ldw), s, widened + k * kPanel);
+    for (int64_t k = 0; k < kc; ++k) {
+      if (next) _mm_prefetch(reinterpret_cast<const char*>(next + k * ldw), _MM_HINT_T0);
+      widen_scaled_row(_mm512_loadu_si512(w + k * ldw), s, widened + k * kPanel);
+    }
   } else {
     const __m512i low4 = _mm512_set1_epi8(0x0F), eight = _mm512_set1_epi8(8);
     for (int64_t i = 0; i < kc / 2; ++i) {
+      if (next) _mm_prefetch(reinterpret_cast<const char*>(next + i * ldw), _MM_HINT_T0);
       const __m512i packed = _mm512_loadu_si512(w + i * ldw);
       const __m512i lo = _mm512_sub_epi8(_mm512_and_si512(packed, low4), eight);
       const __m512i hi = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(packed, 4), low4), eight);
@@ -425,9 +430,14 @@ void quant_panels(const float* x, const uint8_t* w, const float* scales, float* 
   for (int64_t k0 = 0; k0 < K; k0 += block) {
     const int64_t kc = std::min(block, K - k0);
     const float* scale = scales + (k0 / group_rows) * N;
+    const uint8_t* block_rows = w + (Bits == 8 ? k0 : k0 / 2) * N;
     for (int64_t p = p_begin; p < p_end; ++p) {
       const int64_t n0 = p * kPanel;
-      widen_scaled_block<Bits>(w + (Bits == 8 ? k0 : k0 / 2) * N + n0, N, scale + n0, kc);
+      // The next panel's block, or after the last panel the first panel's next block (as panels() does).
+      const uint8_t* next = p + 1 < p_end ? block_rows + n0 + kPanel
+                            : k0 + block < K ? w + (Bits == 8 ? k0 + block : (k0 + block) / 2) * N + p_begin * kPanel
+                                             : nullptr;
+      widen_scaled_block<Bits>(block_rows + n0, N, scale + n0, kc, next);
       float_tiles(x + k0, K, widened, y + n0, N, M, kc, k0 == 0);
     }
   }
