@@ -1,5 +1,6 @@
 """Native CPU kernels as XLA FFI calls: paged attention (`paged_attention.cc`), the K/V write into the pool
-(`kv_write.cc`) and a decode-sized float32 matmul (`matmul.cc`), beside this file.
+(`kv_write.cc`), and the matmuls (`matmul.cc`: decode-sized float32 and bfloat16, and quantized int8/int4
+weights with per-group scales), beside this file.
 
 XLA's CPU code cannot read pages in place: the chunked path (`xla.py`) gathers every chunk of pages into a
 temporary before its matmuls, and that copy plus the loop's per-op cost was 43% of the engine's device time
@@ -225,8 +226,8 @@ def scatter_blocks_cpu(k_cache: jax.Array, v_cache: jax.Array, dst: jax.Array, k
 # bfloat16 (AVX-512 BF16) against XLA's bf16 dot with a float32 result, GFLOP/s on the 0.5B shape's products
 # (896x896, 896x128, 896x4864, 4864x896; 6 of each per call): 8 rows 396 vs 160, 32: 678 vs 388, 64: 763 vs
 # 419, 128: 780 vs 673, 256: 783 vs 776, 384: 627 vs 683 (benchmarks in docs/performance.md).
-# int8 weights (float32 x): the alternative is dequantizing the whole kernel to float32 in every step, so the
-# native call wins at prompt sizes too; on the 30M benchmark model with --quantization int8, prompt steps took
+# Quantized weights (int8 or int4 codes, `quant_matmul_cpu`; the key is "int8"): the alternative is dequantizing
+# the whole kernel to float32 in every step, so the native call wins at prompt sizes too; on the 30M benchmark model with --quantization int8, prompt steps took
 # 0.91 s of device time with it against 1.36 s when steps over 192 rows dequantized for XLA's dot.
 MATMUL_MAX_ROWS = {"float32": 192, "bfloat16": 256, "int8": 2048}
 
