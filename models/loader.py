@@ -114,7 +114,7 @@ def partition_specs(model) -> dict[tuple[str, ...], PartitionSpec]:
 
 
 def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, show_progress: bool = True,
-                stacked_layers: bool = True, mesh=None):
+                stacked_layers: bool = True, mesh=None, kv_head_replicas: int = 1):
     """Reads every tensor the model needs; returns the parameter tree on the default device.
 
     With `stacked_layers=False`, `params["layers"]` is a list of per-layer trees instead of one tree stacked
@@ -122,7 +122,8 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
     copied to the device from views of the host buffer, so neither layout needs the weights twice.
 
     With a `mesh`, each array is split by its partition spec (`partition_specs`) as it goes to the devices:
-    every device receives only its own slice.
+    every device receives only its own slice. `kv_head_replicas` > 1 repeats each KV head of k_proj and v_proj
+    that many times (the config already counts the copies).
     """
     expected_with_dtypes = _expected(model)
     expected = {key: shape for key, (shape, _) in expected_with_dtypes.items()}
@@ -141,6 +142,8 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
         key, index, transpose = target
         index = () if index is None else (index,) if isinstance(index, int) else tuple(index)
         tensor = read().T if transpose else read()
+        if kv_head_replicas > 1 and key[-3:-1] in (("self_attn", "k_proj"), ("self_attn", "v_proj")):
+            tensor = _repeat_kv_heads(tensor, kv_head_replicas, config.head_dim)
         want = expected[key][len(index):]
         if tensor.shape != want:
             raise ValueError(f"checkpoint tensor {name} has shape {tensor.shape} (after transpose: "
@@ -247,10 +250,28 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
         if mesh is not None:
             raise NotImplementedError("quantized models with tensor parallelism are not implemented yet")
         config = dataclasses.replace(config, weight_quant=scheme)
+    replicas = kv_head_replicas(config, mesh)
+    if replicas > 1:  # the model is built with every KV head repeated; the loader repeats k/v_proj to match
+        config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * replicas)
     np_dtype = resolve_dtype(dtype, config)
     instance = cls(config, np_dtype, linear_backend=linear_backend)
-    params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers, mesh)
+    params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers, mesh, replicas)
     return model_dir, config, instance, params, np_dtype
+
+
+def kv_head_replicas(config: ModelConfig, mesh) -> int:
+    """How many devices share each KV head: mesh size / KV heads when there are fewer KV heads than devices."""
+    if mesh is None:
+        return 1
+    size = int(np.prod(list(mesh.shape.values())))
+    return size // config.num_kv_heads if config.num_kv_heads < size else 1
+
+
+def _repeat_kv_heads(tensor: np.ndarray, replicas: int, head_dim: int) -> np.ndarray:
+    """k/v_proj kernel [in, Hkv * D] or bias [Hkv * D] with each head's D columns repeated `replicas` times in
+    place ([h0, h0, h1, h1, ...]): query head h of a group then meets the copy of its own KV head on its device."""
+    heads = tensor.reshape(*tensor.shape[:-1], -1, head_dim)
+    return np.repeat(heads, replicas, axis=-2).reshape(*tensor.shape[:-1], -1)
 
 
 class _WithFloat8:

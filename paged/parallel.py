@@ -4,7 +4,8 @@ The mesh has one axis, `tensor` (models.linear.TENSOR_AXIS), over `tensor_parall
 their Megatron partition specs from `models.linear` (q/k/v and gate/up split their outputs, o and down their
 inputs, embeddings and the LM head the vocabulary; norms replicated); XLA's SPMD partitioner follows them and
 puts the reductions of the row-parallel layers (o_proj, down_proj) in as all-reduces after each of them.
-The KV pool [L, Hkv, blocks, block_size, D] splits over its KV heads; page tables, the step's inputs and the
+The KV pool [L, Hkv, blocks, block_size, D] splits over its KV heads (with fewer KV heads than devices, the
+loader repeats each one so every device holds one: `kv_head_replicas`); page tables, the step's inputs and the
 sampled tokens are replicated, so the host side (scheduler, block manager) is the same as on one device.
 
 Attention kernels are not partitioned by XLA (Pallas and FFI calls are opaque), so `ShardedAttention` runs the
@@ -25,7 +26,9 @@ from models.linear import TENSOR_AXIS
 def make_mesh(tensor_parallel_size: int, num_heads: int, num_kv_heads: int) -> Mesh | None:
     """The mesh for `tensor_parallel_size` devices (None for 1: the single-device path, unchanged).
 
-    Raises ValueError when the size does not divide the query heads or the KV heads, or exceeds the devices.
+    Raises ValueError when the size does not divide the query heads, when it neither divides the KV heads nor
+    is a multiple of them, or when it exceeds the devices. With fewer KV heads than devices, each KV head is
+    replicated over size / num_kv_heads devices (models.loader.load_model: `kv_head_replicas`), as vLLM does.
     """
     size = tensor_parallel_size
     if size == 1:
@@ -36,9 +39,9 @@ def make_mesh(tensor_parallel_size: int, num_heads: int, num_kv_heads: int) -> M
                          f"{', '.join(str(d) for d in devices)}")
     if num_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model's {num_heads} attention heads")
-    if num_kv_heads % size:
-        raise NotImplementedError(f"tensor_parallel_size={size} does not divide the model's {num_kv_heads} KV "
-                                  "heads; replicating KV heads across shards is not implemented yet")
+    if num_kv_heads % size and size % num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={size} neither divides the model's {num_kv_heads} KV heads nor is "
+                         "a multiple of them (then each KV head would be replicated over size / KV heads devices)")
     return Mesh(np.asarray(devices[:size]), (TENSOR_AXIS,), axis_types=(AxisType.Auto,))
 
 

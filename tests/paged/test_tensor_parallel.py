@@ -79,6 +79,17 @@ def test_tensor_parallel_gives_the_tokens_of_one_device(model_dir, backend):
     assert one["kv_shard_heads"] == [4]
 
 
+def test_fewer_kv_heads_than_devices_replicates_them(tmp_path):
+    """MQA (1 KV head) over 2 and 4 devices: each device holds a copy of the KV head (as vLLM replicates them)
+    and the tokens are one device's."""
+    mqa = create_tiny_llama(str(tmp_path / "mqa"), num_heads=4, num_kv_heads=1, hidden_size=64, num_layers=2)
+    results = _run(mqa, "cpu", [1, 2, 4])
+    for size in (2, 4):
+        assert results[size]["tokens"] == results[1]["tokens"], size
+        assert results[size]["logprobs"] == pytest.approx(results[1]["logprobs"], abs=2e-3)
+        assert results[size]["kv_shard_heads"] == [1] * size
+
+
 def test_sizes_that_do_not_fit_are_clear_errors(model_dir):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     script = ("import sys\nfrom paged import LLM\n"
