@@ -101,7 +101,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
         if target == _TARGET:
             _VECTORIZED_MATMUL.update(float32=bool(library.MatmulCpuIsVectorized()),
                                       bfloat16=bool(library.MatmulCpuBf16IsVectorized()),
-                                      int8=bool(library.MatmulCpuInt8IsVectorized()))
+                                      int8=bool(library.QuantMatmulCpuIsVectorized()))
     except Exception as error:  # noqa: BLE001 - any failure means "use the XLA path", reported by available()
         return f"{type(error).__name__}: {error}"
     return None
@@ -236,18 +236,15 @@ def matmul_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = N
                _target: str = _MATMUL_TARGET) -> jax.Array:
     """x [M, K] @ w [K, N] by the native kernel, accumulated and returned in float32; N must be a multiple of 64.
 
-    x, w: both float32, or both bfloat16 (then K even: the AVX-512 BF16 path multiplies pairs of k), or x
-      float32 and w int8 (quantized weights: the result is x @ w.astype(float32); scales are the caller's).
+    x, w: both float32, or both bfloat16 (then K even: the AVX-512 BF16 path multiplies pairs of k).
     live_rows: int32 scalar (may be traced); only rows [0, live_rows) are computed and the rest of the result
       is zeros (rows past a step's real tokens are padding). None: all M.
     """
     _require_kernels()
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[0] or w.shape[1] % 64:
         raise ValueError(f"expected x [M, K] and w [K, N] with N a multiple of 64; got {x.shape} and {w.shape}")
-    if (x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16)) and not (
-            x.dtype == jnp.float32 and w.dtype == jnp.int8):
-        raise ValueError("matmul_cpu takes two float32 or two bfloat16 operands, or float32 x and int8 w; got "
-                         f"{x.dtype} and {w.dtype}")
+    if x.dtype != w.dtype or x.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"matmul_cpu takes two float32 or two bfloat16 operands; got {x.dtype} and {w.dtype}")
     if x.dtype == jnp.bfloat16 and x.shape[1] % 2:
         raise ValueError(f"matmul_cpu in bfloat16 needs an even K; got x {x.shape}")
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)

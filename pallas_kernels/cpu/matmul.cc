@@ -1,5 +1,6 @@
-// Decode-sized matmul y[M, N] = x[M, K] @ w[K, N] on the CPU, as an XLA FFI custom call: float32, bfloat16
-// operands, or float32 x with int8 weights (weight-only quantization), with float32 accumulation and result.
+// Decode-sized matmul y[M, N] = x[M, K] @ w[K, N] on the CPU, as an XLA FFI custom call: float32 or bfloat16
+// operands with float32 accumulation and result; and the quantized matmul (int8 or int4 codes with per-group
+// scales, QuantMatmulCpu, at the end of this file).
 //
 // Why: XLA's CPU dot (YNNPACK) runs the decode steps' matmuls (M = 8-64 rows against the weights) at about
 // 63% of its large-matmul rate whatever M is; in the CPU benchmark those matmuls are most of the step.
@@ -14,13 +15,9 @@
 // (x[m, k], x[m, k+1]) is one 32-bit broadcast, as x is row-major. The weights stay [K, N] as loaded, at half
 // the bytes per decode step. XLA's own bf16 dot (f32 result) is 206 GFLOP/s at 8 rows on the benchmark CPU.
 //
-// int8 weights: each 64-byte row of a panel is widened to float32 in registers (vpmovsxbd, vcvtdq2ps) and
-// multiplied as float32 weights are; the caller applies the per-channel scales and zero offsets to y. A
-// decode step then reads one byte per weight instead of four (float32) or two (bfloat16).
-//
 // Contract:
 //   x     [M, K]  float32, or bfloat16 (then K even) (row-major)
-//   w     [K, N]  x's dtype, or int8 when x is float32; N a multiple of 64
+//   w     [K, N]  x's dtype, N a multiple of 64
 //   live  []      int32: rows [0, live) are computed, rows [live, M) of y are zeros. A step's products are
 //                 padded to a bucket of rows; the padding is 8-12% of the rows of its compute-bound decode
 //                 steps on the benchmark workload, and skipping it leaves every live row's result as it was
@@ -32,7 +29,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -50,7 +46,7 @@ constexpr int64_t kPanel = 64;       // columns per panel: four 16-float vectors
 // Panel rows per block, read once from memory and kept in L1 across row tiles: 128 float32 rows or 256
 // bfloat16 rows, 32 KB either way. (bf16 blocks of 128 rows moved y's partial sums twice as often: 64 rows
 // ran at 709 against 799 GFLOP/s, 256 rows at 745 against 820; 512-row blocks were no faster.)
-// int8 blocks are 128 rows too (8 KB): widened to float32 for several row tiles, a block is 32 KB again.
+// Quantized blocks are 128 rows too: widened to float32 into an L1 buffer, a block is 32 KB again.
 template <typename T>
 constexpr int64_t kBlockK = 128;
 template <>
@@ -60,7 +56,6 @@ constexpr int64_t kBlockK<int8_t> = 128;
 
 inline float to_float(float v) { return v; }
 inline float to_float(uint16_t v) { return paged::bf16_to_float(v); }
-inline float to_float(int8_t v) { return static_cast<float>(v); }
 
 #if defined(__AVX512F__)
 // Rows [0, rows) of `next` (stride ldw) for a tile to prefetch: its share of the next block's weights, so
@@ -106,37 +101,9 @@ inline void micro_tile(const float* x, int64_t ldx, const float* w, int64_t ldw,
     for (int c = 0; c < 4; ++c) _mm512_storeu_ps(y + r * ldy + c * 16, acc[r][c]);
 }
 
-// int8 weights, float32 x: as above, each weight row's 64 bytes widened to four float32 vectors.
-template <int MR>
-inline void micro_tile(const float* x, int64_t ldx, const int8_t* w, int64_t ldw, float* y, int64_t ldy,
-                       int64_t kc, bool first, Ahead<int8_t> ahead) {
-  const int64_t stride = ahead.rows ? std::max<int64_t>(1, kc / ahead.rows) : kc + 1;
-  int64_t next_row = 0;
-  __m512 acc[MR][4];
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(y + r * ldy + c * 16);
-  for (int64_t k = 0; k < kc; ++k) {
-    const int8_t* wk = w + k * ldw;
-    if (k % stride == 0 && next_row < ahead.rows) prefetch_row(ahead.next + next_row++ * ldw);
-    const __m512i q = _mm512_loadu_si512(wk);
-    const __m512 b0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(q)));
-    const __m512 b1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 1)));
-    const __m512 b2 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 2)));
-    const __m512 b3 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 3)));
-    for (int r = 0; r < MR; ++r) {
-      const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
-      acc[r][0] = _mm512_fmadd_ps(a, b0, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(a, b1, acc[r][1]);
-      acc[r][2] = _mm512_fmadd_ps(a, b2, acc[r][2]);
-      acc[r][3] = _mm512_fmadd_ps(a, b3, acc[r][3]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < 4; ++c) _mm512_storeu_ps(y + r * ldy + c * 16, acc[r][c]);
-}
-// int8 weights with several row tiles: the block [kc, 64] is widened to float32 once, into a buffer that
-// stays in L1 (`widened`), and every tile runs the float32 tile on it (widening per tile repeated the conversion M / 6
-// times: 192-row products ran at 302 GFLOP/s against 386 for XLA's dot on the dequantized weights).
+// Quantized weights: each block [kc, 64] is widened to float32 once, into a buffer that stays in L1 (`widened`),
+// and every row tile runs the float32 tile on it (widening inside each tile repeated the conversion M / 6 times:
+// 192-row products ran at 302 GFLOP/s against 386 for XLA's dot on the dequantized weights).
 template <int MR>
 inline void float_tile(const float* x, int64_t ldx, const float* w, float* y, int64_t ldy, int64_t kc, bool first) {
   micro_tile<MR>(x, ldx, w, kPanel, y, ldy, kc, first, Ahead<float>{});
@@ -160,22 +127,6 @@ inline void float_tiles(const float* x, int64_t ldx, const float* buffer, float*
 }
 
 alignas(64) static thread_local float widened[kBlockK<int8_t> * kPanel];
-
-inline void widened_tiles(const float* x, int64_t ldx, const int8_t* w, int64_t ldw, float* y, int64_t ldy,
-                          int64_t M, int64_t kc, bool first, Ahead<int8_t> ahead) {
-  const int64_t stride = ahead.rows ? std::max<int64_t>(1, kc / ahead.rows) : kc + 1;
-  int64_t next_row = 0;
-  for (int64_t k = 0; k < kc; ++k) {
-    if (k % stride == 0 && next_row < ahead.rows) prefetch_row(ahead.next + next_row++ * ldw);
-    const __m512i q = _mm512_loadu_si512(w + k * ldw);
-    float* row = widened + k * kPanel;
-    _mm512_store_ps(row, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_castsi512_si128(q))));
-    _mm512_store_ps(row + 16, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 1))));
-    _mm512_store_ps(row + 32, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 2))));
-    _mm512_store_ps(row + 48, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(q, 3))));
-  }
-  float_tiles(x, ldx, widened, y, ldy, M, kc, first);
-}
 
 // Row `q` (64 int8 codes) times the panel's 64 scales `s`, into `row`.
 inline void widen_scaled_row(__m512i q, const __m512 s[4], float* row) {
@@ -275,7 +226,8 @@ inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_
 }
 #endif
 
-// Whether this build has the register-blocked path for weights of type T (else the plain loop below runs).
+// Whether this build has the register-blocked path for weights of type T (else the plain loops run; int8 stands
+// for the quantized matmul).
 template <typename T>
 constexpr bool kVectorized = false;
 #if defined(__AVX512F__)
@@ -319,12 +271,6 @@ void panels(const X* x, const T* w, float* y, int64_t M, int64_t K, int64_t N, i
           const int64_t begin = std::min(next_rows, tile * per_tile);
           return Ahead<T>{next + begin * N, std::min(next_rows, begin + per_tile) - begin};
         };
-        if constexpr (std::is_same_v<T, int8_t>) {
-          if (tiles > 1) {  // several row tiles share the block: widen it once, then run the float32 tiles
-            widened_tiles(x + k0, K, wp, N, y + n0, N, M, kc, first, Ahead<int8_t>{next, next_rows});
-            continue;
-          }
-        }
         int64_t m0 = 0;
         for (; m0 + 6 <= M; m0 += 6)
           micro_tile<6>(x + m0 * K + k0, K, wp, N, y + m0 * N + n0, N, kc, first, ahead(m0 / 6));
@@ -385,9 +331,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wd[1] % kPanel)
     return ffi::Error::InvalidArgument("matmul_cpu: expected x [M, K] and w [K, N] with N a multiple of 64");
   if (live.element_count() != 1) return ffi::Error::InvalidArgument("matmul_cpu: expected a scalar live row count");
-  const bool int8_weights = x.element_type() == ffi::DataType::F32 && w.element_type() == ffi::DataType::S8;
-  if (x.element_type() != w.element_type() && !int8_weights)
-    return ffi::Error::InvalidArgument("matmul_cpu: x and w must share a dtype (or be float32 and int8)");
+  if (x.element_type() != w.element_type())
+    return ffi::Error::InvalidArgument("matmul_cpu: x and w must share a dtype");
   const int64_t K = xd[1], N = wd[1];
   const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
   float* yp = y->typed_data();
@@ -395,10 +340,7 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   if (M == 0) return ffi::Error::Success();
   switch (x.element_type()) {
     case ffi::DataType::F32:
-      if (int8_weights)
-        matmul(pool, x.typed_data<float>(), static_cast<const int8_t*>(w.untyped_data()), yp, M, K, N);
-      else
-        matmul(pool, x.typed_data<float>(), w.typed_data<float>(), yp, M, K, N);
+      matmul(pool, x.typed_data<float>(), w.typed_data<float>(), yp, M, K, N);
       break;
     case ffi::DataType::BF16:
       if (K % 2) return ffi::Error::InvalidArgument("matmul_cpu: bfloat16 needs an even K");
@@ -492,7 +434,7 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 // (models/linear.py: native_cpu_matmul).
 extern "C" int MatmulCpuIsVectorized() { return kVectorized<float>; }
 extern "C" int MatmulCpuBf16IsVectorized() { return kVectorized<uint16_t>; }
-extern "C" int MatmulCpuInt8IsVectorized() { return kVectorized<int8_t>; }
+extern "C" int QuantMatmulCpuIsVectorized() { return kVectorized<int8_t>; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulCpu, MatmulImpl,
                               ffi::Ffi::Bind()
