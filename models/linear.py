@@ -170,20 +170,44 @@ def quantized_matmul(backend: str, x: jax.Array, params: dict[str, jax.Array], b
 class GroupedLinear(nn.Module):
     """Rows sorted by group times their group's matrix: the MoE experts' projections.
 
-    Parameters: kernel [G, in, out], `dtype` (one matrix per expert).
+    Parameters: kernel [G, in, out], `dtype` (one matrix per expert); with `quant`, each expert's kernel held
+    quantized instead (models/quantization.py's parameters with a leading expert axis), dequantized in the step.
     """
 
     features: int
     num_groups: int
     dtype: Any
     parallel: str = "replicated"
+    quant: WeightQuant | None = None
 
     @nn.compact
     def __call__(self, x: jax.Array, group_sizes: jax.Array) -> jax.Array:
-        kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(batch_axis=(0,)),
-                                                           kernel_axes(self.parallel, 3)),
-                            (self.num_groups, x.shape[-1], self.features), self.dtype)
+        axes = kernel_axes(self.parallel, 3)
+        if self.quant is None:
+            kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(batch_axis=(0,)), axes),
+                                (self.num_groups, x.shape[-1], self.features), self.dtype)
+        else:
+            kernel = jax.vmap(lambda p: dequantized_kernel(p, self.quant, self.dtype))(self._quantized_params(x, axes))
         return grouped_matmul(x.astype(self.dtype), kernel, group_sizes)
+
+    def _quantized_params(self, x: jax.Array, axes) -> dict[str, jax.Array]:
+        params = {}
+        for name, (shape, dtype) in self.quant.param_shapes(x.shape[-1], self.features).items():
+            params[name] = self.param(name, nn.with_partitioning(nn.initializers.zeros, (None,) * 2 if name == "perm"
+                                                                 else axes), (self.num_groups, *shape),
+                                      self.dtype if dtype == "compute" else _dtype(dtype))
+        return params
+
+
+def dequantized_kernel(params: dict[str, jax.Array], quant: WeightQuant, dtype) -> jax.Array:
+    """One layer's float kernel [in, out] in `dtype` from its quantized parameters, rows in the checkpoint's
+    order (act order's regrouping undone, for callers that cannot permute their input, as the experts')."""
+    if quant.kind == "float8":
+        return dequantize_float8(params["qweight"], params["scales"], dtype)
+    kernel = dequantize(params["qweight"], params["scales"], params["zero_offsets"], quant.bits).astype(dtype)
+    if "perm" in params:
+        kernel = jnp.zeros_like(kernel).at[params["perm"]].set(kernel)  # row r came from checkpoint row perm[r]
+    return kernel
 
 
 class Embedding(nn.Module):

@@ -120,6 +120,8 @@ class LlamaForCausalLM:
         expert = self._EXPERT_RE.match(module)
         if expert:
             proj = self._EXPERT_NAMES.get(expert.group(2), expert.group(2))
+            if kind.startswith("paged_"):
+                return ("layers", "mlp", f"experts_{proj}", kind[len("paged_"):]), (layer, int(expert.group(1))), False
             return ("layers", "mlp", f"experts_{proj}", "kernel"), (layer, int(expert.group(1))), True
         if module == "block_sparse_moe.gate":
             module = "mlp.gate"

@@ -179,7 +179,7 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
                         offer(name, read)
         for prefix, tensors in quantized_layers.items():
             key = quantized_key(prefix)
-            packed_rows, out_features = expected[key][1:]
+            packed_rows, out_features = expected[key][-2:]  # [layers, (experts,) rows, out]
             in_features = packed_rows * (2 if scheme.bits == 4 else 1)  # int4: two rows a byte
             for part, array in convert(prefix, tensors, scheme, in_features, out_features, dtype).items():
                 offer(f"{prefix}.paged_{part}", lambda array=array: array)
@@ -243,7 +243,7 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
     model_dir = resolve_model_path(model)
     config = load_model_config(model_dir)
     cls = model_class(config.architecture)
-    scheme = weight_quant(_quantization_config(model_dir), quantization, is_moe=config.num_experts > 0)
+    scheme = weight_quant(_quantization_config(model_dir), quantization)
     if scheme is not None:
         if cls.__name__ != "LlamaForCausalLM":
             raise NotImplementedError(f"quantized {config.architecture} models are not implemented yet")

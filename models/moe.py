@@ -40,7 +40,8 @@ class SparseMoE(Block):
         if cfg.norm_topk_prob:
             weights = weights / weights.sum(axis=-1, keepdims=True)
 
-        experts = lambda n, name, parallel: GroupedLinear(n, num_experts, self.dtype, parallel, name=name)
+        experts = lambda n, name, parallel: GroupedLinear(n, num_experts, self.dtype, parallel,
+                                                          quant=cfg.weight_quant, name=name)
 
         flat_expert = chosen.reshape(-1)
         order = jnp.argsort(flat_expert, stable=True)

@@ -40,7 +40,7 @@ def is_online(scheme: WeightQuant) -> bool:
 _AWQ_REORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # column c of an 8-column word sits in nibble _AWQ_REORDER[c]
 
 
-def weight_quant(quantization_config: dict | None, requested: str | None, *, is_moe: bool) -> WeightQuant | None:
+def weight_quant(quantization_config: dict | None, requested: str | None) -> WeightQuant | None:
     """The scheme a model loads with: the checkpoint's `quantization_config`, or `requested` online.
 
     Raises ValueError (or NotImplementedError) naming the config field and value before any weight is read.
@@ -67,8 +67,6 @@ def weight_quant(quantization_config: dict | None, requested: str | None, *, is_
             raise ValueError(f"quantization={requested!r} does not match the checkpoint's "
                              f"quantization_config.quant_method={method!r}")
         scheme = _checkpoint_scheme(quantization_config, method)
-    if is_moe:
-        raise NotImplementedError(f"quantized ({scheme.method}) mixture-of-experts models are not implemented yet")
     return scheme
 
 

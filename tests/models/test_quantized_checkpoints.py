@@ -20,7 +20,8 @@ from paged import LLM, SamplingParams
 from tests.hf_checkpoints import build_checkpoint, hf_greedy
 
 PROMPTS = [[5, 17, 42, 99, 3], [200, 201, 7], [11, 12, 13, 14, 15, 16, 17, 18], [300, 2, 250]]
-LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+          "w1", "w2", "w3")  # Mixtral's experts
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # nibble k of a word holds column AWQ_ORDER[k]
 
 
@@ -137,6 +138,20 @@ def test_gptq_matches_transformers_on_the_dequantized_weights(float_dir, tmp_pat
     assert tokens == hf_greedy(str(reference), PROMPTS, 12)
     assert engine.model_config.weight_quant.bits == bits
     assert engine.weight_bytes["int8" if bits == 8 else "uint8"] > 0
+
+
+@pytest.mark.parametrize("name", ["mixtral-moe", "qwen2-moe"])
+def test_gptq_mixture_of_experts(name, tmp_path):
+    """Every expert's projections (and Qwen2-MoE's shared expert) in GPTQ 4-bit with act order; the routers
+    stay float, as GPTQ leaves them."""
+    float_dir = build_checkpoint(name, str(tmp_path / name))
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 16, "desc_act": True, "sym": False}
+    quantized, reference = _write_quantized(float_dir, tmp_path / "q", tmp_path / "ref",
+                                            lambda w, rng: _gptq_layer(w, 4, 16, True, rng), config)
+    tokens, engine = _greedy(str(quantized))
+    assert tokens == hf_greedy(str(reference), PROMPTS, 12)
+    experts = engine.runner.params["layers"][0]["mlp"]["experts_gate_proj"]
+    assert set(experts) == {"qweight", "scales", "zero_offsets", "perm"} and experts["qweight"].shape[0] == 4
 
 
 def test_gptq_mutations_are_caught(float_dir, tmp_path):
