@@ -187,13 +187,8 @@ def convert(prefix: str, tensors: dict[str, np.ndarray], scheme: WeightQuant, in
     else:
         expected = {"qweight": (in_features // per_word, out_features),
                     "qzeros": (groups, out_features // per_word), "scales": (groups, out_features)}
-    for suffix, shape in expected.items():
-        if suffix not in tensors:
-            raise ValueError(f"checkpoint lacks {prefix}.{suffix} ({scheme.method}, expected shape {shape})")
-        if tuple(tensors[suffix].shape) != shape:
-            raise ValueError(f"checkpoint tensor {prefix}.{suffix} has shape {tuple(tensors[suffix].shape)}; "
-                             f"{scheme.method} with bits={scheme.bits}, group_size={scheme.group_size} and this "
-                             f"config implies {shape}")
+    _check_shapes(prefix, tensors, expected, f"{scheme.method} with bits={scheme.bits}, "
+                                             f"group_size={scheme.group_size}")
     scales = tensors["scales"].astype(np.float32)
     if scheme.method == "awq":
         q = _unpack_awq(tensors["qweight"])
@@ -228,13 +223,8 @@ def _convert_fp8(prefix, tensors, scheme, in_features, out_features, groups):
     import ml_dtypes
     expected = {"weight": (out_features, in_features),
                 "weight_scale_inv": (out_features // scheme.block_out, groups)}
-    for suffix, shape in expected.items():
-        if suffix not in tensors:
-            raise ValueError(f"checkpoint lacks {prefix}.{suffix} (fp8, expected shape {shape})")
-        if tuple(tensors[suffix].shape) != shape:
-            raise ValueError(f"checkpoint tensor {prefix}.{suffix} has shape {tuple(tensors[suffix].shape)}; fp8 "
-                             f"with weight_block_size [{scheme.block_out}, {scheme.group_rows(in_features)}] and "
-                             f"this config implies {shape}")
+    _check_shapes(prefix, tensors, expected,
+                  f"fp8 with weight_block_size [{scheme.block_out}, {scheme.group_rows(in_features)}]")
     weight = tensors["weight"]
     if weight.dtype != np.dtype(ml_dtypes.float8_e4m3fn):
         raise ValueError(f"checkpoint tensor {prefix}.weight is {weight.dtype}; fp8 checkpoints hold float8_e4m3fn")
@@ -246,13 +236,8 @@ def _convert_compressed_tensors(prefix, tensors, scheme, in_features, out_featur
     expected = {"weight_packed": (out_features, in_features // per_word), "weight_scale": (out_features, groups)}
     if "weight_zero_point" in tensors:
         expected["weight_zero_point"] = (-(-out_features // per_word), groups)
-    for suffix, shape in expected.items():
-        if suffix not in tensors:
-            raise ValueError(f"checkpoint lacks {prefix}.{suffix} (compressed-tensors, expected shape {shape})")
-        if tuple(tensors[suffix].shape) != shape:
-            raise ValueError(f"checkpoint tensor {prefix}.{suffix} has shape {tuple(tensors[suffix].shape)}; "
-                             f"pack-quantized with num_bits={scheme.bits}, group_size={scheme.group_size} and this "
-                             f"config implies {shape}")
+    _check_shapes(prefix, tensors, expected, f"pack-quantized with num_bits={scheme.bits}, "
+                                             f"group_size={scheme.group_size}")
     if "weight_shape" in tensors and tuple(int(v) for v in tensors["weight_shape"]) != (out_features, in_features):
         raise ValueError(f"checkpoint tensor {prefix}.weight_shape is {tensors['weight_shape'].tolist()}; the config "
                          f"implies {[out_features, in_features]}")
@@ -264,6 +249,17 @@ def _convert_compressed_tensors(prefix, tensors, scheme, in_features, out_featur
     else:
         zeros = np.full((groups, out_features), centre, np.float32)  # symmetric
     return pack(q, zeros, tensors["weight_scale"].astype(np.float32).T, scheme.bits, dtype)
+
+
+def _check_shapes(prefix: str, tensors: dict[str, np.ndarray], expected: dict[str, tuple[int, ...]],
+                  scheme_text: str) -> None:
+    """ValueError naming the first tensor of `expected` that is missing or misshaped."""
+    for suffix, shape in expected.items():
+        if suffix not in tensors:
+            raise ValueError(f"checkpoint lacks {prefix}.{suffix} ({scheme_text}: expected shape {shape})")
+        if tuple(tensors[suffix].shape) != shape:
+            raise ValueError(f"checkpoint tensor {prefix}.{suffix} has shape {tuple(tensors[suffix].shape)}; "
+                             f"{scheme_text} and this config imply {shape}")
 
 
 def _unpack_words(words: np.ndarray, bits: int, axis: int) -> np.ndarray:

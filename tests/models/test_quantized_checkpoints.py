@@ -182,17 +182,24 @@ def test_awq_matches_transformers_and_its_nibble_order_matters(float_dir, tmp_pa
     assert _greedy(str(quantized))[0] != want
 
 
-def test_online_int8_matches_per_channel_round_to_nearest(float_dir, tmp_path):
-    ref = tmp_path / "ref"
+def _online_reference(float_dir, ref, round_trip):
+    """The float checkpoint with every projection weight [out, in] replaced by round_trip(weight)."""
     shutil.copytree(float_dir, ref)
     weights = load_file(os.path.join(float_dir, "model.safetensors"))
     for name, w in weights.items():
         if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR:
-            scale = np.abs(w.astype(np.float64)).max(axis=1, keepdims=True) / 127  # per output row of [out, in]
-            weights[name] = (np.round(w / scale) * scale).astype(np.float32)
+            weights[name] = round_trip(w).astype(np.float32)
     save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.path.join(ref, "model.safetensors"))
+    return str(ref)
+
+
+def test_online_int8_matches_per_channel_round_to_nearest(float_dir, tmp_path):
+    def round_trip(w):
+        scale = np.abs(w.astype(np.float64)).max(axis=1, keepdims=True) / 127  # per output row of [out, in]
+        return np.round(w / scale) * scale
+
     tokens, engine = _greedy(float_dir, quantization="int8")
-    assert tokens == hf_greedy(str(ref), PROMPTS, 12)
+    assert tokens == hf_greedy(_online_reference(float_dir, tmp_path / "ref", round_trip), PROMPTS, 12)
     assert engine.model_config.weight_quant.method == "int8" and engine.weight_bytes["int8"] > 0
 
 
@@ -349,16 +356,13 @@ def test_fp8_block_checkpoints_match_transformers_on_the_dequantized_weights(flo
 
 def test_online_fp8_matches_per_channel_e4m3(float_dir, tmp_path):
     import ml_dtypes
-    ref = tmp_path / "ref"
-    shutil.copytree(float_dir, ref)
-    weights = load_file(os.path.join(float_dir, "model.safetensors"))
-    for name, w in weights.items():
-        if name.endswith(".weight") and name.rsplit(".", 2)[-2] in LINEAR:
-            scale = (np.abs(w).max(axis=1, keepdims=True) / 448.0).astype(np.float32)  # per output row of [out, in]
-            weights[name] = ((w / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale).astype(np.float32)
-    save_file({k: np.ascontiguousarray(v) for k, v in weights.items()}, os.path.join(ref, "model.safetensors"))
+
+    def round_trip(w):
+        scale = (np.abs(w).max(axis=1, keepdims=True) / 448.0).astype(np.float32)  # per output row of [out, in]
+        return (w / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
+
     tokens, engine = _greedy(float_dir, quantization="fp8")
-    assert tokens == hf_greedy(str(ref), PROMPTS, 12)
+    assert tokens == hf_greedy(_online_reference(float_dir, tmp_path / "ref", round_trip), PROMPTS, 12)
     assert engine.model_config.weight_quant.method == "fp8-online"
 
 
