@@ -16,6 +16,7 @@ zeros); XLA's dot computes them.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -65,9 +66,7 @@ def native_cpu_matmul(x: jax.Array, kernel: jax.Array, live_rows: jax.Array | No
     It accumulates in float32 (as `xla_matmul`) and rounds once to the result dtype. Rows from `live_rows` on
     come back as zeros.
     """
-    rows = 1
-    for size in x.shape[:-1]:
-        rows *= size
+    rows = math.prod(x.shape[:-1])
     dtype = jnp.dtype(x.dtype)
     fits = (dtype.name in cpu.MATMUL_MAX_ROWS and kernel.dtype == dtype
             and 0 < rows <= cpu.MATMUL_MAX_ROWS[dtype.name] and kernel.ndim == 2 and kernel.shape[1] % 64 == 0
@@ -112,7 +111,9 @@ class Linear(nn.Module):
                                 (x.shape[-1], self.features), self.dtype)
             y = linear_backend(self.backend)(x.astype(self.dtype), kernel, live_rows, self.out_dtype)
         else:
-            x, params = self._quantized_params(x, axes)
+            params = _quantized_params(self, self.quant, x.shape[-1], axes)
+            if "perm" in params:  # act_order: the rows were regrouped at load; the input follows them
+                x = jnp.take(x, params["perm"], axis=-1)
             y = quantized_matmul(self.backend, x.astype(self.dtype), params, self.quant.bits, live_rows,
                                  self.out_dtype)
         if self.use_bias:
@@ -123,15 +124,18 @@ class Linear(nn.Module):
             y = y + bias.astype(y.dtype)
         return y
 
-    def _quantized_params(self, x: jax.Array, axes) -> tuple[jax.Array, dict[str, jax.Array]]:
-        params = {}
-        for name, (shape, dtype) in self.quant.param_shapes(x.shape[-1], self.features).items():
-            param_axes = (None,) if name == "perm" else axes
-            params[name] = self.param(name, nn.with_partitioning(nn.initializers.zeros, param_axes), shape,
-                                      self.dtype if dtype == "compute" else _dtype(dtype))
-        if "perm" in params:  # act_order: the rows were regrouped at load; the input follows them
-            x = jnp.take(x, params["perm"], axis=-1)
-        return x, params
+
+def _quantized_params(module: nn.Module, quant: WeightQuant, in_features: int, axes,
+                      num_groups: int | None = None) -> dict[str, jax.Array]:
+    """Declares a quantized kernel's parameters (models/quantization.py) on `module`, with a leading axis of
+    `num_groups` experts when given; `axes` are the float kernel's mesh axes (perm is replicated)."""
+    lead = () if num_groups is None else (num_groups,)
+    params = {}
+    for name, (shape, dtype) in quant.param_shapes(in_features, module.features).items():
+        param_axes = (None,) * (len(lead) + 1) if name == "perm" else axes
+        params[name] = module.param(name, nn.with_partitioning(nn.initializers.zeros, param_axes), (*lead, *shape),
+                                    module.dtype if dtype == "compute" else _dtype(dtype))
+    return params
 
 
 def _dtype(name: str):
@@ -152,9 +156,7 @@ def quantized_matmul(backend: str, x: jax.Array, params: dict[str, jax.Array], b
         return linear_backend(backend)(x, dequantize_float8(params["qweight"], params["scales"], x.dtype),
                                        live_rows, out_dtype)
     qweight, scales, offsets = params["qweight"], params["scales"], params["zero_offsets"]
-    rows = 1
-    for size in x.shape[:-1]:
-        rows *= size
+    rows = math.prod(x.shape[:-1])
     in_features, (groups, out_features) = x.shape[-1], scales.shape
     if (backend == "cpu" and 0 < rows <= cpu.MATMUL_MAX_ROWS["int8"]
             and cpu.quant_matmul_takes(in_features, out_features, groups, bits)):
@@ -187,16 +189,9 @@ class GroupedLinear(nn.Module):
             kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(batch_axis=(0,)), axes),
                                 (self.num_groups, x.shape[-1], self.features), self.dtype)
         else:
-            kernel = jax.vmap(lambda p: dequantized_kernel(p, self.quant, self.dtype))(self._quantized_params(x, axes))
+            params = _quantized_params(self, self.quant, x.shape[-1], axes, self.num_groups)
+            kernel = jax.vmap(lambda p: dequantized_kernel(p, self.quant, self.dtype))(params)
         return grouped_matmul(x.astype(self.dtype), kernel, group_sizes)
-
-    def _quantized_params(self, x: jax.Array, axes) -> dict[str, jax.Array]:
-        params = {}
-        for name, (shape, dtype) in self.quant.param_shapes(x.shape[-1], self.features).items():
-            params[name] = self.param(name, nn.with_partitioning(nn.initializers.zeros, (None,) * 2 if name == "perm"
-                                                                 else axes), (self.num_groups, *shape),
-                                      self.dtype if dtype == "compute" else _dtype(dtype))
-        return params
 
 
 def dequantized_kernel(params: dict[str, jax.Array], quant: WeightQuant, dtype) -> jax.Array:

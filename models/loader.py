@@ -90,14 +90,9 @@ def _flat(tree) -> dict[tuple[str, ...], Any]:
     return {tuple(p.key for p in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _expected_shapes(model) -> dict[tuple[str, ...], tuple[int, ...]]:
-    """Every parameter the model needs: its global ones and its decoder layer's, stacked over layers (from
-    the modules' own init)."""
-    return {key: shape for key, (shape, _) in _expected(model).items()}
-
-
 def _expected(model) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
-    """(shape, dtype) of every parameter, keyed as `_expected_shapes`."""
+    """(shape, dtype) of every parameter the model needs: its global ones and its decoder layer's, stacked over
+    layers (from the modules' own init)."""
     out = {key: (leaf.shape, np.dtype(leaf.dtype)) for key, leaf in _flat(nn.unbox(model.global_params())).items()}
     for key, leaf in _flat(nn.unbox(model.layer_params())).items():
         out[("layers", *key)] = ((model.config.num_layers, *leaf.shape), np.dtype(leaf.dtype))
@@ -105,7 +100,7 @@ def _expected(model) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
 
 
 def partition_specs(model) -> dict[tuple[str, ...], PartitionSpec]:
-    """Each parameter's `PartitionSpec` over mesh axes (models.linear), keyed as `_expected_shapes` is: the
+    """Each parameter's `PartitionSpec` over mesh axes (models.linear), keyed as `_expected` is: the
     stacked layers' leading layer axis is not split."""
     specs = {key: spec for key, spec in _flat(nn.get_partition_spec(model.global_params())).items()}
     for key, spec in _flat(nn.get_partition_spec(model.layer_params())).items():

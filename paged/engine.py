@@ -156,11 +156,9 @@ class LLMEngine:
         params.check_vocab(vocab)
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
-        constraint = params.structured_outputs
-        if constraint is not None:
-            if self.grammars is None:
-                raise ValueError("structured_outputs needs a tokenizer; this engine has none")
-            self.grammars.compile(constraint)  # a ValueError before anything is queued; cached from here on
+        constraint = params.structured_outputs  # compiled (or found cached) by the first sample's matcher below
+        if constraint is not None and self.grammars is None:
+            raise ValueError("structured_outputs needs a tokenizer; this engine has none")
         length_limit = self.config.max_model_len
         if params.max_tokens is not None:
             length_limit = min(length_limit, len(prompt_token_ids) + params.max_tokens)

@@ -24,14 +24,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged import InvalidStructuredOutput, InvalidTokenIds, RequestOutput, SamplingParams
-from serving.tool_calls import (PARSERS, ToolCallStream, constrained_calls, functions_of, tool_choice_mode,
-                                tool_constraint)
 from paged.chat import chat_prompt_token_ids, text_token_ids
 from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from serving.metrics import EngineMetrics
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                               DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest,
                               TokenizeResponse, message_dicts)
+from serving.tool_calls import (PARSERS, ToolCallStream, constrained_calls, functions_of, tool_choice_mode,
+                                tool_constraint)
 
 
 class APIError(Exception):
