@@ -23,6 +23,7 @@ import gc
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from benchmarks.common import (copy_bandwidth, default_model_dir, jsonl_workload, matmul_rate, pyplot,
                                random_workload, warmup_twin, workload_flops)
@@ -79,12 +80,29 @@ def _constrained(index: int, fraction: float) -> bool:
     return int((index + 1) * fraction) > int(index * fraction)
 
 
+def _generate_on_replicas(llms, prompts, params) -> list:
+    """Every replica generates its share (each N-th request) at once, in a thread of its own (JAX releases the
+    GIL while a step runs); the outputs in input order."""
+    n = len(llms)
+    if n == 1:
+        return llms[0].generate(prompts, params, use_tqdm=False)
+    with ThreadPoolExecutor(n) as pool:
+        parts = list(pool.map(lambda r: llms[r].generate(prompts[r::n], params[r::n], use_tqdm=False), range(n)))
+    outputs = [None] * len(prompts)
+    for rank, part in enumerate(parts):
+        outputs[rank::n] = part
+    return outputs
+
+
 def run_paged(model_dir: str, workload, engine_args: dict, vocab: int,
               json_fraction: float = 0.0) -> tuple[float, float, dict]:
+    """With data_parallel_size N, N engines (one per data_parallel_rank, on disjoint devices) share the
+    requests evenly, as `paged serve` would route an offline batch; their counters are summed."""
     from paged import LLM, SamplingParams, StructuredOutputsParams
     hits = _CacheHits.so_far()
     start = time.perf_counter()
-    llm = LLM(model_dir, show_progress=False, **engine_args)
+    llms = [LLM(model_dir, show_progress=False, **engine_args, data_parallel_rank=rank)
+            for rank in range(engine_args.get("data_parallel_size", 1))]
     startup = time.perf_counter() - start
     constraint = StructuredOutputsParams(json=JSON_SCHEMA)
     params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True,
@@ -92,28 +110,35 @@ def run_paged(model_dir: str, workload, engine_args: dict, vocab: int,
               for i, o in enumerate(workload.output_lens)]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     # Warm-up: compiles every shape this workload produces, on other token ids (nothing to hit in a prefix cache).
-    llm.generate([{"prompt_token_ids": p} for p in warmup_twin(workload, vocab).prompts], params, use_tqdm=False)
+    _generate_on_replicas(llms, [{"prompt_token_ids": p} for p in warmup_twin(workload, vocab).prompts], params)
     warmup = time.perf_counter() - start
-    engine = llm.engine
-    compiles = engine.num_compilations
-    engine.step_timings = dict.fromkeys(engine.step_timings, 0.0)
+    engines = [llm.engine for llm in llms]
+    compiles = sum(engine.num_compilations for engine in engines)
+    for engine in engines:
+        engine.step_timings = dict.fromkeys(engine.step_timings, 0.0)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = _generate_on_replicas(llms, prompts, params)
     seconds = time.perf_counter() - start
-    split = {k: v for k, v in engine.step_timings.items()}
+    split = {k: sum(engine.step_timings[k] for engine in engines) for k in engines[0].step_timings}
     by_kind = {k: split.pop(k) for k in ("device_decode_only", "device_with_prefill")}
-    extra = {"dtype": _dtype_name(engine.dtype), "startup_seconds": startup, "compilations_in_timed_run": engine.num_compilations - compiles,
+    engine = engines[0]
+    extra = {"dtype": _dtype_name(engine.dtype), "startup_seconds": startup,
+             "compilations_in_timed_run": sum(e.num_compilations for e in engines) - compiles,
              "shapes_compiled": compiles,
              "steps": int(split.pop("steps")), "step_time_split_s": split, "device_time_by_step_kind_s": by_kind,
-             "preemptions": engine.num_preemptions, "compilation_cache_dir": engine.compilation_cache_dir,
+             "preemptions": sum(e.num_preemptions for e in engines),
+             "compilation_cache_dir": engine.compilation_cache_dir,
              # Shapes loaded from the persistent cache during warm-up (a rerun's warm-up skips their compile).
              "warmup_compilation_cache_hits": _CacheHits.so_far() - hits,
              "output_tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs)}
+    if len(engines) > 1:
+        extra["requests_per_replica"] = [len(range(rank, len(prompts), len(engines))) for rank in range(len(engines))]
     if json_fraction:
-        extra.update(json_fraction=json_fraction, grammar_compile_seconds=engine.grammars.compile_seconds,
-                     constrained_requests=engine.num_constrained_requests // 2)  # warm-up + timed run
+        extra.update(json_fraction=json_fraction, grammar_compile_seconds=sum(e.grammars.compile_seconds
+                                                                              for e in engines),
+                     constrained_requests=sum(e.num_constrained_requests for e in engines) // 2)  # warm-up + run
     # Free the KV pool (on CPU a share of host memory) before another engine starts in the same machine.
-    del llm, engine
+    del llms, engines, engine
     gc.collect()
     return seconds, warmup, extra
 
@@ -262,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "LD_PRELOAD=<libtcmalloc_minimal.so.4>:<libiomp5.so>")
     # Every engine option, as `paged generate` takes it; prefix caching off by default, so that no run is
     # flattered by hits on the warm-up's blocks.
-    add_engine_arguments(parser, defaults={"enable_prefix_caching": False}, exclude=("seed",))
+    add_engine_arguments(parser, defaults={"enable_prefix_caching": False}, exclude=("seed", "data_parallel_rank"))
     parser.add_argument("--json-fractions", type=float, nargs="*", default=[], metavar="F",
                         help="also run paged with these fractions of the requests JSON-constrained (e.g. 0.5 1)")
     parser.add_argument("--json", default=None)

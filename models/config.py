@@ -97,6 +97,15 @@ class ModelConfig:
     checkpoint_dtype: str = "float32"
     # How the linear layers are held quantized (models/quantization.py); set by the loader, None: float.
     weight_quant: "WeightQuant | None" = None
+    # Rows of the embedding and LM head when tensor parallelism pads the vocabulary to a multiple of the mesh
+    # (set by the loader; 0: vocab_size). The padding rows are zeros and their logits are dropped, so every
+    # device holds 1 / N of the tables instead of all of them replicated.
+    padded_vocab_size: int = 0
+
+    @property
+    def vocab_rows(self) -> int:
+        """Rows the embedding and LM head tables hold (the vocabulary, padded under tensor parallelism)."""
+        return self.padded_vocab_size or self.vocab_size
 
     @property
     def q_size(self) -> int:

@@ -71,8 +71,8 @@ class LlamaForCausalLM:
         self.linear_backend = linear_backend
         self.layer = DecoderLayer(config, self.dtype, linear_backend)
         self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype, config.norm_plus_one)
-        self.embed = Embedding(config.vocab_size, config.hidden_size, self.dtype)
-        self.lm_head = Linear(config.vocab_size, self.dtype, parallel="column", backend=linear_backend,
+        self.embed = Embedding(config.vocab_rows, config.hidden_size, self.dtype)
+        self.lm_head = Linear(config.vocab_rows, self.dtype, parallel="column", backend=linear_backend,
                               out_dtype=jnp.float32)
         rotary_dim = config.rotary_dim or config.head_dim
         self.inv_freq = config.rope.inv_freq(rotary_dim)
@@ -226,6 +226,8 @@ class LlamaForCausalLM:
         else:  # rows of padded sequences (seq_lens 0) may be skipped
             logits = self.lm_head.apply({"params": params["lm_head"]}, h,
                                         jnp.sum(meta.seq_lens > 0, dtype=jnp.int32))
+        if cfg.padded_vocab_size:
+            logits = logits[:, :cfg.vocab_size]  # the padding rows are not tokens
         if cfg.final_soft_cap:
             logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
         return logits, (k_all, v_all)

@@ -1,13 +1,15 @@
 """Loads Hugging Face checkpoints (config.json + safetensors) into our parameter trees.
 
-Weights stream tensor by tensor from memory-mapped safetensors into preallocated, layer-stacked host
-buffers of the target dtype; each finished buffer goes to the device and is dropped on the host, so at most
-one full copy of the weights exists at a time (plus one tensor).
+Weights stream tensor by tensor from memory-mapped safetensors straight to the devices: each tensor is
+converted to the target dtype on the host, sent (each device receiving only its slice under a mesh) and
+dropped, so the host holds about one tensor at a time. Per-layer (and per-expert) tensors are written into
+their stacked device buffer as they arrive (`_Placer`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Any
@@ -16,7 +18,7 @@ import flax.linen as nn
 import jax
 import ml_dtypes
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
@@ -109,7 +111,7 @@ def partition_specs(model) -> dict[tuple[str, ...], PartitionSpec]:
 
 
 def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, show_progress: bool = True,
-                stacked_layers: bool = True, mesh=None, kv_head_replicas: int = 1):
+                stacked_layers: bool = True, mesh=None, kv_head_replicas: int = 1, device=None):
     """Reads every tensor the model needs; returns the parameter tree on the default device.
 
     With `stacked_layers=False`, `params["layers"]` is a list of per-layer trees instead of one tree stacked
@@ -118,14 +120,14 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
 
     With a `mesh`, each array is split by its partition spec (`partition_specs`) as it goes to the devices:
     every device receives only its own slice. `kv_head_replicas` > 1 repeats each KV head of k_proj and v_proj
-    that many times (the config already counts the copies).
+    that many times (the config already counts the copies). Without a mesh, `device` (default: the default
+    device) receives every array.
     """
     expected_with_dtypes = _expected(model)
     expected = {key: shape for key, (shape, _) in expected_with_dtypes.items()}
     specs = partition_specs(model) if mesh is not None else {}
-    buffers: dict[tuple[str, ...], np.ndarray] = {}
-    filled: dict[tuple[str, ...], int] = {}
     params: dict = {}
+    placer = _Placer(params, expected_with_dtypes, specs, stacked_layers, config.num_layers, mesh, device)
     files = _safetensors_files(model_dir)
     scheme = config.weight_quant
     quantized_layers: dict[str, dict[str, np.ndarray]] = {}  # checkpoint prefix -> its packed tensors
@@ -140,16 +142,12 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
         if kv_head_replicas > 1 and key[-3:-1] in (("self_attn", "k_proj"), ("self_attn", "v_proj")):
             tensor = _repeat_kv_heads(tensor, kv_head_replicas, config.head_dim)
         want = expected[key][len(index):]
+        if config.padded_vocab_size:
+            tensor = _pad_vocab(tensor, want, config)
         if tensor.shape != want:
             raise ValueError(f"checkpoint tensor {name} has shape {tensor.shape} (after transpose: "
                              f"{transpose}); the config implies {want}")
-        if key not in buffers:
-            buffers[key] = np.empty(expected[key], expected_with_dtypes[key][1])
-            filled[key] = 0
-        buffers[key][index] = tensor
-        filled[key] += 1
-        if filled[key] == int(np.prod(expected[key][:len(index)])):  # every layer (and expert)
-            _put_loaded(params, key, buffers.pop(key), stacked_layers, config.num_layers, mesh, specs.get(key))
+        placer.place(key, index, np.asarray(tensor, expected_with_dtypes[key][1]))
         bar.update()
 
     def quantized_key(prefix: str) -> tuple[str, ...] | None:
@@ -184,25 +182,69 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
     return params
 
 
-def _put_loaded(params: dict, key: tuple[str, ...], buffer: np.ndarray, stacked_layers: bool,
-                num_layers: int, mesh=None, spec: PartitionSpec | None = None) -> None:
-    def to_device(array, spec):
-        if mesh is None:
-            return jax.device_put(array)
-        return jax.device_put(array, NamedSharding(mesh, _divisible(spec, array.shape, mesh)))
+class _Placer:
+    """Puts each tensor on the devices as it is read, into the parameter tree.
 
-    if key[0] != "layers" or stacked_layers:
-        _put(params, key, to_device(buffer, spec))
-        return
-    layers = params.setdefault("layers", [{} for _ in range(num_layers)])
-    layer_spec = PartitionSpec(*spec[1:]) if spec is not None else None  # without the stacked layer axis
-    for layer, tree in enumerate(layers):
-        _put(tree, key[1:], to_device(buffer[layer], layer_spec))
+    A tensor that is a whole parameter (or, with unstacked layers, a whole layer's) goes as it is. One that is
+    a slice of a stacked parameter ([layers, ...], [layers, experts, ...] or, unstacked, a layer's [experts,
+    ...]) is written into that parameter's device buffer, allocated with its final sharding at the first
+    slice; the buffer is donated to each write, so the devices hold it once plus one slice.
+    """
+
+    def __init__(self, params: dict, expected: dict, specs: dict, stacked_layers: bool, num_layers: int,
+                 mesh=None, device=None):
+        self.params, self.expected, self.specs = params, expected, specs
+        self.stacked_layers, self.num_layers, self.mesh, self.device = stacked_layers, num_layers, mesh, device
+        self.buffers: dict[tuple, jax.Array] = {}  # (key, layer or None) -> its stacked buffer
+        self.written: dict[tuple, int] = {}
+
+    def _sharding(self, spec: PartitionSpec | None, shape: tuple[int, ...]):
+        if self.mesh is None:  # None: the default device
+            return SingleDeviceSharding(self.device) if self.device is not None else None
+        return NamedSharding(self.mesh, _divisible(spec, shape, self.mesh))
+
+    def place(self, key: tuple[str, ...], index: tuple[int, ...], tensor: np.ndarray) -> None:
+        shape, dtype = self.expected[key]
+        spec = self.specs.get(key)
+        spec = tuple(spec) + (None,) * (len(shape) - len(spec)) if spec is not None else None
+        layer = None
+        if key[0] == "layers" and not self.stacked_layers:  # the unit is one layer's parameter
+            layer, index, shape = index[0], index[1:], shape[1:]
+            spec = spec[1:] if spec is not None else None
+            tree = self.params.setdefault("layers", [{} for _ in range(self.num_layers)])[layer]
+            path = key[1:]
+        else:
+            tree, path = self.params, key
+        if not index:
+            _put(tree, path, jax.device_put(tensor, self._sharding(PartitionSpec(*spec) if spec else None,
+                                                                   tensor.shape)))
+            return
+        unit = (key, layer)
+        if unit not in self.buffers:
+            sharding = self._sharding(PartitionSpec(*spec) if spec else None, shape)
+            self.buffers[unit] = jax.jit(lambda: jax.numpy.zeros(shape, dtype), out_shardings=sharding)()
+            self.written[unit] = 0
+        piece_spec = PartitionSpec(*spec[len(index):]) if spec else None
+        piece = jax.device_put(tensor, self._sharding(piece_spec, tensor.shape))
+        write = _slice_writer(self.buffers[unit].sharding)
+        self.buffers[unit] = write(self.buffers[unit], piece, *(np.int32(i) for i in index))
+        self.written[unit] += 1
+        if self.written[unit] == int(np.prod(shape[:len(index)])):  # every layer (and expert) is in
+            _put(tree, path, self.buffers.pop(unit))
+            del self.written[unit]
+
+
+@functools.lru_cache(maxsize=None)
+def _slice_writer(sharding):
+    """(buffer, piece, *index) -> buffer with buffer[index] = piece, in place (the buffer is donated) and kept
+    in `sharding`; the indices are traced, so it compiles once per shape."""
+    return jax.jit(lambda buffer, piece, *index: buffer.at[index].set(piece), donate_argnums=(0,),
+                   out_shardings=sharding)
 
 
 def _divisible(spec: PartitionSpec | None, shape: tuple[int, ...], mesh) -> PartitionSpec:
-    """`spec`, with every split the mesh cannot make evenly dropped (that dimension replicated): e.g. a
-    vocabulary of 470 rows over 4 devices. Padding such tables instead would save the memory; not done yet."""
+    """`spec`, with every split the mesh cannot make evenly dropped (that dimension replicated), e.g. GPT-2's
+    fused c_attn columns over sizes that do not divide them. Vocabulary tables are padded instead (load_model)."""
     if spec is None:
         return PartitionSpec()
     kept = [axis if axis is None or shape[dim] % mesh.shape[axis] == 0 else None for dim, axis in enumerate(spec)]
@@ -231,9 +273,9 @@ def _get_layer0(tree: dict, key: tuple[str, ...]):
 
 
 def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stacked_layers: bool = True,
-               linear_backend: str = "xla", mesh=None, quantization: str | None = None):
+               linear_backend: str = "xla", mesh=None, quantization: str | None = None, device=None):
     """Returns (model_dir, config, model, params, numpy dtype); see load_params for `stacked_layers` and
-    `mesh`, models.linear for `linear_backend`, models/quantized_checkpoints.py for `quantization` (None: the
+    `mesh` and `device`, models.linear for `linear_backend`, models/quantized_checkpoints.py for `quantization` (None: the
     checkpoint's own `quantization_config`, if any)."""
     model_dir = resolve_model_path(model)
     config = load_model_config(model_dir)
@@ -245,12 +287,16 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
         if mesh is not None:
             raise NotImplementedError("quantized models with tensor parallelism are not implemented yet")
         config = dataclasses.replace(config, weight_quant=scheme)
+    size = int(np.prod(list(mesh.shape.values()))) if mesh is not None else 1
+    if config.vocab_size % size:  # padded so the tables split evenly instead of being replicated
+        config = dataclasses.replace(config, padded_vocab_size=-(-config.vocab_size // size) * size)
     replicas = kv_head_replicas(config, mesh)
     if replicas > 1:  # the model is built with every KV head repeated; the loader repeats k/v_proj to match
         config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * replicas)
     np_dtype = resolve_dtype(dtype, config)
     instance = cls(config, np_dtype, linear_backend=linear_backend)
-    params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers, mesh, replicas)
+    params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers, mesh, replicas,
+                         device)
     return model_dir, config, instance, params, np_dtype
 
 
@@ -260,6 +306,16 @@ def kv_head_replicas(config: ModelConfig, mesh) -> int:
         return 1
     size = int(np.prod(list(mesh.shape.values())))
     return size // config.num_kv_heads if config.num_kv_heads < size else 1
+
+
+def _pad_vocab(tensor: np.ndarray, want: tuple[int, ...], config: ModelConfig) -> np.ndarray:
+    """An embedding or LM-head tensor with zero rows appended up to the padded vocabulary (other tensors,
+    and tensors whose other dimensions do not match, unchanged: the shape check then reports them)."""
+    pad = [(0, w - t) if (t, w) == (config.vocab_size, config.padded_vocab_size) else (0, 0)
+           for t, w in zip(tensor.shape, want)]
+    if len(tensor.shape) != len(want) or not any(p[1] for p in pad):
+        return tensor
+    return np.pad(tensor, pad)
 
 
 def _repeat_kv_heads(tensor: np.ndarray, replicas: int, head_dim: int) -> np.ndarray:

@@ -23,6 +23,15 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
+def prefix_chain(token_ids, block_size: int, max_blocks: int) -> list[int]:
+    """The chain hashes of the first full blocks of `token_ids` (at most `max_blocks`)."""
+    hashes: list[int] = []
+    for i in range(min(len(token_ids) // block_size, max_blocks)):
+        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
+        hashes.append(chain_hash(hashes[-1] if hashes else None, block))
+    return hashes
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, max_num_seqs: int, max_blocks_per_seq: int,
                  enable_prefix_caching: bool = False):
@@ -148,6 +157,14 @@ class BlockManager:
             i = len(hashes)
             hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(request.token_ids[i * bs:(i + 1) * bs])))
         return hashes
+
+    def num_cached_leading(self, hashes: list[int]) -> int:
+        """How many of the leading chain hashes (`prefix_chain`) the cache holds. A hint for routing: it reads
+        one dict without the engine's thread (safe in CPython) and does not re-check tokens as a hit does."""
+        for i, h in enumerate(hashes):
+            if h not in self.cached:
+                return i
+        return len(hashes)
 
     def match_prefix(self, request: Request) -> int:
         """Shares the longest cached prefix of a request that holds no blocks; returns tokens covered.

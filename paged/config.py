@@ -65,6 +65,23 @@ class EngineConfig:
                 "$PAGED_CACHE_DIR/xla, i.e. ~/.cache/paged/xla); none to leave JAX's settings alone")
     tensor_parallel_size: int = _option(1, "devices the model is split over (Megatron layout on a jax mesh; "
                                            "must divide the attention and KV heads)")
+    # Replicas are whole engines (scheduler, KV pool, weights) on disjoint devices; `paged serve` routes each
+    # request to the least loaded one. One LLMEngine is one replica: `data_parallel_rank` picks its devices.
+    data_parallel_size: int = _option(1, "engine replicas, each on its own tensor_parallel_size devices "
+                                         "(paged serve and paged bench run them all)")
+    data_parallel_rank: int = _option(0, "the replica this engine is: it runs on devices "
+                                         "[rank * tensor_parallel_size, (rank + 1) * tensor_parallel_size)")
+    # Several hosts: every process runs the same command with its own process id; process 0 leads (scheduler,
+    # API server) and the others run its steps on their devices (paged/multihost.py). Unset fields are read
+    # from PAGED_COORDINATOR_ADDRESS, PAGED_NUM_PROCESSES and PAGED_PROCESS_ID.
+    distributed_coordinator_address: str | None = _option(
+        None, "host:port where process 0 runs jax.distributed's coordinator (several hosts; default: "
+              "$PAGED_COORDINATOR_ADDRESS, else one process)")
+    distributed_num_processes: int | None = _option(None, "processes in the run (default: $PAGED_NUM_PROCESSES)")
+    distributed_process_id: int | None = _option(None, "this process's id, 0 the leader (default: $PAGED_PROCESS_ID)")
+    # How soon a lost process is noticed: the coordinator then ends every other one (none hangs on it).
+    distributed_heartbeat_timeout_s: int = _option(100, "seconds without a heartbeat before a process counts as "
+                                                        "lost and the run is ended")
     # vLLM's structured_outputs_config.disable_any_whitespace: JSON constraints then allow no whitespace between
     # tokens. Models trained to write compact JSON lose nothing; random or weak models cannot loop on blanks.
     structured_outputs_disable_any_whitespace: bool = _option(
@@ -82,6 +99,19 @@ class EngineConfig:
               f"tokenizer must be None or a path or hub id, got {self.tokenizer!r}")
         check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        check(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,
+              f"data_parallel_size must be an integer >= 1, got {self.data_parallel_size!r}")
+        check(isinstance(self.data_parallel_rank, int) and 0 <= self.data_parallel_rank < self.data_parallel_size,
+              f"data_parallel_rank must be an integer in [0, data_parallel_size={self.data_parallel_size}), got "
+              f"{self.data_parallel_rank!r}")
+        check(self.distributed_num_processes is None
+              or (isinstance(self.distributed_num_processes, int) and self.distributed_num_processes >= 1),
+              f"distributed_num_processes must be None or an integer >= 1, got {self.distributed_num_processes!r}")
+        check(self.distributed_process_id is None
+              or (isinstance(self.distributed_process_id, int) and self.distributed_process_id >= 0),
+              f"distributed_process_id must be None or an integer >= 0, got {self.distributed_process_id!r}")
+        check(isinstance(self.distributed_heartbeat_timeout_s, int) and self.distributed_heartbeat_timeout_s >= 1,
+              f"distributed_heartbeat_timeout_s must be an integer >= 1, got {self.distributed_heartbeat_timeout_s!r}")
         check(isinstance(self.seed, int) and not isinstance(self.seed, bool),
               f"seed must be an integer, got {self.seed!r}")
         check(isinstance(self.block_size, int) and self.block_size in (1, 2, 4, 8, 16, 32, 64, 128),

@@ -10,16 +10,17 @@ from typing import NoReturn
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from models import get_attention_backend, load_model, load_model_config, resolve_model_path
 from models.loader import weight_bytes
 from pallas_kernels import select_backends
-from paged import compilation_cache
+from paged import compilation_cache, multihost
 from paged.batch import Buckets, padding_inputs, prepare_inputs
 from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.chat import text_token_ids
 from paged.config import EngineConfig, engine_option_names
-from paged.parallel import ShardedAttention, make_mesh
+from paged.parallel import ShardedAttention, make_mesh, placement, replica_devices
 from paged.detokenizer import IncrementalDetokenizer, find_stop_string
 from paged.grammar import GrammarCompiler
 from paged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -55,6 +56,8 @@ class LLMEngine:
                             f"paged.EngineConfig: {', '.join(engine_option_names())}")
         config = EngineConfig(**engine_args)
         config.validate()
+        # Before JAX picks its devices: a multi-host run's mesh spans every process's (paged/multihost.py).
+        self.channel = multihost.StepChannel() if multihost.initialize(config) else None
         tokenizer, dtype = config.tokenizer, config.dtype
         self.compilation_cache_dir = compilation_cache.configure(config.compilation_cache_dir)
         platform = jax.default_backend()
@@ -64,7 +67,16 @@ class LLMEngine:
             model = default_tiny_model_dir()
         model_dir = resolve_model_path(model)
         model_config = load_model_config(model_dir)
-        self.mesh = make_mesh(config.tensor_parallel_size, model_config.num_heads, model_config.num_kv_heads)
+        devices = replica_devices(config.tensor_parallel_size, config.data_parallel_size, config.data_parallel_rank)
+        self.mesh = make_mesh(config.tensor_parallel_size, model_config.num_heads, model_config.num_kv_heads,
+                              devices)
+        # A single-device replica other than the first commits its arrays to its own device (jitted steps then
+        # run there); on the default device nothing changes.
+        self.device = devices[0] if self.mesh is None and devices[0] != jax.devices()[0] else None
+        if self.channel is not None:
+            if config.preemption_mode == "swap":  # the leader holds only its own heads' K/V to swap out
+                raise NotImplementedError("preemption_mode='swap' does not run over several processes yet")
+            multihost.check_same_run(self.channel, multihost.fingerprint(config, model_config))
         attention_name, self.linear_backend = select_backends(platform, config.attention_backend,
                                                               config.linear_backend, sharded=self.mesh is not None)
         attention = get_attention_backend(attention_name, platform)
@@ -73,7 +85,7 @@ class LLMEngine:
         unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and platform == "cpu")
         model_dir, self.model_config, self.model, params, self.dtype = load_model(
             model_dir, dtype, show_progress, stacked_layers=not unroll, linear_backend=self.linear_backend,
-            mesh=self.mesh, quantization=config.quantization)
+            mesh=self.mesh, quantization=config.quantization, device=self.device)
         # Bytes of the weights by dtype (int8, uint8 for packed int4, the float dtype for the rest) and total.
         self.weight_bytes = weight_bytes(params)
         self.config = config = config.resolved(self.model_config.max_position_embeddings)
@@ -87,13 +99,19 @@ class LLMEngine:
                          if self.tokenizer is not None else None)
 
         max_blocks_per_seq = -(-config.max_model_len // config.block_size)
-        num_blocks = self._num_blocks(config, max_blocks_per_seq)
+        num_blocks = self._num_blocks(config, max_blocks_per_seq, devices[0])
+        if self.channel is not None:  # one pool size everywhere: what the tightest process can hold
+            num_blocks = int(multihost_utils.process_allgather(np.int32(num_blocks)).min())
         self.block_manager = BlockManager(num_blocks, config.block_size, config.max_num_seqs, max_blocks_per_seq,
                                           config.enable_prefix_caching)
         self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs)
-        params = {**params, **self.model.precomputed(config.max_model_len)}
+        precomputed = self.model.precomputed(config.max_model_len)
+        if (where := placement(self.mesh, self.device)) is not None:  # beside the weights, not copied per step
+            precomputed = jax.device_put(precomputed, where)
+        params = {**params, **precomputed}
         self.runner = ModelRunner(self.model, params, attention, num_blocks, config.block_size, self.dtype,
-                                  config.max_num_seqs, self.mesh)
+                                  config.max_num_seqs, self.mesh, self.device,
+                                  publish=self.channel.publish if self.channel and self.channel.leader else None)
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.dtype)
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
         self.mover = BlockMover(self.runner, self.block_manager, swap_blocks)
@@ -113,14 +131,14 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None  # the launched step not yet read back (async scheduling)
         self._scheduled: ScheduledBatch | None = None  # what the step under way scheduled (for _fail_step)
 
-    def _num_blocks(self, config: EngineConfig, max_blocks_per_seq: int) -> int:
+    def _num_blocks(self, config: EngineConfig, max_blocks_per_seq: int, device) -> int:
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
             per_block = kv_block_bytes(self.model_config, config.block_size, self.dtype)
             if self.mesh is not None and jax.default_backend() != "cpu":
                 per_block //= config.tensor_parallel_size  # each device holds its KV heads' share of a block
-            budget_blocks = kv_budget_bytes(config.gpu_memory_utilization) // per_block
+            budget_blocks = kv_budget_bytes(config.gpu_memory_utilization, device) // per_block
             # More blocks than max_num_seqs full-length sequences can ever use would only waste memory.
             num_blocks = int(min(budget_blocks, config.max_num_seqs * max_blocks_per_seq + 1))
         if num_blocks - 1 < max_blocks_per_seq:
@@ -208,6 +226,8 @@ class LLMEngine:
         overlaps device work, and outputs come back one call after their step was launched. Without it:
         schedule -> prepare -> run -> postprocess, and the outputs are this step's. Tokens are the same.
         """
+        if not self.is_leader:
+            raise RuntimeError("this process follows process 0 in a multi-host run: call follow(), not step()")
         previous, self._in_flight = self._in_flight, None
         try:
             return self._step(previous)
@@ -392,6 +412,36 @@ class LLMEngine:
         shapes = self.buckets.all_shapes()
         for t_pad, _ in tqdm(shapes, desc="Compiling", disable=not show_progress):
             self.runner.run(padding_inputs(self.block_manager, self.buckets, t_pad))
+
+    # ---- several hosts --------------------------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        """True unless this process is a follower of a multi-host run (paged/multihost.py)."""
+        return self.channel is None or self.channel.leader
+
+    def stop_followers(self) -> None:
+        """On a multi-host leader: tells the followers the run is over (also done at exit). Nothing else."""
+        if self.channel is not None and self.channel.leader:
+            self.channel.stop()
+
+    def follow(self) -> None:
+        """On a follower: runs the leader's device operations, in its order, until the leader stops."""
+        if self.is_leader:
+            raise RuntimeError("follow() is for the followers of a multi-host run; this process leads")
+        tokens = None  # the padded samples of the last step launched here, as on the leader
+        while True:
+            op, payload = self.channel.receive()
+            if op == "launch":
+                inputs, chained = payload
+                _, tokens = self.runner.launch(inputs, tokens if chained else None)
+            elif op == "copy":
+                self.mover.copy(payload)
+            elif op == "stop":
+                logger.info("the leader stopped the run")
+                return
+            else:
+                raise RuntimeError(f"unknown operation {op!r} from the leader: the processes run different code")
 
     # ---- introspection --------------------------------------------------------------------------------
 

@@ -28,11 +28,24 @@ class LLM:
         """`engine_options`: any field of paged.EngineConfig (tokenizer, dtype, seed, block_size, max_num_seqs,
         enable_prefix_caching, attention_backend, ...; see its help text), the same options the command line
         takes as flags."""
+        if engine_options.get("data_parallel_size", 1) != 1 and "data_parallel_rank" not in engine_options:
+            # As with vLLM's offline data parallelism, each LLM is one replica: say which.
+            raise ValueError("LLM runs one engine: with data_parallel_size > 1 pass its data_parallel_rank (one "
+                             "LLM per replica), or serve every replica with `paged serve --data-parallel-size`")
         self.engine = LLMEngine(model, show_progress=show_progress, **engine_options)
         self._ids = itertools.count()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
+
+    @property
+    def is_leader(self) -> bool:
+        """False on the followers of a multi-host run, which call `follow()` while process 0 generates."""
+        return self.engine.is_leader
+
+    def follow(self) -> None:
+        """On a follower of a multi-host run: runs process 0's steps on this process's devices until it ends."""
+        self.engine.follow()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -43,6 +56,9 @@ class LLM:
         Every prompt and parameter set is validated before any work starts, so a bad one raises ValueError
         and nothing runs.
         """
+        if not self.is_leader:
+            raise RuntimeError("this process follows process 0 in a multi-host run: call follow(); process 0 "
+                               "generates")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)

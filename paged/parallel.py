@@ -18,31 +18,69 @@ import dataclasses
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
 from models.linear import TENSOR_AXIS
 
 
-def make_mesh(tensor_parallel_size: int, num_heads: int, num_kv_heads: int) -> Mesh | None:
-    """The mesh for `tensor_parallel_size` devices (None for 1: the single-device path, unchanged).
+def replica_devices(tensor_parallel_size: int, data_parallel_size: int = 1, rank: int = 0) -> list:
+    """The devices of data-parallel replica `rank`: [rank * tp, (rank + 1) * tp) of `jax.devices()`.
+
+    Raises ValueError, listing the devices found, when tp * dp exceeds them. Over several processes (a
+    multi-host run) the mesh takes tp / processes devices of each process, so every process holds a part.
+    """
+    devices = jax.devices()
+    processes = jax.process_count()
+    if processes > 1:
+        if data_parallel_size != 1:
+            raise NotImplementedError("data_parallel_size > 1 does not run over several processes yet")
+        if tensor_parallel_size % processes:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be a multiple of the {processes} "
+                             "processes: each process holds an equal part of the mesh")
+        per_process = tensor_parallel_size // processes
+        owned = [[d for d in devices if d.process_index == p] for p in range(processes)]
+        short = [p for p, mine in enumerate(owned) if len(mine) < per_process]
+        if short:
+            raise ValueError(f"tensor_parallel_size={tensor_parallel_size} over {processes} processes needs "
+                             f"{per_process} devices in each; process(es) {short} have fewer: "
+                             f"{', '.join(str(d) for d in devices)}")
+        return [d for mine in owned for d in mine[:per_process]]
+    needed = tensor_parallel_size * data_parallel_size
+    if needed > len(devices):
+        sizes = f"tensor_parallel_size={tensor_parallel_size}" + (
+            f" x data_parallel_size={data_parallel_size}" if data_parallel_size > 1 else "")
+        raise ValueError(f"{sizes} needs {needed} devices; found {len(devices)}: "
+                         f"{', '.join(str(d) for d in devices)}")
+    return devices[rank * tensor_parallel_size:(rank + 1) * tensor_parallel_size]
+
+
+def make_mesh(tensor_parallel_size: int, num_heads: int, num_kv_heads: int, devices: list | None = None
+              ) -> Mesh | None:
+    """The mesh over `devices` (default: the first `tensor_parallel_size` of `jax.devices()`); None for a size
+    of 1: the single-device path, unchanged.
 
     Raises ValueError when the size does not divide the query heads, when it neither divides the KV heads nor
     is a multiple of them, or when it exceeds the devices. With fewer KV heads than devices, each KV head is
     replicated over size / num_kv_heads devices (models.loader.load_model: `kv_head_replicas`), as vLLM does.
     """
     size = tensor_parallel_size
+    devices = replica_devices(size) if devices is None else devices
     if size == 1:
         return None
-    devices = jax.devices()
-    if size > len(devices):
-        raise ValueError(f"tensor_parallel_size={size} needs {size} devices; found {len(devices)}: "
-                         f"{', '.join(str(d) for d in devices)}")
     if num_heads % size:
         raise ValueError(f"tensor_parallel_size={size} does not divide the model's {num_heads} attention heads")
     if num_kv_heads % size and size % num_kv_heads:
         raise ValueError(f"tensor_parallel_size={size} neither divides the model's {num_kv_heads} KV heads nor is "
                          "a multiple of them (then each KV head would be replicated over size / KV heads devices)")
-    return Mesh(np.asarray(devices[:size]), (TENSOR_AXIS,), axis_types=(AxisType.Auto,))
+    return Mesh(np.asarray(devices), (TENSOR_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def placement(mesh: Mesh | None, device) -> jax.sharding.Sharding | None:
+    """Where a replicated array of the engine lives: every device of the mesh, else the replica's one device
+    (None: the default device, uncommitted, as a single-device engine has always run)."""
+    if mesh is not None:
+        return replicated(mesh)
+    return None if device is None else SingleDeviceSharding(device)
 
 
 def kv_pool_sharding(mesh: Mesh) -> NamedSharding:

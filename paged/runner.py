@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec
 
 from pallas_kernels import cpu
 from paged.batch import StepInputs
-from paged.parallel import kv_pool_sharding, replicated
+from paged.parallel import kv_pool_sharding, placement
 from paged.sampler import SamplerOutput, sample
 
 
@@ -22,13 +22,14 @@ def kv_block_bytes(model_config, block_size: int, dtype) -> int:
     return 2 * c.num_layers * c.num_kv_heads * block_size * c.head_dim * np.dtype(dtype).itemsize
 
 
-def kv_budget_bytes(memory_utilization: float) -> int:
-    """Bytes available for the KV pool on the default device, after what is already allocated (weights).
+def kv_budget_bytes(memory_utilization: float, device=None) -> int:
+    """Bytes available for the KV pool on `device` (default: the first), after what is already allocated
+    (weights).
 
     GPUs report their limit through memory_stats; on CPU the pool lives in host memory, so the budget is a
     fraction of what the OS reports as available.
     """
-    stats = jax.devices()[0].memory_stats() or {}
+    stats = (device or jax.devices()[0]).memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"] * memory_utilization) - int(stats.get("bytes_in_use", 0))
     available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
@@ -37,23 +38,27 @@ def kv_budget_bytes(memory_utilization: float) -> int:
 
 class ModelRunner:
     def __init__(self, model, params, attention, num_blocks: int, block_size: int, dtype, max_num_seqs: int,
-                 mesh=None):
+                 mesh=None, device=None, publish=None):
+        """`mesh`: the tensor-parallel mesh (None: one device); `device`: that one device when it is not the
+        default (a data-parallel replica's); `publish(op, payload)`: on a multi-host leader, hands each device
+        operation's host inputs to the followers before it runs (paged/multihost.py)."""
         cfg = model.config
         self.model = model
         self.params = params
         self.attention = attention
         self.mesh = mesh
+        self.publish = publish
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
-        if mesh is None:
-            self.kv_cache = (jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
-        else:  # each device allocates only its KV heads
-            zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_pool_sharding(mesh))
-            self.kv_cache = (zeros(), zeros())
+        # Each device allocates only its KV heads (with a mesh), on the replica's device without one.
+        pool = kv_pool_sharding(mesh) if mesh is not None else placement(None, device)
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool)
+        self.kv_cache = (zeros(), zeros())
         self.num_compilations = 0
-        # Each step's samples padded to one fixed width, so the next step's input of them has one shape.
+        # Each step's samples padded to one fixed width, so the next step's input of them has one shape; it
+        # lives where the step's own samples come back (replicated under a mesh, else a second compile).
         self.no_tokens = jnp.zeros(max_num_seqs, jnp.int32)
-        if mesh is not None:  # where the step's own samples come back: replicated (else a second compile)
-            self.no_tokens = jax.device_put(self.no_tokens, replicated(mesh))
+        if (where := placement(mesh, device)) is not None:
+            self.no_tokens = jax.device_put(self.no_tokens, where)
         # The pool is donated: XLA writes the new K/V into the same buffers instead of copying the pool.
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
 
@@ -74,6 +79,8 @@ class ModelRunner:
         `token_source` are read from it on the device. Returns the sampler's output (device arrays; `fetch` reads
         them) and this step's padded tokens for the next launch.
         """
+        if self.publish is not None:
+            self.publish("launch", (inputs, previous_tokens is not None))
         previous = self.no_tokens if previous_tokens is None else previous_tokens
         inputs = dataclasses.replace(inputs, attention=self.attention.prepare(inputs.attention))
         self.kv_cache, out, tokens = self._step(self.params, self.kv_cache, inputs, previous)
@@ -148,6 +155,8 @@ class BlockMover:
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
+        if self.runner.publish is not None:
+            self.runner.publish("copy", pairs)
         size = _blocks_bucket(len(pairs))
         src = np.zeros(size, np.int32)
         dst = np.zeros(size, np.int32)

@@ -48,6 +48,13 @@ class RequestStream:
         self.request_id = request_id
         self._stream = stream
         self.finished = False
+        self.on_done = None  # called once, when the request finishes, fails or is closed (replica load counts)
+
+    def _set_finished(self) -> None:
+        self.finished = True
+        if self.on_done is not None:
+            done, self.on_done = self.on_done, None
+            done()
 
     def __aiter__(self):
         return self
@@ -57,14 +64,15 @@ class RequestStream:
             raise StopAsyncIteration
         item = await self._stream.queue.get()
         if isinstance(item, BaseException):
-            self.finished = True
+            self._set_finished()
             raise item
-        self.finished = item.finished
+        if item.finished:
+            self._set_finished()
         return item
 
     def close(self) -> None:
         if not self.finished:
-            self.finished = True
+            self._set_finished()
             self.engine.abort(self.request_id)
 
 
@@ -79,7 +87,24 @@ def _resolve(future: asyncio.Future, result=None, error: BaseException | None = 
     future.get_loop().call_soon_threadsafe(set_it)
 
 
-class AsyncEngine:
+class Generating:
+    """`generate`, an async iterator over a request's outputs, on top of a class's `submit`."""
+
+    async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                     params: SamplingParams) -> RequestStream:
+        raise NotImplementedError
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        stream = await self.submit(request_id, prompt, prompt_token_ids, params)
+        try:
+            async for output in stream:
+                yield output
+        finally:
+            stream.close()
+
+
+class AsyncEngine(Generating):
     def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024, batching_delay_ms: float = 0.0,
                  observer=None, on_death=None):
         """`observer` (optional) gets `on_step(engine, outputs, step_start, step_end)` on the engine thread;
@@ -118,6 +143,11 @@ class AsyncEngine:
     def started(self) -> bool:
         return self._thread.ident is not None
 
+    @property
+    def replicas(self) -> list["AsyncEngine"]:
+        """Every engine behind this one (serving/replicas.py has several): here, itself."""
+        return [self]
+
     # ---- the async API --------------------------------------------------------------------------------
 
     async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -133,15 +163,6 @@ class AsyncEngine:
         self._post("add", (request_id, prompt, prompt_token_ids, params, stream, accepted))
         await accepted
         return RequestStream(self, request_id, stream)
-
-    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
-        stream = await self.submit(request_id, prompt, prompt_token_ids, params)
-        try:
-            async for output in stream:
-                yield output
-        finally:
-            stream.close()
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))

@@ -14,11 +14,11 @@ from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
 from serving.tool_calls import TOOL_CALL_PARSERS
 
 
-def _add_model_and_engine_args(parser: argparse.ArgumentParser) -> None:
+def _add_model_and_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     parser.add_argument("--model", default=None,
                         help=f"HF checkpoint directory or hub id (default: {TINY_MODEL_NAME}, a tiny random Llama "
                              "built offline)")
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, exclude=exclude)
 
 
 def _model(args: argparse.Namespace) -> str:
@@ -78,14 +78,14 @@ def _serve(args: argparse.Namespace) -> int:
     from serving.async_engine import AsyncEngine
     from serving.metrics import EngineMetrics
     from serving.openai_server import ServerLimits, build_app
+    from paged import multihost
+    from serving.replicas import ReplicatedEngine
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (" + ", ".join(TOOL_CALL_PARSERS) + ")")
     model = _model(args)
-    engine = LLMEngine(model, **engine_kwargs_from_cli_args(args))
-    if args.precompile:
-        engine.precompile(show_progress=True)
+    options = engine_kwargs_from_cli_args(args)
     name = args.served_model_name or model
     metrics = EngineMetrics(name)
     server: list[uvicorn.Server] = []
@@ -96,8 +96,19 @@ def _serve(args: argparse.Namespace) -> int:
         if server:
             server[0].should_exit = True
 
-    async_engine = AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
-                               batching_delay_ms=args.batching_delay_ms, observer=metrics, on_death=on_engine_death)
+    replicas = []
+    for rank in range(options["data_parallel_size"]):  # each replica on its own devices (data_parallel_rank)
+        engine = LLMEngine(model, **{**options, "data_parallel_rank": rank})
+        if not engine.is_leader:  # a multi-host follower: process 0 serves, this one runs its steps
+            logging.getLogger("paged.serve").info("following process 0 (it serves HTTP); running its steps here")
+            engine.follow()
+            return 0
+        if args.precompile:
+            engine.precompile(show_progress=True)
+        replicas.append(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
+                                    batching_delay_ms=args.batching_delay_ms, observer=metrics,
+                                    on_death=on_engine_death))
+    async_engine = replicas[0] if len(replicas) == 1 else ReplicatedEngine(replicas)
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
                           allow_request_chat_template=args.trust_request_chat_template)
     app = build_app(async_engine, name, metrics, api_key=args.api_key, model_path=model, limits=limits,
@@ -113,6 +124,9 @@ def _serve(args: argparse.Namespace) -> int:
                 message = f"the server is shutting down (its {grace} s grace period ran out)"
                 asyncio.get_running_loop().call_later(max(grace - 0.5, 0.0), async_engine.fail_all, message)
             await super().shutdown(sockets)
+            for replica in replicas:  # their threads have stopped: a multi-host run's followers may go too
+                replica.engine.stop_followers()
+            multihost.leave()  # before uvicorn re-raises the signal, which would skip jax's own exit hook
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace_s)
@@ -136,14 +150,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
     gen.add_argument("prompts", nargs="+", help="prompt text (several prompts are batched together)")
     gen.add_argument("--json", action="store_true", help="print results as JSON")
-    _add_model_and_engine_args(gen)
+    _add_model_and_engine_args(gen, exclude=("data_parallel_size", "data_parallel_rank"))  # one engine
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("model_positional", nargs="?", metavar="MODEL",
                        help="the model, as in `vllm serve MODEL` (or --model)")
-    _add_model_and_engine_args(serve)
+    _add_model_and_engine_args(serve, exclude=("data_parallel_rank",))  # serve runs every replica
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health")
@@ -165,8 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
-    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, memory, kernels (flags after the kind)")
-    bench.add_argument("kind", choices=["throughput", "serve", "memory", "kernels"])
+    bench = sub.add_parser("bench", help="benchmarks: throughput, serve, memory, device_memory, kernels (flags after "
+                                         "the kind)")
+    bench.add_argument("kind", choices=["throughput", "serve", "memory", "device_memory", "kernels"])
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help of each)")
     bench.set_defaults(func=_bench)
     return parser

@@ -1,4 +1,8 @@
-"""Prometheus metrics, named like vLLM's with a `paged:` prefix. Updated on the engine thread."""
+"""Prometheus metrics, named like vLLM's with a `paged:` prefix. Updated on each engine's thread.
+
+Every series carries `model_name` and `engine`, the data-parallel replica (`data_parallel_rank`; "0" with one
+engine), as vLLM's do: Prometheus sums over `engine` for the server's totals.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ class EngineMetrics:
 
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
+        labels = ["model_name", "engine"]
         r = self.registry
         self.running = Gauge("paged:num_requests_running", "Requests in the running batch", labels, registry=r)
         self.waiting = Gauge("paged:num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
@@ -42,57 +46,58 @@ class EngineMetrics:
         self.e2e = hist("paged:e2e_request_latency_seconds", "Arrival to finish")
         self.queue_time = hist("paged:request_queue_time_seconds", "Arrival to first scheduled")
         self.model_name = model_name
-        self._seen_preemptions = 0
-        self._seen_queries = 0
-        self._seen_hits = 0
-        self._seen_constrained = 0
-        self._seen_compiled = (0, 0.0)
+        # Per replica, the engine's running totals as last copied into the counters.
+        self._seen: dict[int, dict[str, float]] = {}
+        # Per request (ids are unique across replicas): tokens counted and when the last one came.
         self._tokens_seen: dict[str, int] = {}
         self._last_token_time: dict[str, float] = {}
 
+    def _advance(self, counter, labels: tuple[str, str], rank: int, key: str, total: float) -> None:
+        """Adds what a running total of replica `rank` gained since it was last read."""
+        seen = self._seen.setdefault(rank, {})
+        counter.labels(*labels).inc(max(0.0, total - seen.get(key, 0)))
+        seen[key] = total
+
     def update_gauges(self, engine) -> None:
         """Reads the engine's state (call on the engine thread); also done after every step."""
-        m = self.model_name
+        rank = engine.config.data_parallel_rank
+        labels = (self.model_name, str(rank))
         stats = engine.kv_stats(include_utilization=False)
-        self.running.labels(m).set(stats["num_running"])
-        self.waiting.labels(m).set(stats["num_waiting"])
-        self.kv_usage.labels(m).set(stats["kv_cache_usage"])
-        self.preemptions.labels(m).inc(stats["num_preemptions"] - self._seen_preemptions)
-        self._seen_preemptions = stats["num_preemptions"]
-        self.prefix_queries.labels(m).inc(stats["prefix_cache_queries"] - self._seen_queries)
-        self.prefix_hits.labels(m).inc(stats["prefix_cache_hits"] - self._seen_hits)
-        self._seen_queries, self._seen_hits = stats["prefix_cache_queries"], stats["prefix_cache_hits"]
-        self.constrained.labels(m).inc(engine.num_constrained_requests - self._seen_constrained)
-        self._seen_constrained = engine.num_constrained_requests
-        if engine.grammars is not None:  # compiled on server workers: read its running totals
-            compiled = engine.grammars.num_compiled, engine.grammars.compile_seconds
-            self.grammars_compiled.labels(m).inc(compiled[0] - self._seen_compiled[0])
-            self.grammar_compile_seconds.labels(m).inc(max(0.0, compiled[1] - self._seen_compiled[1]))
-            self._seen_compiled = compiled
+        self.running.labels(*labels).set(stats["num_running"])
+        self.waiting.labels(*labels).set(stats["num_waiting"])
+        self.kv_usage.labels(*labels).set(stats["kv_cache_usage"])
+        self._advance(self.preemptions, labels, rank, "preemptions", stats["num_preemptions"])
+        self._advance(self.prefix_queries, labels, rank, "queries", stats["prefix_cache_queries"])
+        self._advance(self.prefix_hits, labels, rank, "hits", stats["prefix_cache_hits"])
+        self._advance(self.constrained, labels, rank, "constrained", engine.num_constrained_requests)
+        # Replicas share one grammar cache, compiled on server workers: its totals are counted on replica 0.
+        if engine.grammars is not None and rank == 0:
+            self._advance(self.grammars_compiled, labels, rank, "compiled", engine.grammars.num_compiled)
+            self._advance(self.grammar_compile_seconds, labels, rank, "compile_s", engine.grammars.compile_seconds)
 
     def on_step(self, engine, outputs, step_start: float, step_end: float) -> None:
         self.update_gauges(engine)
-        m = self.model_name
+        m = (self.model_name, str(engine.config.data_parallel_rank))
         now = time.monotonic()
         for output in outputs:
             key = output.request_id
             total = sum(len(c.token_ids) for c in output.outputs)
             new = total - self._tokens_seen.get(key, 0)
             self._tokens_seen[key] = total
-            self.generation_tokens.labels(m).inc(new)
+            self.generation_tokens.labels(*m).inc(new)
             times = output.metrics
             if key not in self._last_token_time:
-                self.ttft.labels(m).observe(now - times.arrival_time)
+                self.ttft.labels(*m).observe(now - times.arrival_time)
                 if times.first_scheduled_time is not None:
-                    self.queue_time.labels(m).observe(times.first_scheduled_time - times.arrival_time)
+                    self.queue_time.labels(*m).observe(times.first_scheduled_time - times.arrival_time)
             elif new:
-                self.itl.labels(m).observe((now - self._last_token_time[key]) / new)
+                self.itl.labels(*m).observe((now - self._last_token_time[key]) / new)
             self._last_token_time[key] = now
             if output.finished:
-                self.prompt_tokens.labels(m).inc(len(output.prompt_token_ids))
+                self.prompt_tokens.labels(*m).inc(len(output.prompt_token_ids))
                 for completion in output.outputs:
-                    self.success.labels(m, completion.finish_reason or "unknown").inc()
-                self.e2e.labels(m).observe(now - times.arrival_time)
+                    self.success.labels(*m, completion.finish_reason or "unknown").inc()
+                self.e2e.labels(*m).observe(now - times.arrival_time)
                 self._tokens_seen.pop(key, None)
                 self._last_token_time.pop(key, None)
 

@@ -27,6 +27,7 @@ from paged import InvalidStructuredOutput, InvalidTokenIds, RequestOutput, Sampl
 from paged.chat import chat_prompt_token_ids, text_token_ids
 from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
 from serving.metrics import EngineMetrics
+from serving.replicas import ReplicatedEngine
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                               DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest,
                               TokenizeResponse, message_dicts)
@@ -94,7 +95,7 @@ class ServerLimits:
 class ServerState:
     """What every handler reads: the engine and the server's settings."""
 
-    engine: AsyncEngine
+    engine: AsyncEngine | ReplicatedEngine  # one engine, or data-parallel replicas behind one interface
     served_model_name: str
     metrics: EngineMetrics | None = None
     api_key: str | None = None
@@ -638,8 +639,9 @@ async def prometheus_metrics(state: State):
     metrics = state.metrics
     if metrics is None:
         return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
-    with contextlib.suppress(EngineDeadError):
-        await state.engine.call(metrics.update_gauges)  # gauges as of now, not as of the last step
+    for replica in state.engine.replicas:  # gauges as of now, not as of the last step
+        with contextlib.suppress(EngineDeadError):
+            await replica.call(metrics.update_gauges)
     body = metrics.render()
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -773,7 +775,7 @@ def _openapi(app: FastAPI) -> dict:
     return app.openapi_schema
 
 
-def build_app(engine: AsyncEngine, served_model_name: str, metrics: EngineMetrics | None = None,
+def build_app(engine: AsyncEngine | ReplicatedEngine, served_model_name: str, metrics: EngineMetrics | None = None,
               api_key: str | None = None, model_path: str | None = None,
               limits: ServerLimits = ServerLimits(), tool_call_parser: str | None = None) -> FastAPI:
     """The app starts the engine thread on startup and stops it (aborting what is left) on shutdown."""

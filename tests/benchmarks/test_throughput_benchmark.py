@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
-
+import os
+import subprocess
+import sys
 
 from serving.cli import main
 
@@ -57,3 +59,20 @@ def test_throughput_benchmark_runs_json_constrained_fractions(tiny_model_dir, tm
     assert results["paged-json-100%"]["constrained_requests"] == 4
     assert results["paged-json-100%"]["grammar_compile_seconds"] > 0
     assert all(r["output_tokens"] > 0 for r in results.values())
+
+
+def test_throughput_benchmark_runs_data_and_tensor_parallel(tiny_model_dir, tmp_path):
+    """--data-parallel-size 2 --tensor-parallel-size 2 on 4 simulated devices: a smoke test (CPU devices share
+    the same cores, so its speed means nothing)."""
+    out = tmp_path / "throughput.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    subprocess.run([sys.executable, "-m", "serving.cli", "bench", "throughput", "--model", tiny_model_dir,
+                    "--num-requests", "5", "--input-len", "4", "12", "--output-len", "4", "8", "--hf-batch-sizes",
+                    "--no-hf-continuous", "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                    "--json", str(out)], check=True, env=env, timeout=600)
+    report = json.loads(out.read_text())
+    paged = report["results"][0]
+    assert report["engine"]["data_parallel_size"] == 2 and report["engine"]["tensor_parallel_size"] == 2
+    assert paged["requests_per_replica"] == [3, 2]
+    assert paged["output_tokens"] == report["workload"]["output_tokens"]
+    assert paged["compilations_in_timed_run"] == 0

@@ -46,8 +46,14 @@ def test_every_option_reaches_the_engine_from_llm(monkeypatch, field):
 
     monkeypatch.setattr(paged.llm, "LLMEngine", Recorder)
     value = _other_value(field)
-    LLM("some-model", **{field.name: value})
+    # An LLM is one data-parallel replica: several replicas need its rank.
+    companion = {"data_parallel_size": {"data_parallel_rank": 0}}.get(field.name, {})
+    LLM("some-model", **{field.name: value}, **companion)
     assert seen[field.name] == value and seen["model"] == "some-model"
+
+
+# `paged generate` runs one engine (no replicas); `paged serve` runs every replica, so it sets each one's rank.
+NOT_FLAGS = {"generate": {"data_parallel_size", "data_parallel_rank"}, "serve": {"data_parallel_rank"}}
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])
@@ -55,11 +61,15 @@ def test_every_option_reaches_the_engine_from_llm(monkeypatch, field):
 def test_every_option_is_a_flag_of_generate_and_serve(command, field):
     value = _other_value(field)
     extra = ["a prompt"] if command == "generate" else []
+    if field.name in NOT_FLAGS[command]:
+        with pytest.raises(SystemExit):
+            build_parser().parse_args([command, *_cli_tokens(field, value), *extra])
+        return
     args = build_parser().parse_args([command, *_cli_tokens(field, value), *extra])
     options = engine_kwargs_from_cli_args(args)
-    assert set(options) == {f.name for f in FIELDS}
+    assert set(options) == {f.name for f in FIELDS} - NOT_FLAGS[command]
     assert options[field.name] == value
-    defaults = {f.name: f.default for f in FIELDS if f.name != field.name}
+    defaults = {f.name: f.default for f in FIELDS if f.name != field.name and f.name not in NOT_FLAGS[command]}
     assert {k: v for k, v in options.items() if k != field.name} == defaults
 
 
@@ -85,8 +95,9 @@ def test_unknown_option_is_a_clear_error():
 
 
 def test_bench_throughput_takes_every_engine_option():
-    """`paged bench throughput` takes the same flags; its --seed seeds the workload and the engine alike."""
+    """`paged bench throughput` takes the same flags; its --seed seeds the workload and the engine alike, and
+    it runs every data-parallel replica, as `paged serve` does."""
     from benchmarks.throughput import build_parser as bench_parser
     options = engine_kwargs_from_cli_args(bench_parser().parse_args(["--max-num-seqs", "8"]))
-    assert set(options) == {f.name for f in FIELDS}
+    assert set(options) == {f.name for f in FIELDS} - NOT_FLAGS["serve"]
     assert options["max_num_seqs"] == 8 and options["enable_prefix_caching"] is False

@@ -37,12 +37,14 @@ SCRIPT = textwrap.dedent("""
         k_cache = llm.engine.runner.kv_cache[0]
         layer = llm.engine.runner.params["layers"][0]
         q_kernel = layer["self_attn"]["q_proj"]["kernel"] if "self_attn" in layer else k_cache
+        embedding = llm.engine.runner.params.get("embed_tokens", llm.engine.runner.params.get("wte"))["embedding"]
         out[size] = {
             "tokens": [[o.outputs[0].token_ids for o in run] for run in runs],
             "logprobs": [round(o.outputs[0].cumulative_logprob, 3) for o in runs[1]],
             "recompiled": llm.engine.num_compilations - compiled,
             "kv_shard_heads": [s.data.shape[1] for s in k_cache.addressable_shards],
             "q_shard_cols": [s.data.shape[1] for s in q_kernel.addressable_shards],
+            "embedding_shard_rows": [s.data.shape[0] for s in embedding.addressable_shards],
         }
         del llm
     print("RESULT " + json.dumps(out))
@@ -57,7 +59,7 @@ def model_dir(tmp_path_factory):
 
 
 def _run(model_dir, backend, sizes):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     run = subprocess.run([sys.executable, "-c", SCRIPT, model_dir, backend, ",".join(map(str, sizes))],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -67,16 +69,29 @@ def _run(model_dir, backend, sizes):
 
 @pytest.mark.parametrize("backend", ["xla", "cpu", "reference", "pallas"])
 def test_tensor_parallel_gives_the_tokens_of_one_device(model_dir, backend):
-    results = _run(model_dir, backend, [1, 2, 4])
+    sizes = (2, 4, 8) if backend == "xla" else (2, 4)  # 8 shards once: each backend's per-shard path is the same
+    results = _run(model_dir, backend, [1, *sizes])
     one = results[1]
-    for size in (2, 4):
+    for size in sizes:
         got = results[size]
         assert got["tokens"] == one["tokens"], size  # greedy, and seeded sampling with penalties
         assert got["logprobs"] == pytest.approx(one["logprobs"], abs=2e-3)
         assert got["recompiled"] == 0
-        assert got["kv_shard_heads"] == [4 // size] * size  # each device holds only its KV heads
-        assert got["q_shard_cols"] == [64 // size] * size  # and its columns of q_proj
+        # Each device holds only its KV heads (at 8, one copy of one of the 4 heads) and its q_proj columns.
+        assert got["kv_shard_heads"] == [max(1, 4 // size)] * size
+        assert got["q_shard_cols"] == [64 // size] * size
     assert one["kv_shard_heads"] == [4]
+
+
+def test_a_vocabulary_the_size_does_not_divide_is_padded_and_split(tmp_path):
+    """515 tokens over 2 and 4 devices: the tables are padded to 516 rows and split (not replicated); the padding
+    rows' logits never reach the sampler, so the tokens are one device's."""
+    model_dir = create_tiny_llama(str(tmp_path / "odd-vocab"), num_heads=8, num_kv_heads=4, model_vocab_size=515)
+    results = _run(model_dir, "xla", [1, 2, 4])
+    for size in (2, 4):
+        assert results[size]["tokens"] == results[1]["tokens"], size
+        assert results[size]["embedding_shard_rows"] == [516 // size] * size
+    assert results[1]["embedding_shard_rows"] == [515]
 
 
 def test_fewer_kv_heads_than_devices_replicates_them(tmp_path):

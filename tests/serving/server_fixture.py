@@ -20,10 +20,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_dir: str, *extra: str):
+    def __init__(self, model_dir: str, *extra: str, env: dict[str, str] | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+        env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
         self.log = open(os.path.join(model_dir, f"server-{self.port}.log"), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "serving.cli", "serve", "--model", model_dir, "--port", str(self.port),

@@ -143,6 +143,6 @@ def test_metrics_count_constrained_requests_and_compilations(server, client):
     text = httpx.get(server.url + "/metrics").text
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
               if line.startswith("paged:structured_output") and "_created" not in line}
-    assert values['paged:structured_output_requests_total{model_name="tiny"}'] >= 1
-    assert values['paged:structured_output_grammars_compiled_total{model_name="tiny"}'] >= 1
-    assert values['paged:structured_output_compile_seconds_total{model_name="tiny"}'] > 0
+    assert values['paged:structured_output_requests_total{engine="0",model_name="tiny"}'] >= 1
+    assert values['paged:structured_output_grammars_compiled_total{engine="0",model_name="tiny"}'] >= 1
+    assert values['paged:structured_output_compile_seconds_total{engine="0",model_name="tiny"}'] > 0
