@@ -16,7 +16,7 @@ import numpy as np
 
 from pallas_kernels import cpu, select_backends
 from pallas_kernels import (packed_causal_attention, paged_attention_chunked, paged_attention_reference,
-                            paged_decode_attention, ragged_paged_attention, write_kv_to_cache)
+                            paged_decode_attention, ragged_paged_attention, to_pool_dtype, write_kv_to_cache)
 
 
 @jax.tree_util.register_dataclass
@@ -128,6 +128,8 @@ class XlaAttention(ReferenceAttention):
 
     def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None,
                soft_cap=None):
+        if k_cache.dtype.itemsize == 1:  # fp8 pool: prompt tokens see each other as the pool holds them, too
+            k, v = (to_pool_dtype(x, k_cache.dtype).astype(x.dtype) for x in (k, v))
         num_rows = meta.seq_lens.shape[0]
         paged = lambda rows: self.paged_attention(
             q[:rows], k_cache, v_cache, layer, meta.page_tables, meta.token_seq_ids[:rows], meta.positions[:rows],

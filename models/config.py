@@ -101,6 +101,12 @@ class ModelConfig:
     # (set by the loader; 0: vocab_size). The padding rows are zeros and their logits are dropped, so every
     # device holds 1 / N of the tables instead of all of them replicated.
     padded_vocab_size: int = 0
+    # The attention layers hold the checkpoint's per-layer k_scale / v_scale, for an fp8 KV pool (set by the
+    # loader when the pool is fp8 and the checkpoint has them; otherwise the pool stores K/V with scale 1.0).
+    kv_scales: bool = False
+    # Copies of each checkpoint KV head (tensor parallelism over more devices than KV heads; set by the loader):
+    # num_kv_heads counts the copies, the checkpoint holds num_kv_heads / kv_head_replicas.
+    kv_head_replicas: int = 1
 
     @property
     def vocab_rows(self) -> int:

@@ -151,10 +151,18 @@ class PagedSelfAttention(Block):
             k = RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one, name="k_norm")(k)
         q = apply_rotary(q, cos, sin, cfg.rotary_interleaved)
         k = apply_rotary(k, cos, sin, cfg.rotary_interleaved)
-        k_cache, v_cache = attention.write_kv(k_cache, v_cache, layer, k, v, meta)
         scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
+        if cfg.kv_scales:  # an fp8 pool with the checkpoint's scales: it stores k / k_scale and v / v_scale
+            scalar = lambda name: self.param(name, nn.with_partitioning(nn.initializers.ones, ()), (), jnp.float32)
+            k_scale, v_scale = scalar("k_scale"), scalar("v_scale")
+            k, v = (k / k_scale).astype(k.dtype), (v / v_scale).astype(v.dtype)
+            # (q * k_scale) . (k / k_scale): the same scores, while `scale` stays the static float kernels take.
+            q = (q * k_scale).astype(q.dtype)
+        k_cache, v_cache = attention.write_kv(k_cache, v_cache, layer, k, v, meta)
         out = attention.attend(q, k, v, k_cache, v_cache, layer, meta, scale=scale,
                                sliding_window=window if cfg.layer_windows else None, soft_cap=cfg.attn_soft_cap)
+        if cfg.kv_scales:  # softmax(...) @ (v / v_scale), times v_scale
+            out = (out * v_scale).astype(out.dtype)
         out = linear(cfg.hidden_size, "o_proj", cfg.o_proj_bias, "row")(out.reshape(num_tokens, cfg.q_size),
                                                                         live_rows)
         return out, k_cache, v_cache

@@ -86,6 +86,8 @@ class LlamaForCausalLM:
     # Experts, stacked per layer on an expert axis: Mixtral's w1/w3/w2 and Qwen-MoE's gate/up/down.
     _EXPERT_RE = re.compile(r"^(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|up_proj|down_proj)$")
     _EXPERT_NAMES = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+    # An fp8 KV cache's per-layer scales: compressed-tensors' (llm-compressor's kv_cache_scheme) and AutoFP8's.
+    KV_SCALE_RE = re.compile(r"^model\.layers\.(\d+)\.self_attn\.(?:([kv])_scale|([kv])_proj\.output_scale)$")
     _GLM4_NORMS = {"post_self_attn_layernorm": "post_attention_layernorm",
                    "post_attention_layernorm": "pre_feedforward_layernorm",
                    "post_mlp_layernorm": "post_feedforward_layernorm"}
@@ -113,6 +115,9 @@ class LlamaForCausalLM:
             return ("norm", "scale"), None, False
         if name == "lm_head.weight":
             return ("lm_head", "kernel"), None, True
+        if scale := self.KV_SCALE_RE.match(name):
+            which = scale.group(2) or scale.group(3)
+            return ("layers", "self_attn", f"{which}_scale"), int(scale.group(1)), False
         match = self._LAYER_RE.match(name)
         if not match:
             return None
@@ -143,7 +148,7 @@ class LlamaForCausalLM:
         if name.endswith(".self_attn.qkv_proj.weight"):
             fused = f.get_tensor(name)
             prefix = name[:-len("qkv_proj.weight")]
-            q, kv = cfg.q_size, cfg.kv_size
+            q, kv = cfg.q_size, cfg.kv_size // cfg.kv_head_replicas  # the checkpoint's KV heads
             parts = (("q_proj", fused[:q]), ("k_proj", fused[q:q + kv]), ("v_proj", fused[q + kv:]))
         elif name.endswith(".mlp.gate_up_proj.weight"):
             fused = f.get_tensor(name)

@@ -139,9 +139,15 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
         key, index, transpose = target
         index = () if index is None else (index,) if isinstance(index, int) else tuple(index)
         tensor = read().T if transpose else read()
-        if kv_head_replicas > 1 and key[-3:-1] in (("self_attn", "k_proj"), ("self_attn", "v_proj")):
+        if kv_head_replicas > 1 and key[-3:-1] in (("self_attn", "k_proj"), ("self_attn", "v_proj")) \
+                and key[-1] != "perm":  # a quantized kernel's input order is the same for every head
+            if key[-1] == "scales" and scheme is not None and scheme.block_out > 1:
+                raise NotImplementedError(f"{name}: fp8 block scales over KV heads that tensor parallelism must "
+                                          "repeat are not implemented; use a size that divides the KV heads")
             tensor = _repeat_kv_heads(tensor, kv_head_replicas, config.head_dim)
         want = expected[key][len(index):]
+        if want == () and tensor.size == 1:  # a scalar stored as [1] (KV cache scales)
+            tensor = tensor.reshape(())
         if config.padded_vocab_size:
             tensor = _pad_vocab(tensor, want, config)
         if tensor.shape != want:
@@ -273,10 +279,12 @@ def _get_layer0(tree: dict, key: tuple[str, ...]):
 
 
 def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stacked_layers: bool = True,
-               linear_backend: str = "xla", mesh=None, quantization: str | None = None, device=None):
-    """Returns (model_dir, config, model, params, numpy dtype); see load_params for `stacked_layers` and
-    `mesh` and `device`, models.linear for `linear_backend`, models/quantized_checkpoints.py for `quantization` (None: the
-    checkpoint's own `quantization_config`, if any)."""
+               linear_backend: str = "xla", mesh=None, quantization: str | None = None, device=None,
+               kv_cache_scales: bool = False):
+    """Returns (model_dir, config, model, params, numpy dtype); see load_params for `stacked_layers`, `mesh` and
+    `device`, models.linear for `linear_backend`, models/quantized_checkpoints.py for `quantization` (None: the
+    checkpoint's own `quantization_config`, if any). `kv_cache_scales`: the KV pool is fp8, so the checkpoint's
+    per-layer k/v scales are read where it has them (models.llama.LlamaForCausalLM.KV_SCALE_RE)."""
     model_dir = resolve_model_path(model)
     config = load_model_config(model_dir)
     cls = model_class(config.architecture)
@@ -284,20 +292,29 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
     if scheme is not None:
         if cls.__name__ != "LlamaForCausalLM":
             raise NotImplementedError(f"quantized {config.architecture} models are not implemented yet")
-        if mesh is not None:
-            raise NotImplementedError("quantized models with tensor parallelism are not implemented yet")
         config = dataclasses.replace(config, weight_quant=scheme)
     size = int(np.prod(list(mesh.shape.values()))) if mesh is not None else 1
     if config.vocab_size % size:  # padded so the tables split evenly instead of being replicated
         config = dataclasses.replace(config, padded_vocab_size=-(-config.vocab_size // size) * size)
+    if kv_cache_scales and cls.__name__ == "LlamaForCausalLM" and _has_kv_scales(model_dir, cls.KV_SCALE_RE):
+        config = dataclasses.replace(config, kv_scales=True)
     replicas = kv_head_replicas(config, mesh)
     if replicas > 1:  # the model is built with every KV head repeated; the loader repeats k/v_proj to match
-        config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * replicas)
+        config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * replicas, kv_head_replicas=replicas)
     np_dtype = resolve_dtype(dtype, config)
     instance = cls(config, np_dtype, linear_backend=linear_backend)
     params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers, mesh, replicas,
                          device)
     return model_dir, config, instance, params, np_dtype
+
+
+def _has_kv_scales(model_dir: str, pattern) -> bool:
+    """Whether the checkpoint holds per-layer KV cache scales (read from the safetensors headers only)."""
+    for path in _safetensors_files(model_dir):
+        with safe_open(path, framework="np") as f:
+            if any(pattern.match(name) for name in f.keys()):
+                return True
+    return False
 
 
 def kv_head_replicas(config: ModelConfig, mesh) -> int:

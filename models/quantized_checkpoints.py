@@ -14,6 +14,11 @@ Formats, as their producers write them (the unpacking follows each format's publ
   signed code q; weight_scale [out, groups]; weight_zero_point int32 [out * bits / 32, groups] (asymmetric
   only), packed along the output dimension with the same offset; weight_shape [out, in].
   W = (q - zero_point) * scale.
+- compressed-tensors "int-quantized" (W8A8's weights): weight int8 [out, in], the signed codes; weight_scale
+  [out, groups] (group, channel) or one value (tensor); weight_zero_point int8 of the same shape (asymmetric).
+  "float-quantized" (FP8 W8A8, FP8_DYNAMIC): weight float8_e4m3fn [out, in]; weight_scale [out, 1] (channel),
+  one value (tensor) or [out / bo, in / bi] (block). W = (q - zero_point) * scale. Dynamic activation
+  quantization is accepted and not applied: activations stay in the compute dtype (weight-only).
 - HF "fp8" (`quant_method: fp8`, the FP8 releases of Qwen3 and DeepSeek): weight float8_e4m3fn [out, in] and
   weight_scale_inv float32 [out / 128, in / 128] (`weight_block_size`), W = weight * weight_scale_inv per block.
   Activations stay in the compute dtype here (weight-only); vLLM's fp8 GEMMs also quantize them per token group.
@@ -70,7 +75,7 @@ def weight_quant(quantization_config: dict | None, requested: str | None) -> Wei
     return scheme
 
 
-def _checkpoint_scheme(config: dict, method: str) -> WeightQuant:
+def _checkpoint_scheme(config: dict, method: str) -> WeightQuant | None:
     if method == "compressed-tensors":
         return _compressed_tensors_scheme(config)
     if method == "fp8":
@@ -102,42 +107,75 @@ def _checkpoint_scheme(config: dict, method: str) -> WeightQuant:
                        method="gptq_v2" if checkpoint_format == "gptq_v2" else "gptq")
 
 
-def _compressed_tensors_scheme(config: dict) -> WeightQuant:
-    """One weight scheme for every quantized layer, weights only, in the pack-quantized format."""
+# compressed-tensors formats: pack-quantized (int codes in int32 words), int-quantized (int8 codes as they are:
+# W8A8's weights) and float-quantized (float8 e4m3 codes: FP8 W8A8 / FP8_DYNAMIC's weights).
+_CT_FORMATS = {"pack-quantized": "compressed-tensors", "int-quantized": "compressed-tensors-int8",
+               "float-quantized": "compressed-tensors-fp8"}
+_CT_STRATEGIES = {"pack-quantized": ("group", "channel"), "int-quantized": ("group", "channel", "tensor"),
+                  "float-quantized": ("channel", "tensor", "block")}
+
+
+def _compressed_tensors_scheme(config: dict) -> WeightQuant | None:
+    """One weight scheme for every quantized layer. Activation quantization (W8A8's input_activations) is
+    accepted when dynamic and then not applied: activations stay in the compute dtype (weight-only), which is
+    what transformers runs on CPU too; static activation scales are refused."""
     groups = config.get("config_groups") or {}
+    kv_scheme = config.get("kv_cache_scheme")
+    if kv_scheme and (kv_scheme.get("type") != "float" or kv_scheme.get("num_bits") != 8):
+        raise NotImplementedError(f"quantization_config.kv_cache_scheme type={kv_scheme.get('type')!r} num_bits="
+                                  f"{kv_scheme.get('num_bits')!r} is not implemented (implemented: float with 8 bits, "
+                                  "read with kv_cache_dtype='fp8')")
     if not groups:
+        if kv_scheme:  # float weights; only the KV cache scales are quantization parameters
+            return None
         raise ValueError("quantization_config.config_groups is empty")
     weights = set()
     for name, group in groups.items():
         field = f"quantization_config.config_groups.{name}"
-        for kind in ("input_activations", "output_activations"):
-            if group.get(kind):
-                raise NotImplementedError(f"{field}.{kind} is set: activation quantization (e.g. W8A8) is not "
-                                          "implemented yet, only weight-only schemes (W4A16, W8A16)")
+        if group.get("output_activations"):
+            raise NotImplementedError(f"{field}.output_activations is set: output quantization is not implemented")
+        activations = group.get("input_activations")
+        if activations and not activations.get("dynamic"):
+            raise NotImplementedError(f"{field}.input_activations.dynamic={activations.get('dynamic')!r}: static "
+                                      "activation scales are not implemented (dynamic ones run weight-only)")
         args = group.get("weights") or {}
         fmt = group.get("format") or config.get("format")
-        if fmt != "pack-quantized":
-            raise NotImplementedError(f"{field}.format={fmt!r} is not implemented yet (implemented: pack-quantized)")
-        if args.get("type") != "int" or args.get("num_bits") not in QUANT_BITS:
+        if fmt not in _CT_FORMATS:
+            raise NotImplementedError(f"{field}.format={fmt!r} is not implemented yet (implemented: "
+                                      f"{', '.join(_CT_FORMATS)})")
+        kind = "float" if fmt == "float-quantized" else "int"
+        allowed_bits = (8,) if fmt != "pack-quantized" else QUANT_BITS
+        if args.get("type") != kind or args.get("num_bits") not in allowed_bits:
             raise NotImplementedError(f"{field}.weights: type={args.get('type')!r} num_bits={args.get('num_bits')!r} "
-                                      "is not implemented (implemented: int with 4 or 8 bits)")
+                                      f"is not implemented for {fmt} (implemented: {kind} with "
+                                      f"{' or '.join(map(str, allowed_bits))} bits)")
         strategy = args.get("strategy")
-        if strategy not in ("group", "channel"):
-            raise NotImplementedError(f"{field}.weights.strategy={strategy!r} is not implemented (implemented: "
-                                      "group, channel)")
+        if strategy not in _CT_STRATEGIES[fmt]:
+            raise NotImplementedError(f"{field}.weights.strategy={strategy!r} is not implemented for {fmt} "
+                                      f"(implemented: {', '.join(_CT_STRATEGIES[fmt])})")
         if args.get("actorder"):
             raise NotImplementedError(f"{field}.weights.actorder={args['actorder']!r} is not implemented yet")
-        group_size = args.get("group_size") if strategy == "group" else -1
-        if strategy == "group" and (not isinstance(group_size, int) or group_size <= 0):
-            raise ValueError(f"{field}.weights.group_size must be a positive integer, got {group_size!r}")
-        weights.add((args["num_bits"], group_size))
+        if kind == "float" and not args.get("symmetric", True):
+            raise NotImplementedError(f"{field}.weights.symmetric=False is not implemented for float weights")
+        group_size, block_out = -1, 1
+        if strategy == "group":
+            group_size = args.get("group_size")
+            if not isinstance(group_size, int) or group_size <= 0:
+                raise ValueError(f"{field}.weights.group_size must be a positive integer, got {group_size!r}")
+        elif strategy == "block":
+            block = args.get("block_structure")
+            if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+                raise ValueError(f"{field}.weights.block_structure must be [out, in] block sizes, got {block!r}")
+            block_out, group_size = block
+        weights.add((fmt, args["num_bits"], group_size, block_out))
     if len(weights) != 1:
         raise NotImplementedError("quantization_config.config_groups with different weight schemes per layer are "
                                   f"not implemented yet (got {sorted(weights)})")
-    bits, group_size = weights.pop()
+    fmt, bits, group_size, block_out = weights.pop()
     if not any("lm_head" in entry for entry in config.get("ignore") or []):
         raise NotImplementedError("a quantized lm_head is not implemented (quantization_config.ignore lacks lm_head)")
-    return WeightQuant(bits=bits, group_size=group_size, method="compressed-tensors")
+    return WeightQuant(bits=bits, group_size=group_size, method=_CT_FORMATS[fmt],
+                       kind="float8" if fmt == "float-quantized" else "int", block_out=block_out)
 
 
 def _fp8_scheme(config: dict) -> WeightQuant:
@@ -156,9 +194,13 @@ def _fp8_scheme(config: dict) -> WeightQuant:
     return WeightQuant(bits=8, group_size=block[1], method="fp8", kind="float8", block_out=block[0])
 
 
+# Formats whose codes are the layer's `weight` tensor itself.
+_CODES_IN_WEIGHT = ("fp8", "compressed-tensors-int8", "compressed-tensors-fp8")
+
+
 def quantized_suffixes(scheme: WeightQuant) -> tuple[str, ...]:
     """Suffixes of a quantized layer's checkpoint tensors, which the loader gathers for `convert`."""
-    return (*QUANT_SUFFIXES, "weight") if scheme.method == "fp8" else QUANT_SUFFIXES
+    return (*QUANT_SUFFIXES, "weight") if scheme.method in _CODES_IN_WEIGHT else QUANT_SUFFIXES
 
 
 def quantize_online(kernel: np.ndarray, scheme: WeightQuant, dtype) -> dict[str, np.ndarray]:
@@ -181,6 +223,8 @@ def convert(prefix: str, tensors: dict[str, np.ndarray], scheme: WeightQuant, in
         return _convert_fp8(prefix, tensors, scheme, in_features, out_features, groups)
     if scheme.method == "compressed-tensors":
         return _convert_compressed_tensors(prefix, tensors, scheme, in_features, out_features, groups, dtype)
+    if scheme.method in ("compressed-tensors-int8", "compressed-tensors-fp8"):
+        return _convert_compressed_codes(prefix, tensors, scheme, in_features, out_features, groups, dtype)
     if scheme.method == "awq":
         expected = {"qweight": (in_features, out_features // 8), "qzeros": (groups, out_features // 8),
                     "scales": (groups, out_features)}
@@ -249,6 +293,35 @@ def _convert_compressed_tensors(prefix, tensors, scheme, in_features, out_featur
     else:
         zeros = np.full((groups, out_features), centre, np.float32)  # symmetric
     return pack(q, zeros, tensors["weight_scale"].astype(np.float32).T, scheme.bits, dtype)
+
+
+def _convert_compressed_codes(prefix, tensors, scheme, in_features, out_features, groups, dtype):
+    """int-quantized (int8 codes [out, in]) or float-quantized (e4m3 codes [out, in]) with weight_scale [out,
+    groups] (group, channel), [out / bo, in / bi] (block) or one value (tensor: broadcast to every channel)."""
+    import ml_dtypes
+    float8 = scheme.kind == "float8"
+    scale_cols = out_features // scheme.block_out
+    scale = tensors.get("weight_scale")
+    if scale is not None and scale.size == 1:  # strategy "tensor"
+        tensors = {**tensors, "weight_scale": np.full((scale_cols, groups), scale.reshape(()), np.float32)}
+    expected = {"weight": (out_features, in_features), "weight_scale": (scale_cols, groups)}
+    if "weight_zero_point" in tensors and not float8:
+        zero = tensors["weight_zero_point"]
+        if zero.size == 1:
+            tensors = {**tensors, "weight_zero_point": np.full((out_features, groups), zero.reshape(()), np.int8)}
+        expected["weight_zero_point"] = (out_features, groups)
+    fmt = "float-quantized" if float8 else "int-quantized"
+    _check_shapes(prefix, tensors, expected, f"{fmt} with group_size={scheme.group_size}, block_out={scheme.block_out}")
+    weight = tensors["weight"]
+    want = np.dtype(ml_dtypes.float8_e4m3fn) if float8 else np.dtype(np.int8)
+    if weight.dtype != want:
+        raise ValueError(f"checkpoint tensor {prefix}.weight is {weight.dtype}; {fmt} checkpoints hold {want}")
+    scales = tensors["weight_scale"].astype(np.float32).T  # [groups, out / bo]
+    if float8:
+        return {"qweight": np.ascontiguousarray(weight.T), "scales": scales}
+    zero = tensors.get("weight_zero_point")
+    zeros = (zero.astype(np.float32).T if zero is not None else np.zeros((groups, out_features), np.float32)) + 128
+    return pack(weight.T.astype(np.int16) + 128, zeros, scales, 8, dtype)
 
 
 def _check_shapes(prefix: str, tensors: dict[str, np.ndarray], expected: dict[str, tuple[int, ...]],

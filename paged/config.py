@@ -63,6 +63,11 @@ class EngineConfig:
     compilation_cache_dir: str | None = _option(
         "auto", "where compiled steps are kept between runs (auto: JAX's own setting, else "
                 "$PAGED_CACHE_DIR/xla, i.e. ~/.cache/paged/xla); none to leave JAX's settings alone")
+    # An fp8 pool holds twice the tokens of a bf16 one in the same bytes; keys and values are stored with scale
+    # 1.0 (they rarely leave e4m3's +-448) and every attention backend dequantizes them as it reads.
+    kv_cache_dtype: str = _option("auto", "KV cache storage: auto (the model's dtype), bfloat16, or fp8 / "
+                                          "fp8_e4m3 (e4m3) and fp8_e5m2",
+                                  ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"))
     tensor_parallel_size: int = _option(1, "devices the model is split over (Megatron layout on a jax mesh; "
                                            "must divide the attention and KV heads)")
     # Replicas are whole engines (scheduler, KV pool, weights) on disjoint devices; `paged serve` routes each
@@ -127,6 +132,9 @@ class EngineConfig:
               f"max_num_batched_tokens must be None or an integer >= 1, got {self.max_num_batched_tokens!r}")
         check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
               f"max_model_len must be None or an integer >= 1, got {self.max_model_len!r}")
+        check(self.kv_cache_dtype in ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"),
+              f"kv_cache_dtype must be 'auto', 'bfloat16', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', got "
+              f"{self.kv_cache_dtype!r}")
         check(self.preemption_mode in ("recompute", "swap"),
               f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         check(self.layer_loop in ("auto", "scan", "unroll"),

@@ -9,6 +9,7 @@ import time
 from typing import NoReturn
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -31,6 +32,13 @@ from paged.sampling_params import SamplingParams
 from paged.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)
+
+
+def kv_cache_dtype(option: str, model_dtype) -> np.dtype:
+    """The KV pool's dtype for the `kv_cache_dtype` option: the model's for "auto"."""
+    formats = {"bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
+               "fp8_e5m2": jnp.float8_e5m2}
+    return np.dtype(model_dtype if option == "auto" else formats[option])
 
 
 class StepFailedError(RuntimeError):
@@ -85,7 +93,12 @@ class LLMEngine:
         unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and platform == "cpu")
         model_dir, self.model_config, self.model, params, self.dtype = load_model(
             model_dir, dtype, show_progress, stacked_layers=not unroll, linear_backend=self.linear_backend,
-            mesh=self.mesh, quantization=config.quantization, device=self.device)
+            mesh=self.mesh, quantization=config.quantization, device=self.device,
+            kv_cache_scales=config.kv_cache_dtype.startswith("fp8"))
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if self.kv_dtype.itemsize == 1 and attention_name == "pallas-mosaic":
+            raise NotImplementedError("kv_cache_dtype='fp8' does not run on the pallas-mosaic decode kernel yet; use "
+                                      "attention_backend='pallas'")
         # Bytes of the weights by dtype (int8, uint8 for packed int4, the float dtype for the rest) and total.
         self.weight_bytes = weight_bytes(params)
         self.config = config = config.resolved(self.model_config.max_position_embeddings)
@@ -109,10 +122,10 @@ class LLMEngine:
         if (where := placement(self.mesh, self.device)) is not None:  # beside the weights, not copied per step
             precomputed = jax.device_put(precomputed, where)
         params = {**params, **precomputed}
-        self.runner = ModelRunner(self.model, params, attention, num_blocks, config.block_size, self.dtype,
+        self.runner = ModelRunner(self.model, params, attention, num_blocks, config.block_size, self.kv_dtype,
                                   config.max_num_seqs, self.mesh, self.device,
                                   publish=self.channel.publish if self.channel and self.channel.leader else None)
-        block_bytes = kv_block_bytes(self.model_config, config.block_size, self.dtype)
+        block_bytes = kv_block_bytes(self.model_config, config.block_size, self.kv_dtype)
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
         self.mover = BlockMover(self.runner, self.block_manager, swap_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -135,7 +148,7 @@ class LLMEngine:
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
         else:
-            per_block = kv_block_bytes(self.model_config, config.block_size, self.dtype)
+            per_block = kv_block_bytes(self.model_config, config.block_size, self.kv_dtype)
             if self.mesh is not None and jax.default_backend() != "cpu":
                 per_block //= config.tensor_parallel_size  # each device holds its KV heads' share of a block
             budget_blocks = kv_budget_bytes(config.gpu_memory_utilization, device) // per_block

@@ -20,10 +20,11 @@ from pallas_kernels.reference import (
     paged_attention_reference,
     paged_decode_reference,
     ragged_paged_attention_reference,
+    to_pool_dtype,
     write_kv_to_cache,
 )
 from pallas_kernels.xla import packed_causal_attention, paged_attention_chunked
 
 __all__ = ["packed_causal_attention", "paged_attention_chunked", "paged_attention_reference",
            "paged_decode_attention", "paged_decode_reference", "ragged_paged_attention",
-           "ragged_paged_attention_reference", "select_backends", "write_kv_to_cache"]
+           "ragged_paged_attention_reference", "select_backends", "to_pool_dtype", "write_kv_to_cache"]

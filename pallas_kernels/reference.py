@@ -31,7 +31,7 @@ def write_kv_to_cache(
     Args:
       k_cache, v_cache: [num_layers, num_kv_heads, num_blocks, block_size, head_dim].
       layer: int32 scalar; the layer to write.
-      k, v: [num_tokens, num_kv_heads, head_dim], same dtype as the pool.
+      k, v: [num_tokens, num_kv_heads, head_dim]; cast to the pool's dtype (`to_pool_dtype`).
       slot_mapping: int32 [num_tokens]; slot = block * block_size + offset. Padded tokens point at a slot
         of the sink block.
 
@@ -42,9 +42,19 @@ def write_kv_to_cache(
     blocks = slot_mapping // block_size
     offsets = slot_mapping % block_size
     # Advanced indices separated by a slice put the token axis first: the update is [T, Hkv, D].
-    k_cache = k_cache.at[layer, :, blocks, offsets].set(k.astype(k_cache.dtype))
-    v_cache = v_cache.at[layer, :, blocks, offsets].set(v.astype(v_cache.dtype))
+    k_cache = k_cache.at[layer, :, blocks, offsets].set(to_pool_dtype(k, k_cache.dtype))
+    v_cache = v_cache.at[layer, :, blocks, offsets].set(to_pool_dtype(v, v_cache.dtype))
     return k_cache, v_cache
+
+
+def to_pool_dtype(x: jax.Array, dtype) -> jax.Array:
+    """x in a pool's dtype. float8 pools (kv_cache_dtype="fp8") saturate at the format's largest finite value
+    (448 for e4m3): e4m3fn has no infinity, and a cast would turn an outlier into NaN."""
+    dtype = jnp.dtype(dtype)
+    if dtype.itemsize == 1 and x.dtype != dtype:
+        limit = float(jnp.finfo(dtype).max)
+        x = jnp.clip(x.astype(jnp.float32), -limit, limit)
+    return x.astype(dtype)
 
 
 def paged_attention_reference(
@@ -94,6 +104,8 @@ def paged_attention_reference(
     # Advanced indices around a slice put [T, P] first: [T, P, Hkv, bs, D].
     k = k_cache[layer, :, pages]
     v = v_cache[layer, :, pages]
+    if k.dtype.itemsize == 1:  # a float8 pool: dequantized on read, the math in q's dtype as for other pools
+        k, v = k.astype(q.dtype), v.astype(q.dtype)
 
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
     # Scores in float32 whatever the storage dtype: bf16 logits lose too much for long contexts.

@@ -54,15 +54,16 @@ SPECS = {
 }
 
 
-def build_checkpoint(name: str, directory: str, dtype=None) -> str:
-    """Writes a seeded random checkpoint + tokenizer; returns the directory."""
+def build_checkpoint(name: str, directory: str, dtype=None, overrides: dict | None = None) -> str:
+    """Writes a seeded random checkpoint + tokenizer; returns the directory. `overrides`: config fields set
+    last (e.g. more attention heads)."""
     if os.path.exists(os.path.join(directory, "config.json")):
         return directory
     config_name, extra = SPECS[name]
     vocab = _train_tokenizer(directory, 512)
     common = {} if config_name == "GPT2Config" else COMMON
     config = getattr(transformers, config_name)(vocab_size=vocab, bos_token_id=0, eos_token_id=1,
-                                                pad_token_id=0, **{**common, **extra})
+                                                pad_token_id=0, **{**common, **extra, **(overrides or {})})
     if config_name == "GPT2Config":
         config.initializer_range = COMMON["initializer_range"]
         model_class = transformers.GPT2LMHeadModel

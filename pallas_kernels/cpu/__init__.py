@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.cache import cache_root
+from pallas_kernels.reference import to_pool_dtype
 
 _SOURCE_DIR = Path(__file__).parent
 _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc")
@@ -165,15 +166,16 @@ def paged_attention_cpu(
 
 def writes_pool_natively(dtype) -> bool:
     """Whether writes into a KV pool of `dtype` (tokens and whole blocks) should go through the native calls
-    here: 16-bit pools on the CPU backend. XLA's CPU scatter converts a bfloat16 or float16 operand, the whole
-    pool, to float32 and back (kv_write.cc): two passes over the pool per layer per step, and for a pool that
-    fills host memory a float32 copy that does not fit."""
-    return jnp.dtype(dtype).itemsize == 2 and jax.default_backend() == "cpu" and available()[0]
+    here: 16-bit and float8 pools on the CPU backend. XLA's CPU scatter converts a bfloat16 or float16 operand,
+    the whole pool, to float32 and back (kv_write.cc): two passes over the pool per layer per step, and for a
+    pool that fills host memory a float32 copy that does not fit."""
+    return jnp.dtype(dtype).itemsize in (1, 2) and jax.default_backend() == "cpu" and available()[0]
 
 
 def write_kv_cpu(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | int, k: jax.Array, v: jax.Array,
                  slot_mapping: jax.Array, *, _target: str = _KV_WRITE_TARGET) -> tuple[jax.Array, jax.Array]:
-    """Same contract as `write_kv_to_cache`, in place by the native kernel (CPU only; any 16- or 32-bit dtype).
+    """Same contract as `write_kv_to_cache`, in place by the native kernel (CPU only; any 8-, 16- or 32-bit
+    dtype: the kernel moves rows of bytes, the cast to the pool's dtype happens before it).
 
     The pools are aliased to the results: inside a jitted step with the pool donated, nothing is copied.
     """
@@ -182,11 +184,11 @@ def write_kv_cpu(k_cache: jax.Array, v_cache: jax.Array, layer: jax.Array | int,
             or k.shape[1:] != (k_cache.shape[1], k_cache.shape[4]) or slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"expected pools [L, Hkv, NB, bs, D], new k, v [T, Hkv, D] and slot_mapping [T]; got "
                          f"{k_cache.shape}, {v_cache.shape}, {k.shape}, {v.shape}, {slot_mapping.shape}")
-    if k_cache.dtype.itemsize not in (2, 4):
-        raise ValueError(f"write_kv_cpu takes 16- or 32-bit pools; got {k_cache.dtype}")
+    if k_cache.dtype.itemsize not in (1, 2, 4):
+        raise ValueError(f"write_kv_cpu takes 8-, 16- or 32-bit pools; got {k_cache.dtype}")
     call = jax.ffi.ffi_call(_target, _pools_out(k_cache, v_cache), input_output_aliases={0: 0, 1: 1})
-    return call(k_cache, v_cache, jnp.asarray(layer, jnp.int32), k.astype(k_cache.dtype), v.astype(v_cache.dtype),
-                slot_mapping.astype(jnp.int32))
+    return call(k_cache, v_cache, jnp.asarray(layer, jnp.int32), to_pool_dtype(k, k_cache.dtype),
+                to_pool_dtype(v, v_cache.dtype), slot_mapping.astype(jnp.int32))
 
 
 def _pools_out(k_cache: jax.Array, v_cache: jax.Array):

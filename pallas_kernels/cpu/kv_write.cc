@@ -7,7 +7,7 @@
 // row of D elements straight to its slot, whatever the dtype, in a pool XLA hands over aliased.
 //
 // Contract (same as write_kv_to_cache in reference.py):
-//   k_cache, v_cache  [L, Hkv, NB, bs, D]  any 2- or 4-byte dtype; aliased to the two results
+//   k_cache, v_cache  [L, Hkv, NB, bs, D]  any 1-, 2- or 4-byte dtype; aliased to the two results
 //   layer             int32 []             the layer to write
 //   k, v              [T, Hkv, D]          the pool's dtype
 //   slot_mapping      int32 [T]            block * bs + offset; slots outside [0, NB * bs) are skipped

@@ -252,6 +252,20 @@ def test_misshaped_scales_name_the_tensor(float_dir, tmp_path):
         LLM(str(quantized), show_progress=False)
 
 
+def _save_compressed(model, fmt: str, float_dir: str, out):
+    """Compresses the calibrated model with compressed-tensors' own compressor and saves it, with the float
+    checkpoint's tokenizer, to `out`; returns the compressor (to decompress the model for the reference)."""
+    from compressed_tensors.compressors import ModelCompressor
+    compressor = ModelCompressor.from_pretrained_model(model, fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(str(out))
+    for name in os.listdir(float_dir):
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(float_dir, name), out)
+    return compressor
+
+
 @pytest.mark.parametrize("bits, strategy, symmetric", [(4, "group", False), (4, "channel", True),
                                                        (8, "channel", True), (8, "group", False)])
 def test_compressed_tensors_checkpoints_written_by_the_library_itself(float_dir, tmp_path, bits, strategy,
@@ -261,7 +275,6 @@ def test_compressed_tensors_checkpoints_written_by_the_library_itself(float_dir,
     ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors needs torch (Python 3.11 here)")
     import torch
     import transformers
-    from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
                                                  apply_quantization_config)
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -278,14 +291,8 @@ def test_compressed_tensors_checkpoints_written_by_the_library_itself(float_dir,
             scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
             module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
             module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
-    compressor = ModelCompressor.from_pretrained_model(model, "pack-quantized")
-    compressor.compress_model(model)
     out = tmp_path / "ct"
-    model.save_pretrained(out)
-    compressor.update_config(str(out))
-    for name in os.listdir(float_dir):
-        if name.startswith("tokenizer"):
-            shutil.copy(os.path.join(float_dir, name), out)
+    compressor = _save_compressed(model, "pack-quantized", float_dir, out)
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
 
@@ -302,16 +309,89 @@ def test_compressed_tensors_checkpoints_written_by_the_library_itself(float_dir,
     assert engine.model_config.weight_quant.method == "compressed-tensors"
 
 
-def test_compressed_tensors_activation_quantization_is_refused_by_name(float_dir, tmp_path):
+# (format, weight args, dynamic input activations): W8A8 int8, W8 int8 per group with zero points, and FP8 per
+# channel (FP8_DYNAMIC), per tensor and per block.
+CODE_CASES = [
+    ("int-quantized", dict(num_bits=8, type="int", strategy="channel", symmetric=True), True),
+    ("int-quantized", dict(num_bits=8, type="int", strategy="group", group_size=16, symmetric=False), False),
+    ("float-quantized", dict(num_bits=8, type="float", strategy="channel", symmetric=True), True),
+    ("float-quantized", dict(num_bits=8, type="float", strategy="tensor", symmetric=True), True),
+    ("float-quantized", dict(num_bits=8, type="float", strategy="block", block_structure=[16, 32],
+                             symmetric=True), False),
+]
+
+
+@pytest.mark.parametrize("fmt, weight_args, dynamic_inputs", CODE_CASES,
+                         ids=["w8a8-int8", "w8-int8-group-asym", "fp8-dynamic", "fp8-tensor", "fp8-block"])
+def test_compressed_tensors_int8_and_fp8_codes_written_by_the_library_itself(float_dir, tmp_path, fmt,
+                                                                             weight_args, dynamic_inputs):
+    """int-quantized and float-quantized checkpoints, written by compressed-tensors' own compressor. Activations
+    run in the compute dtype (dynamic activation quantization is accepted, not applied), so the reference is
+    transformers running the float weights the library decompresses the codes to."""
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors needs torch (Python 3.11 here)")
+    import torch
+    import transformers
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.utils import calculate_qparams
+    model = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    args = QuantizationArgs(**weight_args)
+    inputs = QuantizationArgs(num_bits=8, type=weight_args["type"], strategy="token", dynamic=True,
+                              symmetric=True) if dynamic_inputs else None
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": QuantizationScheme(
+        targets=["Linear"], weights=args, input_activations=inputs)}, ignore=["lm_head"]))
+    for module in model.modules():
+        if not hasattr(module, "quantization_scheme"):
+            continue
+        w = module.weight.data  # min/max calibration of the weights, as llm-compressor's default observer
+        strategy = weight_args["strategy"]
+        if strategy == "group":
+            lo, hi = (f(w.unflatten(-1, (-1, 16)), -1) for f in (torch.amin, torch.amax))
+        elif strategy == "block":
+            bo, bi = weight_args["block_structure"]
+            blocks = w.reshape(w.shape[0] // bo, bo, w.shape[1] // bi, bi)
+            lo, hi = (f(blocks, (1, 3)) for f in (torch.amin, torch.amax))
+        elif strategy == "tensor":
+            lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+        else:
+            lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale, zero = calculate_qparams(lo, hi, args)
+        module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+        if hasattr(module, "weight_zero_point"):
+            module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+    out = tmp_path / "ct"
+    compressor = _save_compressed(model, fmt, float_dir, out)
+    assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == fmt
+
+    compressor.decompress_model(model)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    decoded = {k: v for k, v in model.state_dict().items() if k.endswith(".weight")}
+    assert all(k in decoded for k, _ in reference.named_parameters() if k.endswith("proj.weight"))
+    reference.load_state_dict(decoded, strict=False)
+    want = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            generated = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                           max_new_tokens=12, pad_token_id=0, eos_token_id=None)
+            want.append(generated[0, len(prompt):].tolist())
+    tokens, engine = _greedy(str(out))
+    assert tokens == want
+    bytes_ = engine.weight_bytes
+    assert bytes_.get("int8" if fmt == "int-quantized" else "float8_e4m3fn", 0) > 0
+
+
+def test_static_activation_scales_are_refused_by_name(float_dir, tmp_path):
     config = {"quant_method": "compressed-tensors", "format": "int-quantized", "ignore": ["lm_head"],
               "config_groups": {"group_0": {"targets": ["Linear"], "format": "int-quantized",
                                             "weights": {"num_bits": 8, "type": "int", "strategy": "channel"},
-                                            "input_activations": {"num_bits": 8, "type": "int", "dynamic": True}}}}
-    out = tmp_path / "w8a8"
+                                            "input_activations": {"num_bits": 8, "type": "int", "dynamic": False,
+                                                                  "strategy": "tensor"}}}}
+    out = tmp_path / "w8a8-static"
     shutil.copytree(float_dir, out)
     raw = json.loads((out / "config.json").read_text())
     (out / "config.json").write_text(json.dumps({**raw, "quantization_config": config}))
-    with pytest.raises(NotImplementedError, match=r"config_groups\.group_0\.input_activations"):
+    with pytest.raises(NotImplementedError, match=r"config_groups\.group_0\.input_activations\.dynamic"):
         LLM(str(out), show_progress=False)
 
 

@@ -21,6 +21,8 @@ SCRIPT = textwrap.dedent("""
     import jax
     from paged import LLM, SamplingParams
     model_dir, backend, sizes = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
+    options = json.loads(sys.argv[4])
+    greedy_only = options.pop("greedy_only", False)  # half the compiles, where seeded runs are covered elsewhere
     prompts = [{"prompt_token_ids": p} for p in ([5, 9, 13, 200], [7, 7, 30], list(range(40, 90)), [3])]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True,
@@ -30,17 +32,18 @@ SCRIPT = textwrap.dedent("""
         llm = LLM(model_dir, tensor_parallel_size=size, attention_backend=backend, block_size=8,
                   max_model_len=128, max_num_seqs=8, num_kv_blocks=64, show_progress=False,
                   enable_prefix_caching=False,  # every run computes the same shapes
-                  compilation_cache_dir=None)
-        runs = [llm.generate(prompts, params, use_tqdm=False) for params in (greedy, seeded)]
+                  compilation_cache_dir=None, **options)
+        runs = [llm.generate(prompts, params, use_tqdm=False) for params in (greedy, seeded)[:1 if greedy_only else 2]]
         compiled = llm.engine.num_compilations
         llm.generate(prompts, greedy, use_tqdm=False)  # same shapes again: nothing new to compile
         k_cache = llm.engine.runner.kv_cache[0]
         layer = llm.engine.runner.params["layers"][0]
-        q_kernel = layer["self_attn"]["q_proj"]["kernel"] if "self_attn" in layer else k_cache
+        q_proj = layer["self_attn"]["q_proj"] if "self_attn" in layer else {"kernel": k_cache}
+        q_kernel = q_proj.get("kernel", q_proj.get("qweight"))  # float or quantized
         embedding = llm.engine.runner.params.get("embed_tokens", llm.engine.runner.params.get("wte"))["embedding"]
         out[size] = {
             "tokens": [[o.outputs[0].token_ids for o in run] for run in runs],
-            "logprobs": [round(o.outputs[0].cumulative_logprob, 3) for o in runs[1]],
+            "logprobs": [round(o.outputs[0].cumulative_logprob, 3) for o in runs[1]] if len(runs) > 1 else [],
             "recompiled": llm.engine.num_compilations - compiled,
             "kv_shard_heads": [s.data.shape[1] for s in k_cache.addressable_shards],
             "q_shard_cols": [s.data.shape[1] for s in q_kernel.addressable_shards],
@@ -58,9 +61,10 @@ def model_dir(tmp_path_factory):
                              hidden_size=64, num_layers=2)
 
 
-def _run(model_dir, backend, sizes):
+def _run(model_dir, backend, sizes, **options):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    run = subprocess.run([sys.executable, "-c", SCRIPT, model_dir, backend, ",".join(map(str, sizes))],
+    run = subprocess.run([sys.executable, "-c", SCRIPT, model_dir, backend, ",".join(map(str, sizes)),
+                          json.dumps(options)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
@@ -81,6 +85,33 @@ def test_tensor_parallel_gives_the_tokens_of_one_device(model_dir, backend):
         assert got["kv_shard_heads"] == [max(1, 4 // size)] * size
         assert got["q_shard_cols"] == [64 // size] * size
     assert one["kv_shard_heads"] == [4]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_quantized_weights_split_like_float_ones(model_dir, quantization):
+    """Online int8 (codes, scales and zero offsets) and fp8 (codes, per-channel scales) over 2 and 8 devices (at
+    8 the 4 KV heads' quantized k/v_proj are repeated): the tokens of one device."""
+    results = _run(model_dir, "xla", [1, 2, 8], quantization=quantization)
+    for size in (2, 8):
+        assert results[size]["tokens"] == results[1]["tokens"], size
+        assert results[size]["recompiled"] == 0
+
+
+def test_an_fp8_pool_splits_over_its_kv_heads(model_dir):
+    results = _run(model_dir, "xla", [1, 2], kv_cache_dtype="fp8")
+    assert results[2]["tokens"] == results[1]["tokens"]
+    assert results[2]["kv_shard_heads"] == [2, 2]
+
+
+def test_a_gptq_checkpoint_splits_too(model_dir, tmp_path):
+    """A GPTQ 4-bit checkpoint (two rows a byte, group scales and zero points; row-parallel layers split the
+    packed rows) over 2 and 4 devices."""
+    from benchmarks.gptq_checkpoint import main as write_gptq
+    quantized = str(tmp_path / "gptq4")
+    assert write_gptq([model_dir, quantized, "--bits", "4", "--group-size", "32"]) == 0
+    results = _run(quantized, "xla", [1, 2, 4])
+    for size in (2, 4):
+        assert results[size]["tokens"] == results[1]["tokens"], size
 
 
 def test_a_vocabulary_the_size_does_not_divide_is_padded_and_split(tmp_path):
@@ -117,16 +148,32 @@ def test_sizes_that_do_not_fit_are_clear_errors(model_dir):
     assert "ERROR 4 tensor_parallel_size=4 needs 4 devices; found 2" in run.stdout
 
 
+# Every tiny checkpoint tests/hf_checkpoints.py builds (named here: importing it needs torch, which Python 3.12
+# lacks, and would skip this whole module there).
+FAMILIES = ["gemma2", "gemma3", "glm", "glm4", "gpt2", "llama-gqa", "llama3-mqa-tied", "mistral-window",
+            "mixtral-moe", "phi3-fused", "qwen2-moe", "qwen2-tied", "qwen3-moe", "qwen3-qknorm"]
+
+
 @pytest.mark.torch
-@pytest.mark.parametrize("name", ["gpt2", "mixtral-moe", "qwen2-moe", "gemma2", "qwen3-qknorm", "phi3-fused"])
+def test_every_family_is_covered():
+    from tests.hf_checkpoints import SPECS
+    assert sorted(SPECS) == FAMILIES
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", FAMILIES)
 def test_tensor_parallel_across_families(name, tmp_path):
-    """Two shards give one device's tokens on the other families' tiny checkpoints (GPT-2's fused c_attn is
-    replicated; MoE experts split their matrices; Gemma 2's windows and soft caps run per shard)."""
+    """2, 4 and 8 shards give one device's greedy tokens on every family's tiny checkpoint, built with 8 query
+    heads (from 4 shards on, the 2 KV heads, or MQA's 1, are repeated; GPT-2's fused c_attn is replicated; MoE
+    experts split their matrices; Gemma's windows and soft caps run per shard). Seeded sampling under sharding
+    is checked on the Llama above, with every backend."""
     from tests.hf_checkpoints import build_checkpoint
-    model_dir = build_checkpoint(name, str(tmp_path / name))
-    results = _run(model_dir, "xla", [1, 2])
-    assert results[2]["tokens"] == results[1]["tokens"]
-    assert results[2]["recompiled"] == 0
+    heads = {"n_head": 8} if name == "gpt2" else {"num_attention_heads": 8}
+    model_dir = build_checkpoint(name, str(tmp_path / name), overrides=heads)
+    results = _run(model_dir, "xla", [1, 2, 4, 8], greedy_only=True)
+    for size in (2, 4, 8):
+        assert results[size]["tokens"] == results[1]["tokens"], size
+        assert results[size]["recompiled"] == 0
 
 
 POOL_WRITES_SCRIPT = textwrap.dedent("""
