@@ -112,7 +112,9 @@ class LLMEngine:
                          if self.tokenizer is not None else None)
 
         max_blocks_per_seq = -(-config.max_model_len // config.block_size)
-        num_blocks = self._num_blocks(config, max_blocks_per_seq, devices[0])
+        # The budget is read on one of this process's own devices (a multi-host mesh also holds others').
+        local = next((d for d in devices if d.process_index == jax.process_index()), devices[0])
+        num_blocks = self._num_blocks(config, max_blocks_per_seq, local)
         if self.channel is not None:  # one pool size everywhere: what the tightest process can hold
             num_blocks = int(multihost_utils.process_allgather(np.int32(num_blocks)).min())
         self.block_manager = BlockManager(num_blocks, config.block_size, config.max_num_seqs, max_blocks_per_seq,
