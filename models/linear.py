@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.quantization import WeightQuant, dequantize, dequantize_float8
+from models.quantization import WeightQuant, dequantize, dequantize_float8, quantize_activations
 from pallas_kernels import cpu
 
 TENSOR_AXIS = "tensor"  # the mesh axis tensor parallelism splits weights over
@@ -114,6 +114,8 @@ class Linear(nn.Module):
             params = _quantized_params(self, self.quant, x.shape[-1], axes)
             if "perm" in params:  # act_order: the rows were regrouped at load; the input follows them
                 x = jnp.take(x, params["perm"], axis=-1)
+            if self.quant.activations:
+                x = quantize_activations(x.astype(self.dtype), self.quant.activations)
             y = quantized_matmul(self.backend, x.astype(self.dtype), params, self.quant.bits, live_rows,
                                  self.out_dtype)
         if self.use_bias:
@@ -191,6 +193,8 @@ class GroupedLinear(nn.Module):
         else:
             params = _quantized_params(self, self.quant, x.shape[-1], axes, self.num_groups)
             kernel = jax.vmap(lambda p: dequantized_kernel(p, self.quant, self.dtype))(params)
+            if self.quant.activations:
+                x = quantize_activations(x.astype(self.dtype), self.quant.activations)
         return grouped_matmul(x.astype(self.dtype), kernel, group_sizes)
 
 

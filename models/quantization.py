@@ -45,6 +45,9 @@ class WeightQuant:
     method: str = "int8"
     kind: str = "int"  # or "float8" (e4m3 codes, block scales, no zero points)
     block_out: int = 1  # float8: output columns per scale
+    # W8A8: activations quantized per token on the fly ("int8" or "fp8"), `quantize_activations`; None: they
+    # stay in the compute dtype (weight-only).
+    activations: str | None = None
 
     def num_groups(self, in_features: int) -> int:
         return 1 if self.group_size == -1 else in_features // self.group_size
@@ -96,6 +99,27 @@ def dequantize_float8(qweight: jax.Array, scales: jax.Array, dtype) -> jax.Array
     (rows, cols), (row_blocks, col_blocks) = qweight.shape, scales.shape
     q = qweight.astype(jnp.float32).reshape(row_blocks, rows // row_blocks, col_blocks, cols // col_blocks)
     return (q * scales[:, None, :, None]).reshape(rows, cols).astype(dtype)
+
+
+def quantize_activations(x: jax.Array, kind: str) -> jax.Array:
+    """x [..., K] through dynamic per-token quantization and back (W8A8's activations), as compressed-tensors
+    defines it: one symmetric scale per row, max |x| / 127.5 for int8 (codes rounded half to even and clamped
+    to [-128, 127]) or max |x| / 448 for fp8 e4m3 (codes rounded by the cast). The matmul then sees exactly the
+    values an int8 or fp8 GEMM multiplies."""
+    x32 = x.astype(jnp.float32)
+    peak = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
+    # Both divisions must be true ones, as in the library: XLA turns a division by a constant or by a broadcast
+    # row value into a multiplication by its reciprocal, whose rounding moves a row's largest value from 127.5
+    # (code -128) to 127.4999 (code -127). Divisors of the full shape, behind a barrier, keep the divisions.
+    bound = jax.lax.optimization_barrier(jnp.full_like(peak, 127.5 if kind == "int8" else 448.0))
+    scale = peak / bound
+    scale = jnp.where(scale == 0, jnp.finfo(jnp.float32).eps, scale)
+    scale = jax.lax.optimization_barrier(jnp.broadcast_to(scale, x32.shape))
+    if kind == "int8":
+        codes = jnp.clip(jnp.round(x32 / scale), -128, 127)
+    else:
+        codes = jnp.clip(x32 / scale, -448, 448).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    return (codes * scale).astype(x.dtype)
 
 
 # ---- host-side packing into the layout (numpy) ----------------------------------------------------------

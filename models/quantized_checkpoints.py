@@ -17,8 +17,9 @@ Formats, as their producers write them (the unpacking follows each format's publ
 - compressed-tensors "int-quantized" (W8A8's weights): weight int8 [out, in], the signed codes; weight_scale
   [out, groups] (group, channel) or one value (tensor); weight_zero_point int8 of the same shape (asymmetric).
   "float-quantized" (FP8 W8A8, FP8_DYNAMIC): weight float8_e4m3fn [out, in]; weight_scale [out, 1] (channel),
-  one value (tensor) or [out / bo, in / bi] (block). W = (q - zero_point) * scale. Dynamic activation
-  quantization is accepted and not applied: activations stay in the compute dtype (weight-only).
+  one value (tensor) or [out / bo, in / bi] (block). W = (q - zero_point) * scale. Dynamic, symmetric,
+  per-token input activations (W8A8) are quantized and dequantized in the step (models.quantization.
+  quantize_activations); the product itself is a float matmul.
 - HF "fp8" (`quant_method: fp8`, the FP8 releases of Qwen3 and DeepSeek): weight float8_e4m3fn [out, in] and
   weight_scale_inv float32 [out / 128, in / 128] (`weight_block_size`), W = weight * weight_scale_inv per block.
   Activations stay in the compute dtype here (weight-only); vLLM's fp8 GEMMs also quantize them per token group.
@@ -116,9 +117,8 @@ _CT_STRATEGIES = {"pack-quantized": ("group", "channel"), "int-quantized": ("gro
 
 
 def _compressed_tensors_scheme(config: dict) -> WeightQuant | None:
-    """One weight scheme for every quantized layer. Activation quantization (W8A8's input_activations) is
-    accepted when dynamic and then not applied: activations stay in the compute dtype (weight-only), which is
-    what transformers runs on CPU too; static activation scales are refused."""
+    """One weight scheme for every quantized layer, and W8A8's activations when they are dynamic, symmetric
+    and per token (`quantize_activations`); static activation scales are refused."""
     groups = config.get("config_groups") or {}
     kv_scheme = config.get("kv_cache_scheme")
     if kv_scheme and (kv_scheme.get("type") != "float" or kv_scheme.get("num_bits") != 8):
@@ -135,9 +135,7 @@ def _compressed_tensors_scheme(config: dict) -> WeightQuant | None:
         if group.get("output_activations"):
             raise NotImplementedError(f"{field}.output_activations is set: output quantization is not implemented")
         activations = group.get("input_activations")
-        if activations and not activations.get("dynamic"):
-            raise NotImplementedError(f"{field}.input_activations.dynamic={activations.get('dynamic')!r}: static "
-                                      "activation scales are not implemented (dynamic ones run weight-only)")
+        act_kind = _activation_kind(activations, f"{field}.input_activations") if activations else None
         args = group.get("weights") or {}
         fmt = group.get("format") or config.get("format")
         if fmt not in _CT_FORMATS:
@@ -167,15 +165,34 @@ def _compressed_tensors_scheme(config: dict) -> WeightQuant | None:
             if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
                 raise ValueError(f"{field}.weights.block_structure must be [out, in] block sizes, got {block!r}")
             block_out, group_size = block
-        weights.add((fmt, args["num_bits"], group_size, block_out))
+        weights.add((fmt, args["num_bits"], group_size, block_out, act_kind))
     if len(weights) != 1:
         raise NotImplementedError("quantization_config.config_groups with different weight schemes per layer are "
                                   f"not implemented yet (got {sorted(weights)})")
-    fmt, bits, group_size, block_out = weights.pop()
+    fmt, bits, group_size, block_out, act_kind = weights.pop()
     if not any("lm_head" in entry for entry in config.get("ignore") or []):
         raise NotImplementedError("a quantized lm_head is not implemented (quantization_config.ignore lacks lm_head)")
     return WeightQuant(bits=bits, group_size=group_size, method=_CT_FORMATS[fmt],
-                       kind="float8" if fmt == "float-quantized" else "int", block_out=block_out)
+                       kind="float8" if fmt == "float-quantized" else "int", block_out=block_out,
+                       activations=act_kind)
+
+
+def _activation_kind(args: dict, field: str) -> str:
+    """"int8" or "fp8" for dynamic, symmetric, per-token activations; NotImplementedError naming the field
+    for anything else."""
+    if not args.get("dynamic"):
+        raise NotImplementedError(f"{field}.dynamic={args.get('dynamic')!r}: static activation scales are not "
+                                  "implemented (dynamic per-token ones are)")
+    if args.get("strategy") != "token":
+        raise NotImplementedError(f"{field}.strategy={args.get('strategy')!r} is not implemented (implemented: "
+                                  "token)")
+    if not args.get("symmetric", True):
+        raise NotImplementedError(f"{field}.symmetric=False is not implemented (implemented: symmetric)")
+    kind = {("int", 8): "int8", ("float", 8): "fp8"}.get((args.get("type"), args.get("num_bits")))
+    if kind is None:
+        raise NotImplementedError(f"{field}: type={args.get('type')!r} num_bits={args.get('num_bits')!r} is not "
+                                  "implemented (implemented: int or float with 8 bits)")
+    return kind
 
 
 def _fp8_scheme(config: dict) -> WeightQuant:

@@ -325,9 +325,9 @@ CODE_CASES = [
                          ids=["w8a8-int8", "w8-int8-group-asym", "fp8-dynamic", "fp8-tensor", "fp8-block"])
 def test_compressed_tensors_int8_and_fp8_codes_written_by_the_library_itself(float_dir, tmp_path, fmt,
                                                                              weight_args, dynamic_inputs):
-    """int-quantized and float-quantized checkpoints, written by compressed-tensors' own compressor. Activations
-    run in the compute dtype (dynamic activation quantization is accepted, not applied), so the reference is
-    transformers running the float weights the library decompresses the codes to."""
+    """int-quantized and float-quantized checkpoints, written by compressed-tensors' own compressor. The
+    reference is the library's own model, decompressed and run by transformers: its forward quantizes the
+    activations per token where the scheme asks (W8A8), as the engine must."""
     pytest.importorskip("compressed_tensors", reason="compressed-tensors needs torch (Python 3.11 here)")
     import torch
     import transformers
@@ -364,10 +364,15 @@ def test_compressed_tensors_int8_and_fp8_codes_written_by_the_library_itself(flo
     assert json.loads((out / "config.json").read_text())["quantization_config"]["format"] == fmt
 
     compressor.decompress_model(model)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
-    decoded = {k: v for k, v in model.state_dict().items() if k.endswith(".weight")}
-    assert all(k in decoded for k, _ in reference.named_parameters() if k.endswith("proj.weight"))
-    reference.load_state_dict(decoded, strict=False)
+    # The same decoded weights in a plain model (no activation quantization): W8A8's reference must differ.
+    weights_only = transformers.AutoModelForCausalLM.from_pretrained(float_dir, dtype=torch.float32).eval()
+    weights_only.load_state_dict({k: v for k, v in model.state_dict().items() if k.endswith(".weight")},
+                                 strict=False)
+    with torch.no_grad():
+        ids = torch.tensor([PROMPTS[0]])
+        differs = not torch.equal(model(ids).logits, weights_only(ids).logits)
+    assert differs == dynamic_inputs
+    reference = model
     want = []
     with torch.no_grad():
         for prompt in PROMPTS:
@@ -453,3 +458,24 @@ def test_fp8_with_static_activation_scales_is_refused(float_dir, tmp_path):
     (quantized / "config.json").write_text(json.dumps(config))
     with pytest.raises(NotImplementedError, match="activation_scheme='static'"):
         LLM(str(quantized), show_progress=False)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_activation_quantization_is_the_libraries_bit_for_bit(kind):
+    """W8A8's dynamic per-token quantize-dequantize, jitted, against compressed-tensors' own forward_quantize
+    on the same float32 rows (rows whose largest value sits exactly on a rounding boundary included)."""
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors needs torch (Python 3.11 here)")
+    import jax
+    import torch
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import forward_quantize
+
+    from models.quantization import quantize_activations
+    x = (np.random.default_rng(3).normal(size=(1, 300, 64)) * 3).astype(np.float32)
+    args = QuantizationArgs(num_bits=8, type="int" if kind == "int8" else "float", strategy="token", dynamic=True,
+                            symmetric=True)
+    module = torch.nn.Linear(64, 64)
+    module.quantization_status = None
+    want = forward_quantize(module, torch.tensor(x), "input", args).numpy()[0]
+    got = np.asarray(jax.jit(lambda v: quantize_activations(v, kind))(x[0]))
+    np.testing.assert_array_equal(got, want)
