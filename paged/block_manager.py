@@ -23,13 +23,17 @@ def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
+def extend_chain(hashes: list[int], token_ids, block_size: int, num_blocks: int) -> list[int]:
+    """Appends to `hashes` (the chain of `token_ids`' first blocks) until it covers `num_blocks` blocks."""
+    while len(hashes) < num_blocks:
+        i = len(hashes)
+        hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(token_ids[i * block_size:(i + 1) * block_size])))
+    return hashes
+
+
 def prefix_chain(token_ids, block_size: int, max_blocks: int) -> list[int]:
     """The chain hashes of the first full blocks of `token_ids` (at most `max_blocks`)."""
-    hashes: list[int] = []
-    for i in range(min(len(token_ids) // block_size, max_blocks)):
-        block = tuple(token_ids[i * block_size:(i + 1) * block_size])
-        hashes.append(chain_hash(hashes[-1] if hashes else None, block))
-    return hashes
+    return extend_chain([], token_ids, block_size, min(len(token_ids) // block_size, max_blocks))
 
 
 class BlockManager:
@@ -151,12 +155,7 @@ class BlockManager:
 
     def _hashes(self, request: Request, num_full_blocks: int) -> list[int]:
         """The request's memoised chain hashes, extended to cover at least `num_full_blocks` blocks."""
-        hashes = request.block_hashes
-        bs = self.block_size
-        while len(hashes) < num_full_blocks:
-            i = len(hashes)
-            hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(request.token_ids[i * bs:(i + 1) * bs])))
-        return hashes
+        return extend_chain(request.block_hashes, request.token_ids, self.block_size, num_full_blocks)
 
     def num_cached_leading(self, hashes: list[int]) -> int:
         """How many of the leading chain hashes (`prefix_chain`) the cache holds. A hint for routing: it reads

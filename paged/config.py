@@ -12,6 +12,11 @@ import dataclasses
 from typing import Any
 
 
+# `kv_cache_dtype` option -> the pool's element type (an ml_dtypes name; None: the model's dtype).
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
+                   "fp8_e5m2": "float8_e5m2"}
+
+
 def _option(default, help: str, choices: tuple | None = None, aliases: tuple[str, ...] = ()):
     """A field with its command-line help; `aliases` are extra flag spellings (e.g. a `--no-...` for a bool
     that defaults to True)."""
@@ -67,7 +72,7 @@ class EngineConfig:
     # 1.0 (they rarely leave e4m3's +-448) and every attention backend dequantizes them as it reads.
     kv_cache_dtype: str = _option("auto", "KV cache storage: auto (the model's dtype), bfloat16, or fp8 / "
                                           "fp8_e4m3 (e4m3) and fp8_e5m2",
-                                  ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"))
+                                  tuple(KV_CACHE_DTYPES))
     tensor_parallel_size: int = _option(1, "devices the model is split over (Megatron layout on a jax mesh; "
                                            "must divide the attention and KV heads)")
     # Replicas are whole engines (scheduler, KV pool, weights) on disjoint devices; `paged serve` routes each
@@ -132,9 +137,8 @@ class EngineConfig:
               f"max_num_batched_tokens must be None or an integer >= 1, got {self.max_num_batched_tokens!r}")
         check(self.max_model_len is None or (isinstance(self.max_model_len, int) and self.max_model_len >= 1),
               f"max_model_len must be None or an integer >= 1, got {self.max_model_len!r}")
-        check(self.kv_cache_dtype in ("auto", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2"),
-              f"kv_cache_dtype must be 'auto', 'bfloat16', 'fp8', 'fp8_e4m3' or 'fp8_e5m2', got "
-              f"{self.kv_cache_dtype!r}")
+        check(self.kv_cache_dtype in KV_CACHE_DTYPES,
+              f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got {self.kv_cache_dtype!r}")
         check(self.preemption_mode in ("recompute", "swap"),
               f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         check(self.layer_loop in ("auto", "scan", "unroll"),

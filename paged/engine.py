@@ -20,7 +20,7 @@ from paged import compilation_cache, multihost
 from paged.batch import Buckets, padding_inputs, prepare_inputs
 from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.chat import text_token_ids
-from paged.config import EngineConfig, engine_option_names
+from paged.config import KV_CACHE_DTYPES, EngineConfig, engine_option_names
 from paged.parallel import ShardedAttention, make_mesh, placement, replica_devices
 from paged.detokenizer import IncrementalDetokenizer, find_stop_string
 from paged.grammar import GrammarCompiler
@@ -36,9 +36,8 @@ logger = logging.getLogger(__name__)
 
 def kv_cache_dtype(option: str, model_dtype) -> np.dtype:
     """The KV pool's dtype for the `kv_cache_dtype` option: the model's for "auto"."""
-    formats = {"bfloat16": jnp.bfloat16, "fp8": jnp.float8_e4m3fn, "fp8_e4m3": jnp.float8_e4m3fn,
-               "fp8_e5m2": jnp.float8_e5m2}
-    return np.dtype(model_dtype if option == "auto" else formats[option])
+    name = KV_CACHE_DTYPES[option]
+    return np.dtype(model_dtype if name is None else jnp.dtype(name))
 
 
 class StepFailedError(RuntimeError):
