@@ -1,4 +1,4 @@
-# make demo  - install into .venv and generate text with the built-in tiny model (offline)
+# make demo  - install the runtime only into .venv and generate text with the built-in demo model (offline)
 # make test  - install the pinned test environments and run the suite on Python 3.11 and, where present,
 #              on Python >= 3.12 with the newest jax
 SHELL := /bin/bash
@@ -8,14 +8,23 @@ PY312 ?= $(shell for p in $$(ls -d $$HOME/.pyenv/versions/3.12*/bin/python3 2>/d
 	"$$p" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo "$$p" && break; done)
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test test311 test312 install
+.PHONY: demo test test311 test312 install install-runtime check-packaging
+
+install-runtime:
+	test -x .venv/bin/python || $(PYTHON) -m venv .venv
+	.venv/bin/pip install -q -r requirements/py311.txt -e .
 
 install:
 	test -x .venv/bin/python || $(PYTHON) -m venv .venv
 	.venv/bin/pip install -q -r requirements/test-py311.txt -e .
 
-demo: install
-	.venv/bin/paged generate "Paged attention keeps the cache in" "Hello world"
+demo: install-runtime
+	.venv/bin/paged generate --max-tokens 48 "Return the number of" "This module provides"
+
+# The accelerator extras resolve against the registry (a dry run: metadata, no wheels).
+check-packaging: install-runtime
+	.venv/bin/python requirements/check_packaging.py runtime
+	.venv/bin/python requirements/check_packaging.py extras
 
 test311: install
 	.venv/bin/python -m pytest -q -ra

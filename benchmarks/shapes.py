@@ -60,6 +60,7 @@ def _tensors(config: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 def model_shape_dir(name: str, seed: int = 0) -> str:
     """The checkpoint directory for shape `name` under the cache root, written on first use (~1 GB for 0.5B)."""
+    from models.builtin import RANDOM_WEIGHTS_KEY
     from models.tiny import _train_tokenizer
     from pallas_kernels.cache import cache_root
     if name not in MODEL_SHAPES:
@@ -74,6 +75,6 @@ def model_shape_dir(name: str, seed: int = 0) -> str:
     tensors = _tensors(config, np.random.default_rng(seed))
     save_file(tensors, weights + ".partial", metadata={"format": "pt"})
     with open(os.path.join(directory, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+        json.dump({**config, RANDOM_WEIGHTS_KEY: True}, f, indent=2)
     os.replace(weights + ".partial", weights)  # last: a crash mid-write never leaves a checkpoint that looks whole
     return directory

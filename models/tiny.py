@@ -1,7 +1,8 @@
 """Builds a tiny random-weight Llama checkpoint in Hugging Face format, offline and without torch.
 
-It is the default model of `paged generate` and the README's first command: it exercises the whole stack
-(tokenizer, safetensors loading, paged cache, scheduler, sampler) with no download. Its text is noise.
+The tests' model (`LLM("paged-tiny-llama")` builds it under the cache root): it exercises the whole stack
+(tokenizer, safetensors loading, paged cache, scheduler, sampler) in milliseconds a step. Its text is noise;
+the built-in model that writes text is the demo model (models/demo_model/).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ def create_tiny_llama(directory: str, *, vocab_size: int = 512, hidden_size: int
         "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
         "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
-        "torch_dtype": "float32",
+        "torch_dtype": "float32", "paged_random_weights": True,  # models/builtin.py reads it
     }
     with open(os.path.join(directory, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

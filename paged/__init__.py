@@ -6,6 +6,9 @@ from paged.llm import LLM
 from paged.outputs import CompletionOutput, Logprob, RequestOutput
 from paged.sampling_params import InvalidTokenIds, SamplingParams
 from paged.structured_outputs import InvalidStructuredOutput, StructuredOutputsParams
+from paged.startup import configure_default_logging
+
+configure_default_logging()
 
 __version__ = "0.1.0"
 

@@ -46,6 +46,10 @@ class EngineConfig:
     enable_chunked_prefill: bool = _option(True, "split long prompts over steps", aliases=("--no-chunked-prefill",))
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes",
                                           aliases=("--no-prefix-caching",))
+    # vLLM's flag: there it skips CUDA-graph capture; here there is no eager mode (every step is jitted), so it
+    # means what capture costs in both: no compiling of every step shape before the first request.
+    enforce_eager: bool = _option(False, "compile each step shape on first use instead of all up front "
+                                         "(`paged serve` precompiles unless this is set)")
     preemption_mode: str = _option("recompute", "what preemption does with a request's KV blocks",
                                    ("recompute", "swap"))
     swap_space: float = _option(4.0, "GiB of host memory for swapped-out K/V (preemption_mode=swap)")
@@ -146,6 +150,7 @@ class EngineConfig:
         check(isinstance(self.structured_outputs_disable_any_whitespace, bool),
               "structured_outputs_disable_any_whitespace must be True or False, got "
               f"{self.structured_outputs_disable_any_whitespace!r}")
+        check(isinstance(self.enforce_eager, bool), f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         check(isinstance(self.async_scheduling, bool),
               f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         check(self.compilation_cache_dir is None or (isinstance(self.compilation_cache_dir, str)

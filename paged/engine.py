@@ -14,9 +14,10 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from models import get_attention_backend, load_model, load_model_config, resolve_model_path
+from models.builtin import builtin_model, random_weights_note
 from models.loader import weight_bytes
 from pallas_kernels import select_backends
-from paged import compilation_cache, multihost
+from paged import compilation_cache, multihost, startup
 from paged.batch import Buckets, padding_inputs, prepare_inputs
 from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.chat import text_token_ids
@@ -69,10 +70,9 @@ class LLMEngine:
         self.compilation_cache_dir = compilation_cache.configure(config.compilation_cache_dir)
         platform = jax.default_backend()
 
-        from models.tiny import TINY_MODEL_NAME, default_tiny_model_dir
-        if model == TINY_MODEL_NAME:
-            model = default_tiny_model_dir()
-        model_dir = resolve_model_path(model)
+        started = time.perf_counter()
+        builtin = builtin_model(model)  # the demo model and the tiny one are known by name, offline
+        model_dir = builtin[0] if builtin else resolve_model_path(model)
         model_config = load_model_config(model_dir)
         devices = replica_devices(config.tensor_parallel_size, config.data_parallel_size, config.data_parallel_rank)
         self.mesh = make_mesh(config.tensor_parallel_size, model_config.num_heads, model_config.num_kv_heads,
@@ -84,9 +84,11 @@ class LLMEngine:
             if config.preemption_mode == "swap":  # the leader holds only its own heads' K/V to swap out
                 raise NotImplementedError("preemption_mode='swap' does not run over several processes yet")
             multihost.check_same_run(self.channel, multihost.fingerprint(config, model_config))
+        self.devices = devices
         attention_name, self.linear_backend = select_backends(platform, config.attention_backend,
                                                               config.linear_backend, sharded=self.mesh is not None)
         attention = get_attention_backend(attention_name, platform)
+        self.attention_name = attention_name
         if self.mesh is not None:
             attention = ShardedAttention(attention, self.mesh)
         unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and platform == "cpu")
@@ -127,6 +129,7 @@ class LLMEngine:
                                   config.max_num_seqs, self.mesh, self.device,
                                   publish=self.channel.publish if self.channel and self.channel.leader else None)
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.kv_dtype)
+        self.kv_pool_bytes = num_blocks * block_bytes  # K and V over all layers, every device's share together
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
         self.mover = BlockMover(self.runner, self.block_manager, swap_blocks)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
@@ -144,6 +147,10 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None  # the launched step not yet read back (async scheduling)
         self._scheduled: ScheduledBatch | None = None  # what the step under way scheduled (for _fail_step)
+        startup.compilation_cache_counts()  # counts the persistent cache's hits from here on
+        self.model_name = model  # as the user named it
+        self.model_description = builtin[1] if builtin else random_weights_note(model_dir)  # None for most
+        startup.log_summary(self, model, self.model_description, time.perf_counter() - started)
 
     def _num_blocks(self, config: EngineConfig, max_blocks_per_seq: int, device) -> int:
         if config.num_kv_blocks is not None:
@@ -424,8 +431,12 @@ class LLMEngine:
         """Compiles every (tokens, seqs) bucket ahead of traffic by running all-padding steps."""
         from tqdm.auto import tqdm
         shapes = self.buckets.all_shapes()
+        started, (hits, misses) = time.perf_counter(), startup.compilation_cache_counts()
         for t_pad, _ in tqdm(shapes, desc="Compiling", disable=not show_progress):
             self.runner.run(padding_inputs(self.block_manager, self.buckets, t_pad))
+        now_hits, now_misses = startup.compilation_cache_counts()
+        startup.log_precompiled(len(shapes), time.perf_counter() - started, now_hits - hits, now_misses - misses,
+                                self.compilation_cache_dir)
 
     # ---- several hosts --------------------------------------------------------------------------------
 

@@ -130,8 +130,10 @@ def leave() -> None:
 
 
 def fingerprint(config, model_config) -> dict:
-    """What every process must agree on: the engine's options but the process id, and the model's shape."""
-    options = {k: v for k, v in dataclasses.asdict(config).items() if k != "distributed_process_id"}
+    """What every process must agree on: the engine's options but the process id (and enforce_eager, which
+    only the leader acts on), and the model's shape."""
+    options = {k: v for k, v in dataclasses.asdict(config).items()
+               if k not in ("distributed_process_id", "enforce_eager")}
     return {"options": repr(sorted(options.items())), "model": repr(model_config)}
 
 

@@ -8,7 +8,12 @@ baseline that kernel comparisons measure against.
 
 from __future__ import annotations
 
+import functools
+import logging
+
 from pallas_kernels import cpu
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("reference", "xla", "cpu", "pallas", "pallas-mosaic")
 LINEAR_BACKENDS = ("xla", "cpu")
@@ -28,6 +33,8 @@ def select_backends(platform: str, attention: str = "auto", linear: str = "auto"
             attention = "pallas"
         else:
             attention = "cpu" if platform == "cpu" and cpu.available()[0] else "xla"
+            if platform == "cpu" and attention == "xla":
+                _say_native_kernels_missing(cpu.available()[1])
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention_backend {attention!r}; choose one of {['auto', *ATTENTION_BACKENDS]}")
     if linear == "cpu" and sharded:
@@ -40,3 +47,10 @@ def select_backends(platform: str, attention: str = "auto", linear: str = "auto"
         if name == "cpu" and platform != "cpu":  # the FFI targets exist only for the host platform
             raise ValueError(f"{option}='cpu' runs on the CPU only; this engine runs on {platform!r}")
     return attention, linear
+
+
+@functools.cache
+def _say_native_kernels_missing(reason: str) -> None:
+    """Once per process (per reason): the engine still runs, on XLA's attention and dot, only slower."""
+    logger.warning("the native CPU kernels are unavailable (%s); attention and matmuls fall back to the XLA "
+                   "path, which runs slower on CPU", reason)

@@ -9,16 +9,18 @@ import json
 import sys
 import time
 
-from models.tiny import TINY_MODEL_NAME
+from models.builtin import DEFAULT_MODEL
 from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
 from serving.tool_calls import TOOL_CALL_PARSERS
+from serving.vllm_flags import add_vllm_flags, check_vllm_flags
 
 
 def _add_model_and_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     parser.add_argument("--model", default=None,
-                        help=f"HF checkpoint directory or hub id (default: {TINY_MODEL_NAME}, a tiny random Llama "
-                             "built offline)")
+                        help=f"HF checkpoint directory or hub id (default: {DEFAULT_MODEL}, the built-in demo "
+                             "model, offline)")
     add_engine_arguments(parser, exclude=exclude)
+    add_vllm_flags(parser)
 
 
 def _model(args: argparse.Namespace) -> str:
@@ -26,7 +28,7 @@ def _model(args: argparse.Namespace) -> str:
     positional = getattr(args, "model_positional", None)
     if positional and args.model and positional != args.model:
         raise ValueError(f"two models given: {positional!r} and --model {args.model!r}")
-    return positional or args.model or TINY_MODEL_NAME
+    return positional or args.model or DEFAULT_MODEL
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -42,8 +44,22 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
 
 
+def _configure_logging(level: str = "info") -> None:
+    """paged's own INFO lines (the start-up summary) on stderr; JAX's start-up chatter (no TPU or GPU backend
+    found, compilation cache notes) only as warnings and errors."""
+    import logging
+    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("jax._src.xla_bridge", "jax._src.compilation_cache", "jax._src.compiler", "absl"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("paged").setLevel(level.upper())
+
+
 def _generate(args: argparse.Namespace) -> int:
     from paged import LLM, SamplingParams
+
+    check_vllm_flags(args)
+    if not args.json:
+        _configure_logging("warning" if args.quiet else "info")
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.sampling_seed, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
@@ -60,9 +76,13 @@ def _generate(args: argparse.Namespace) -> int:
         return 0
     for output in outputs:
         completion = output.outputs[0]
-        print(f"--- prompt: {output.prompt!r}")
-        print(f"{completion.text!r}  [{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]")
+        print(f"\n{output.prompt}\033[1m{completion.text}\033[0m" if sys.stdout.isatty()
+              else f"\n{output.prompt}{completion.text}")
+        print(f"  [{len(completion.token_ids)} tokens, finish_reason={completion.finish_reason}]")
     num_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
+    engine = llm.engine
+    print(f"\nmodel {engine.model_name}" + (f" ({engine.model_description})" if engine.model_description else ""),
+          file=sys.stderr)
     print(f"load {loaded - start:.1f}s, generate {done - loaded:.1f}s (incl. compilation: "
           f"{llm.engine.num_compilations} shapes), {num_tokens} tokens", file=sys.stderr)
     return 0
@@ -81,7 +101,10 @@ def _serve(args: argparse.Namespace) -> int:
     from paged import multihost
     from serving.replicas import ReplicatedEngine
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(args.log_level if args.log_level in ("debug", "info", "warning", "error") else "info")
+    check_vllm_flags(args)
+    if args.precompile and args.enforce_eager:
+        raise ValueError("--precompile and --enforce-eager contradict each other (serve precompiles by default)")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (" + ", ".join(TOOL_CALL_PARSERS) + ")")
     model = _model(args)
@@ -103,7 +126,7 @@ def _serve(args: argparse.Namespace) -> int:
             logging.getLogger("paged.serve").info("following process 0 (it serves HTTP); running its steps here")
             engine.follow()
             return 0
-        if args.precompile:
+        if not args.enforce_eager:  # as vLLM warms up before it serves: no compile stalls on first requests
             engine.precompile(show_progress=True)
         replicas.append(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
                                     batching_delay_ms=args.batching_delay_ms, observer=metrics,
@@ -146,10 +169,12 @@ def _bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paged", description="paged: paged-attention LLM inference in JAX")
+    parser.add_argument("--version", action="version", version=f"paged {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate text offline for one or more prompts")
     gen.add_argument("prompts", nargs="+", help="prompt text (several prompts are batched together)")
     gen.add_argument("--json", action="store_true", help="print results as JSON")
+    gen.add_argument("--quiet", action="store_true", help="no start-up summary")
     _add_model_and_engine_args(gen, exclude=("data_parallel_size", "data_parallel_rank"))  # one engine
     _add_sampling_args(gen)
     gen.set_defaults(func=_generate)
@@ -174,7 +199,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="let the model decide when to call tools (tool_choice auto); needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="how tool calls are found in the text of tool_choice=auto outputs")
-    serve.add_argument("--precompile", action="store_true", help="compile every shape bucket before serving")
+    serve.add_argument("--precompile", action="store_true",
+                       help="compile every step shape before serving (the default; --enforce-eager turns it off)")
     serve.add_argument("--shutdown-grace-s", type=int, default=30)
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
@@ -185,6 +211,15 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help of each)")
     bench.set_defaults(func=_bench)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("paged")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        import paged
+        return paged.__version__
 
 
 def main(argv: list[str] | None = None) -> int:

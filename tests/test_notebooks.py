@@ -1,4 +1,4 @@
-"""The notebooks' code cells run as written (against the tiny offline model)."""
+"""The notebooks' code cells run as written (against the built-in demo model)."""
 
 from __future__ import annotations
 

@@ -57,15 +57,22 @@ def _host_cpu() -> str:
     return f"{platform.machine()} {platform.processor()} {info}"
 
 
+def compiler() -> str | None:
+    """The C++ compiler the kernels build with (`CXX`, default g++), or None when it is not on PATH."""
+    name = os.environ.get("CXX", "g++")
+    return name if shutil.which(name) is not None else None
+
+
 def _build(flags: tuple[str, ...] = _FLAGS) -> Path:
-    compiler = os.environ.get("CXX", "g++")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C++ compiler: {compiler!r} is not on PATH (set CXX)")
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    if compiler() is None:
+        raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX', 'g++')!r} is not on PATH (install g++ or "
+                           "set CXX)")
+    compiler_name = compiler()
+    version = subprocess.run([compiler_name, "--version"], capture_output=True, text=True).stdout
     # The FFI headers come with jaxlib, and -march=native ties the code to this CPU: a library is reused only
     # with the same jaxlib on the same kind of CPU (a cache directory may be shared between machines).
     sources = [path.read_text() for path in (*_SOURCES, *_HEADERS)]
-    key = hashlib.sha256("\0".join([*sources, compiler, version, " ".join(flags),
+    key = hashlib.sha256("\0".join([*sources, compiler_name, version, " ".join(flags),
                                     importlib.metadata.version("jaxlib"), _host_cpu()]).encode()).hexdigest()[:16]
     library = _cache_dir() / f"paged_attention_cpu_{key}.so"
     if library.exists():
@@ -73,7 +80,7 @@ def _build(flags: tuple[str, ...] = _FLAGS) -> Path:
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as tmp:
         out = Path(tmp) / library.name
-        cmd = [compiler, *flags, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(out)]
+        cmd = [compiler_name, *flags, f"-I{jax.ffi.include_dir()}", *map(str, _SOURCES), "-o", str(out)]
         result = subprocess.run(cmd, capture_output=True, text=True)
         if result.returncode:
             raise RuntimeError(f"compiling {_SOURCE_DIR} failed ({' '.join(cmd)}):\n{result.stderr[-2000:]}")

@@ -7,6 +7,7 @@ import pytest
 
 from paged import LLM, SamplingParams
 from paged.request import RequestStatus
+from tests.native import needs_compiler
 
 
 def _all_blocks_free(engine) -> bool:
@@ -136,8 +137,9 @@ def test_pool_too_small_for_one_sequence_is_rejected(tiny_model_dir):
         LLM(tiny_model_dir, block_size=8, num_kv_blocks=4, max_model_len=256, show_progress=False)
 
 
-@pytest.mark.parametrize("backend, layer_loop", [("xla", "scan"), ("xla", "unroll"), ("cpu", "unroll"),
-                                                 ("cpu", "scan")])
+@pytest.mark.parametrize("backend, layer_loop", [("xla", "scan"), ("xla", "unroll"),
+                                                 pytest.param("cpu", "unroll", marks=needs_compiler),
+                                                 pytest.param("cpu", "scan", marks=needs_compiler)])
 def test_cpu_backend_paths_match_the_reference(tiny_model_dir, backend, layer_loop):
     """Few sequence slots and a small token budget force every attention path: for the XLA backend paged
     rows, fresh prompts in the dense tail, a continuing prompt's cached prefix, and the general fallback
@@ -156,6 +158,7 @@ def test_cpu_backend_paths_match_the_reference(tiny_model_dir, backend, layer_lo
         assert got == expected, (seqs, budget)
 
 
+@needs_compiler
 def test_bfloat16_pool_writes_match_xla_through_swap_and_copy_on_write(tiny_model_dir, monkeypatch):
     """A bf16 pool on CPU is written by the native calls (tokens, copy-on-write blocks, swapped-in blocks);
     the same run with XLA's scatter everywhere gives the same tokens. (Against a run without preemption the

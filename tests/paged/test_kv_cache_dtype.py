@@ -8,6 +8,7 @@ import pytest
 
 import paged.engine
 from paged import LLM, SamplingParams
+from tests.native import needs_compiler
 
 PROMPTS = [{"prompt_token_ids": p} for p in ([5, 9, 13, 200], [7, 7, 30], list(range(40, 90)), [3])]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -19,15 +20,22 @@ def _tokens(llm, params=GREEDY):
     return [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
-def test_every_backend_draws_the_same_tokens_from_an_fp8_pool(tiny_model_dir):
+def _fp8_tokens(model_dir, backend):
+    llm = LLM(model_dir, kv_cache_dtype="fp8", attention_backend=backend, **ENGINE)
+    assert llm.engine.runner.kv_cache[0].dtype == np.dtype("float8_e4m3fn")
+    return _tokens(llm)
+
+
+@pytest.fixture(scope="module")
+def fp8_reference_tokens(tiny_model_dir):
+    return _fp8_tokens(tiny_model_dir, "reference")
+
+
+@pytest.mark.parametrize("backend", ["xla", pytest.param("cpu", marks=needs_compiler), "pallas"])
+def test_every_backend_draws_the_same_tokens_from_an_fp8_pool(tiny_model_dir, fp8_reference_tokens, backend):
     """The backends dequantize the same codes with the same float32 math, prompt tokens included (the XLA
     path's dense prompt attention rounds the new keys as the pool stores them)."""
-    runs = {}
-    for backend in ("reference", "xla", "cpu", "pallas"):
-        llm = LLM(tiny_model_dir, kv_cache_dtype="fp8", attention_backend=backend, **ENGINE)
-        assert llm.engine.runner.kv_cache[0].dtype == np.dtype("float8_e4m3fn")
-        runs[backend] = _tokens(llm)
-    assert runs["xla"] == runs["reference"] == runs["cpu"] == runs["pallas"]
+    assert _fp8_tokens(tiny_model_dir, backend) == fp8_reference_tokens
 
 
 def test_fp8_pool_holds_twice_the_blocks_of_bfloat16(tiny_model_dir, monkeypatch):

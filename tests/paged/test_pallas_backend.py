@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from paged import LLM, SamplingParams
+from tests.native import needs_compiler
 
 
 def _ids(n, seed):
@@ -22,7 +23,7 @@ def _greedy(directory, prompts, max_tokens=10, **engine_args):
     return llm, [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("backend", ["pallas", "cpu", "xla"])
+@pytest.mark.parametrize("backend", ["pallas", pytest.param("cpu", marks=needs_compiler), "xla"])
 def test_backend_matches_reference_for_prefill_chunks_prefix_hits_and_decode(tiny_model_dir, backend):
     shared = _ids(27, seed=99)  # a prefix several prompts share: prefix-cache hits on later steps
     prompts = [_ids(n, seed=n) for n in (70, 5, 1, 33, 8)] + [shared + _ids(n, seed=n + 7) for n in (3, 12, 20)]
@@ -37,6 +38,7 @@ def test_backend_matches_reference_for_prefill_chunks_prefix_hits_and_decode(tin
     assert bm.num_free_blocks == bm.num_usable_blocks
 
 
+@needs_compiler
 def test_auto_backend_is_the_native_kernel_on_cpu_and_pallas_on_gpu():
     from models import get_attention_backend
     assert get_attention_backend("auto", "cpu").name == "cpu"  # the kernel builds on every CI machine

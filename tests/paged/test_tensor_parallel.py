@@ -15,6 +15,7 @@ import textwrap
 import pytest
 
 from models.tiny import create_tiny_llama
+from tests.native import needs_compiler
 
 SCRIPT = textwrap.dedent("""
     import json, sys
@@ -71,7 +72,7 @@ def _run(model_dir, backend, sizes, **options):
     return {int(k): v for k, v in json.loads(line[7:]).items()}
 
 
-@pytest.mark.parametrize("backend", ["xla", "cpu", "reference", "pallas"])
+@pytest.mark.parametrize("backend", ["xla", pytest.param("cpu", marks=needs_compiler), "reference", "pallas"])
 def test_tensor_parallel_gives_the_tokens_of_one_device(model_dir, backend):
     sizes = (2, 4, 8) if backend == "xla" else (2, 4)  # 8 shards once: each backend's per-shard path is the same
     results = _run(model_dir, backend, [1, *sizes])
@@ -125,6 +126,7 @@ def test_a_vocabulary_the_size_does_not_divide_is_padded_and_split(tmp_path):
     assert results[1]["embedding_shard_rows"] == [515]
 
 
+@needs_compiler
 def test_fewer_kv_heads_than_devices_replicates_them(tmp_path):
     """MQA (1 KV head) over 2 and 4 devices: each device holds a copy of the KV head (as vLLM replicates them)
     and the tokens are one device's."""

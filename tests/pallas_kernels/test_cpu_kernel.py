@@ -12,7 +12,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels.cpu import available, matmul_cpu, paged_attention_cpu, quant_matmul_cpu
+from tests.native import needs_compiler
 from tests.pallas_kernels.kernel_inputs import LAYER, attention_f64, random_pool, tolerance
+
+pytestmark = needs_compiler
 
 
 def test_kernel_builds_here():

@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels import cpu, write_kv_to_cache
+from tests.native import needs_compiler
 
-pytestmark = pytest.mark.skipif(not cpu.available()[0], reason=f"native kernels unavailable: {cpu.available()[1]}")
+pytestmark = needs_compiler
 
 SHAPE = (3, 2, 9, 4, 8)  # L, Hkv, NB, bs, D
 DTYPES = [np.float32, jnp.bfloat16, np.float16]

@@ -27,7 +27,7 @@ class Server:
         self.log = open(os.path.join(model_dir, f"server-{self.port}.log"), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "serving.cli", "serve", "--model", model_dir, "--port", str(self.port),
-             "--served-model-name", "tiny", *extra],
+             "--served-model-name", "tiny", "--enforce-eager", *extra],  # shapes compile on first use
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
