@@ -1,5 +1,14 @@
 """paged: a paged-attention LLM inference engine in JAX."""
 
+import importlib.util as _importlib_util
+import os as _os
+
+# paged uses transformers for tokenizers and configs only: without torch (the runtime install), its import-time
+# advice that "models won't be available" is about models paged does not take from it. Set the variable
+# yourself to keep transformers' advisory warnings either way.
+if _importlib_util.find_spec("torch") is None:
+    _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
 from paged.engine import EngineBrokenError, LLMEngine, StepFailedError
 from paged.config import EngineConfig
 from paged.llm import LLM
