@@ -13,8 +13,11 @@ Implementations, each where it runs:
   xla             the chunked XLA paths
   jnp-reference   the plain jax.numpy references
   jax-pallas-ops  jax.experimental.pallas.ops.gpu.paged_attention (Triton; decode only)
+  NAME            a backend registered with paged.register_attention_backend (--backend NAME; --plugin MODULE
+                  imports the module that registers it), called through the engine's attention contract
 
     paged bench kernels                        # preset by platform: "smoke" on CPU, "gpu" on a GPU
+    paged bench kernels --plugin my_kernels --backend mine   # your kernel beside the built-in ones
     paged bench kernels --preset gpu --json docs/results/kernels_h200.json --png docs/results/kernels_h200.png
 """
 
@@ -138,6 +141,67 @@ def prefill_implementations() -> dict:
     return {name: (jax.jit(fn, static_argnums=6) if callable(fn) else fn) for name, fn in impls.items()}
 
 
+def _engine_metadata(tables, lengths, query_start, token_seq_ids, positions, num_prefill_rows):
+    """The step metadata the engine would build for these rows (host numpy), for registered backends."""
+    from models.attention import AttentionMetadata
+    rows = len(lengths)
+    return AttentionMetadata(
+        slot_mapping=np.zeros(len(positions), np.int32), positions=np.asarray(positions, np.int32),
+        token_seq_ids=np.asarray(token_seq_ids, np.int32), page_tables=np.asarray(tables, np.int32),
+        query_start=np.asarray(query_start, np.int32), seq_lens=np.asarray(lengths, np.int32),
+        num_decode_rows=np.asarray(rows - num_prefill_rows, np.int32),
+        num_prefill_rows=np.asarray(num_prefill_rows, np.int32))
+
+
+def registered_implementations(names: list[str], kind: str) -> dict:
+    """name -> fn with the decode (kind "decode") or prefill signature of the built-in entries, running a
+    registered backend through `attend` as a model layer would (its `prepare` hook on the host first). Built
+    afresh for each sweep point: each fn serves one point's arrays."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.attention import get_attention_backend, registered_attention_backends
+
+    impls = {}
+    for name in names:
+        if name not in registered_attention_backends():
+            impls[name] = (f"not registered (registered: {', '.join(registered_attention_backends()) or 'none'}; "
+                           "--plugin MODULE imports the module that registers it)")
+            continue
+        backend = get_attention_backend(name, jax.default_backend())
+        attend = jax.jit(lambda q, k_new, v_new, k, v, meta, scale, backend=backend: backend.attend(
+            q, k_new, v_new, k, v, jnp.int32(0), meta, scale=scale, sliding_window=None, soft_cap=None),
+            static_argnums=6)
+
+        # Called once per point (a fresh cache each time): the metadata and the backend's host-side `prepare`
+        # are built at the first call, as the engine builds them once per step for all layers, so the timed
+        # calls run the attention alone.
+        prepared: list = []
+
+        def run(q, k, v, build, scale, attend=attend, backend=backend, prepared=prepared):
+            if not prepared:
+                prepared += [jax.tree.map(jnp.asarray, backend.prepare(build())),
+                             jnp.zeros((q.shape[0], k.shape[1], k.shape[-1]), q.dtype)]  # new K/V: unread
+            meta, new = prepared
+            return attend(q, new, new, k, v, meta, scale)
+
+        if kind == "decode":
+            def fn(q, k, v, t, n, s, run=run):
+                rows = np.arange(q.shape[0])
+                build = lambda: _engine_metadata(t, n, np.arange(q.shape[0] + 1), rows, np.asarray(n) - 1, 0)
+                return run(q, k, v, build, s)
+        else:
+            def fn(q, k, v, t, qs, n, s, run=run):
+                def build():
+                    qs_, n_ = np.asarray(qs), np.asarray(n)
+                    seq = np.repeat(np.arange(len(n_)), np.diff(qs_))
+                    pos = n_[seq] - np.diff(qs_)[seq] + np.arange(q.shape[0]) - qs_[seq]
+                    return _engine_metadata(t, n_, qs_, seq, pos, len(n_))
+                return run(q, k, v, build, s)
+        impls[name] = fn
+    return impls
+
+
 def _cpu_kernel():
     from pallas_kernels import cpu as cpu_kernel
     return cpu_kernel
@@ -151,7 +215,8 @@ def _native_cpu(on_gpu: bool, fn):
     return fn if ok else f"unavailable: {reason}"
 
 
-def run_decode(cfg: dict, rng, repeats: int, copy_bw: float, on_gpu: bool, max_reference_bytes: float) -> list:
+def run_decode(cfg: dict, rng, repeats: int, copy_bw: float, on_gpu: bool, max_reference_bytes: float,
+               backends: list[str] = ()) -> list:
     import jax.numpy as jnp
     rows = []
     for batch, context, page_size, group, dtype in itertools.product(
@@ -165,7 +230,9 @@ def run_decode(cfg: dict, rng, repeats: int, copy_bw: float, on_gpu: bool, max_r
         row = dict(kind="decode", batch=batch, context=context, page_size=page_size, gqa=group, dtype=dtype,
                    num_kv_heads=num_kv_heads, head_dim=head_dim, kv_bytes=kv_bytes, results={})
         expected = None
-        for name, fn in decode_implementations(on_gpu, group, head_dim, dtype).items():
+        impls = {**decode_implementations(on_gpu, group, head_dim, dtype),
+                 **registered_implementations(list(backends), "decode")}
+        for name, fn in impls.items():
             if not callable(fn):
                 row["results"][name] = {"skipped": fn}
                 continue
@@ -182,7 +249,8 @@ def run_decode(cfg: dict, rng, repeats: int, copy_bw: float, on_gpu: bool, max_r
     return rows
 
 
-def run_prefill(cfg: dict, rng, repeats: int, matmul: float, max_reference_bytes: float) -> list:
+def run_prefill(cfg: dict, rng, repeats: int, matmul: float, max_reference_bytes: float,
+                backends: list[str] = ()) -> list:
     import jax.numpy as jnp
     rows = []
     batch = cfg["prefill_batch"]
@@ -203,7 +271,7 @@ def run_prefill(cfg: dict, rng, repeats: int, matmul: float, max_reference_bytes
         row = dict(kind="prefill", batch=batch, chunk=chunk, context=context, page_size=page_size, gqa=group,
                    dtype=dtype, num_kv_heads=num_kv_heads, head_dim=head_dim, flops=flops, results={})
         expected = None
-        for name, fn in prefill_implementations().items():
+        for name, fn in {**prefill_implementations(), **registered_implementations(list(backends), "prefill")}.items():
             gathered = batch * chunk * context * num_kv_heads * head_dim * 2 * jnp.dtype(dtype).itemsize
             if name in ("jnp-reference", "xla") and gathered > max_reference_bytes:
                 row["results"][name] = {"skipped": f"gathers each token's context ({gathered / 1e9:.1f} GB)"}
@@ -283,11 +351,20 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=None, help="timed calls per point (median)")
     parser.add_argument("--reference-budget-gb", type=float, default=4.0,
                         help="skip the gathering baselines above this much temporary memory")
+    parser.add_argument("--backend", action="append", default=[],
+                        help="a registered attention backend to run beside the built-in ones (repeatable)")
+    parser.add_argument("--plugin", action="append", default=[],
+                        help="a module to import first (it calls paged.register_attention_backend)")
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
     args = parser.parse_args(argv)
 
+    import importlib
+
     import jax
+
+    for module in args.plugin:
+        importlib.import_module(module)
 
     from benchmarks.common import copy_bandwidth, matmul_rate
 
@@ -305,9 +382,9 @@ def main(argv=None) -> int:
           f"{matmul / 1e12:.2f} TFLOP/s", file=sys.stderr)
     rng = np.random.default_rng(0)
     budget = args.reference_budget_gb * 1e9
-    rows = run_decode(cfg, rng, repeats, copy_bw, on_gpu, budget)
+    rows = run_decode(cfg, rng, repeats, copy_bw, on_gpu, budget, args.backend)
     if not args.no_prefill:
-        rows += run_prefill(cfg, rng, repeats, matmul, budget)
+        rows += run_prefill(cfg, rng, repeats, matmul, budget, args.backend)
     report = dict(device=device, jax_version=jax.__version__, platform=jax.default_backend(), config=cfg,
                   copy_bytes_per_s=copy_bw, matmul_flops_per_s=matmul, matmul_dtype=dtype, repeats=repeats,
                   conventions=dict(decode="KV bytes = 2 x sum(lengths) x Hkv x D x itemsize; fraction of the copy "

@@ -243,12 +243,65 @@ class MosaicPallasAttention(PallasAttention):
                                            interpret=interpret)
 
 
+class UserAttention(ReferenceAttention):
+    """A registered `attend` function as a backend: the pool writes are the reference's."""
+
+    def __init__(self, name: str, attend):
+        self.name = name
+        self._attend = attend
+
+    def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None,
+               soft_cap=None):
+        return self._attend(q, k, v, k_cache, v_cache, layer, meta, scale=scale, sliding_window=sliding_window,
+                            soft_cap=soft_cap)
+
+
 _BACKENDS = {"reference": ReferenceAttention, "xla": XlaAttention, "cpu": CpuKernelAttention,
              "pallas": PallasAttention, "pallas-mosaic": MosaicPallasAttention}
+_REGISTERED: dict[str, Any] = {}  # name -> a factory of the backend object (paged.register_attention_backend)
+
+
+def register_attention_backend(name: str, attend=None, *, backend=None) -> None:
+    """Makes `attention_backend=name` run your attention (`LLM(...)`, `paged bench kernels --backend name`).
+
+    attend: a function `attend(q, k, v, k_cache, v_cache, layer, meta, *, scale, sliding_window, soft_cap)`
+      returning [T, Hq, D] in q's dtype, called inside the jitted step once per layer:
+        q: [T, Hq, D] the step's queries (T padded to the step's bucket).
+        k, v: [T, Hkv, D] the step's new keys and values, already written into the pool.
+        k_cache, v_cache: [L, Hkv, num_blocks, block_size, D] the pool (block 0 is the padding sink).
+        layer: int32 scalar, the layer to read.
+        meta: `AttentionMetadata` (page tables, positions, row offsets; its docstring has every shape).
+        scale: float; sliding_window: None or an int32 scalar (<= 0: none); soft_cap: None or a float.
+      Outputs at padding tokens (index >= meta.query_start[-1]) are not read. `paged.testing.check_attention`
+      checks a function against the float64 reference before you register it.
+    backend: instead of `attend`, an object with the built-in backends' methods (`prepare`, `write_kv`,
+      `attend`; see ReferenceAttention), for kernels that also write the pool or prepare host data.
+    """
+    if (attend is None) == (backend is None):
+        raise ValueError("register_attention_backend takes exactly one of attend= or backend=")
+    if not isinstance(name, str) or not name or name in _BACKENDS or name == "auto":
+        raise ValueError(f"attention backend name must be a new non-empty string (not one of "
+                         f"{['auto', *_BACKENDS]}), got {name!r}")
+    if attend is not None and not callable(attend):
+        raise ValueError(f"attend must be callable, got {type(attend).__name__}")
+    _REGISTERED[name] = (lambda: UserAttention(name, attend)) if attend is not None else (lambda: backend)
+
+
+def registered_attention_backends() -> tuple[str, ...]:
+    return tuple(_REGISTERED)
+
+
+def resolve_backends(platform: str, attention: str, linear: str, sharded: bool = False) -> tuple[str, str]:
+    """`pallas_kernels.select_backends`, knowing the registered backends too (their matmuls: as for "auto")."""
+    if attention in _REGISTERED:
+        return attention, select_backends(platform, "auto", linear, sharded)[1]
+    return select_backends(platform, attention, linear, sharded)
 
 
 def get_attention_backend(name: str, platform: str):
     """The backend object for `attention_backend=` on a platform ("auto" resolved by
-    `pallas_kernels.select_backends`)."""
+    `pallas_kernels.select_backends`), a registered one included."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]()
     name, _ = select_backends(platform, name)
     return _BACKENDS[name]()

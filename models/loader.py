@@ -20,7 +20,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from safetensors import safe_open
-from tqdm.auto import tqdm
+from models.progress import progress
 
 from models.config import ModelConfig, load_model_config
 from models.quantized_checkpoints import convert, is_online, quantize_online, quantized_suffixes, weight_quant
@@ -160,7 +160,7 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
         target = model.checkpoint_target(prefix + ".paged_qweight")
         return target[0] if target is not None and target[0] in expected else None
 
-    with tqdm(desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
+    with progress(desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
         for path in files:
             with safe_open(path, framework="np") as opened:
                 f = _WithFloat8(opened, path)

@@ -9,6 +9,7 @@ import os as _os
 if _importlib_util.find_spec("torch") is None:
     _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+from models.attention import AttentionMetadata, register_attention_backend
 from paged.engine import EngineBrokenError, LLMEngine, StepFailedError
 from paged.config import EngineConfig
 from paged.llm import LLM
@@ -21,6 +22,6 @@ configure_default_logging()
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "CompletionOutput", "EngineBrokenError", "EngineConfig", "InvalidStructuredOutput",
-           "InvalidTokenIds", "Logprob", "RequestOutput", "SamplingParams", "StepFailedError",
-           "StructuredOutputsParams", "__version__"]
+__all__ = ["LLM", "LLMEngine", "AttentionMetadata", "CompletionOutput", "EngineBrokenError", "EngineConfig",
+           "InvalidStructuredOutput", "InvalidTokenIds", "Logprob", "RequestOutput", "SamplingParams",
+           "StepFailedError", "StructuredOutputsParams", "register_attention_backend", "__version__"]

@@ -14,9 +14,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from models import get_attention_backend, load_model, load_model_config, resolve_model_path
+from models.attention import resolve_backends
 from models.builtin import builtin_model, random_weights_note
 from models.loader import weight_bytes
-from pallas_kernels import select_backends
 from paged import compilation_cache, multihost, startup
 from paged.batch import Buckets, padding_inputs, prepare_inputs
 from paged.block_manager import SINK_BLOCK, BlockManager
@@ -31,6 +31,7 @@ from paged.runner import BlockMover, ModelRunner, kv_block_bytes, kv_budget_byte
 from paged.sampler import SamplerOutput
 from paged.sampling_params import SamplingParams
 from paged.scheduler import ScheduledBatch, Scheduler
+from paged.trace import EngineTrace, StepRecord, record_step
 
 logger = logging.getLogger(__name__)
 
@@ -85,8 +86,8 @@ class LLMEngine:
                 raise NotImplementedError("preemption_mode='swap' does not run over several processes yet")
             multihost.check_same_run(self.channel, multihost.fingerprint(config, model_config))
         self.devices = devices
-        attention_name, self.linear_backend = select_backends(platform, config.attention_backend,
-                                                              config.linear_backend, sharded=self.mesh is not None)
+        attention_name, self.linear_backend = resolve_backends(platform, config.attention_backend,
+                                                               config.linear_backend, sharded=self.mesh is not None)
         attention = get_attention_backend(attention_name, platform)
         self.attention_name = attention_name
         if self.mesh is not None:
@@ -147,6 +148,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(config.seed)
         self._in_flight: _InFlight | None = None  # the launched step not yet read back (async scheduling)
         self._scheduled: ScheduledBatch | None = None  # what the step under way scheduled (for _fail_step)
+        self._trace: EngineTrace | None = None  # per-step records while start_trace() is in effect
         startup.compilation_cache_counts()  # counts the persistent cache's hits from here on
         self.model_name = model  # as the user named it
         self.model_description = builtin[1] if builtin else random_weights_note(model_dir)  # None for most
@@ -265,8 +267,14 @@ class LLMEngine:
         t0 = time.perf_counter()
         batch = self._scheduled = self.scheduler.schedule()
         t1 = time.perf_counter()
+        record = None
+        if self._trace is not None and batch:  # read before the launch advances the rows' counts
+            record = record_step(self._trace, batch, self.block_manager.num_used_blocks)
         launched = self._launch(batch, previous) if batch else None
         t2 = time.perf_counter()
+        if record is not None:
+            record.scheduled_at, record.schedule_s, record.launch_s = t0 - self._trace.origin, t1 - t0, t2 - t1
+            launched.record, launched.trace_origin = record, self._trace.origin
         self.step_timings["schedule"] += t1 - t0
         self.step_timings["prepare"] += t2 - t1
         if previous is not None:
@@ -296,8 +304,7 @@ class LLMEngine:
     def _launch(self, batch: ScheduledBatch, previous: "_InFlight | None") -> "_InFlight":
         """Prepares and launches `batch`; advances each request's computed tokens, and gives each request
         whose sample is a real next token a PLACEHOLDER for it (filled by _postprocess)."""
-        self.num_computed_prompt_tokens += sum(max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
-                                               for r, n in zip(batch.requests, batch.num_new_tokens))
+        self.num_computed_prompt_tokens += sum(batch.prompt_tokens_per_row())
         inputs = prepare_inputs(batch, self.block_manager, self.buckets)
         out, tokens = self.runner.launch(inputs, previous.tokens if previous is not None else None)
         token_index = []
@@ -349,6 +356,10 @@ class LLMEngine:
                 self.requests.pop(parent.request_id, None)
         timings = self.step_timings
         timings["device"] += t1 - t0
+        if flight.record is not None:
+            flight.record.read_back_at = t1 - flight.trace_origin
+            flight.record.device_wait_s = t1 - t0
+            flight.record.postprocess_s = time.perf_counter() - t1
         # Decode-only steps (every sequence computes one token) are bound by reading the weights and the
         # K/V; steps carrying prompt chunks by compute. Keeping them apart shows which one limits a run.
         decode_only = flight.batch.total_tokens == len(flight.batch.requests)
@@ -429,14 +440,28 @@ class LLMEngine:
 
     def precompile(self, show_progress: bool = False) -> None:
         """Compiles every (tokens, seqs) bucket ahead of traffic by running all-padding steps."""
-        from tqdm.auto import tqdm
+        from models.progress import progress
         shapes = self.buckets.all_shapes()
         started, (hits, misses) = time.perf_counter(), startup.compilation_cache_counts()
-        for t_pad, _ in tqdm(shapes, desc="Compiling", disable=not show_progress):
+        for t_pad, _ in progress(shapes, desc="Compiling", disable=not show_progress):
             self.runner.run(padding_inputs(self.block_manager, self.buckets, t_pad))
         now_hits, now_misses = startup.compilation_cache_counts()
         startup.log_precompiled(len(shapes), time.perf_counter() - started, now_hits - hits, now_misses - misses,
                                 self.compilation_cache_dir)
+
+    # ---- tracing --------------------------------------------------------------------------------------
+
+    def start_trace(self) -> EngineTrace:
+        """Records every step from now on (paged/trace.py); a trace already running is replaced."""
+        self._trace = EngineTrace()
+        return self._trace
+
+    def stop_trace(self) -> EngineTrace:
+        """Ends the trace and returns it (a step still in flight keeps its record's device fields empty)."""
+        if self._trace is None:
+            raise RuntimeError("no trace is running: call start_trace() first")
+        trace, self._trace = self._trace, None
+        return trace
 
     # ---- several hosts --------------------------------------------------------------------------------
 
@@ -521,6 +546,8 @@ class _InFlight:
     out: SamplerOutput
     tokens: jax.Array  # int32 [max_num_seqs]: the samples, for the next step to read on the device
     reads_back: bool  # a request with penalties or a grammar has a token in flight: read it before scheduling
+    record: StepRecord | None = None  # its entry in the engine trace, while one is recorded
+    trace_origin: float = 0.0  # that trace's time zero (perf_counter)
 
 
 def _load_tokenizer(path: str):

@@ -7,7 +7,7 @@ import dataclasses
 import inspect
 from typing import Sequence
 
-from tqdm.auto import tqdm
+from models.progress import progress
 
 from paged.chat import chat_prompt_token_ids
 from paged.config import EngineConfig
@@ -99,7 +99,7 @@ class LLM:
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
-        with tqdm(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+        with progress(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:

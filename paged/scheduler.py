@@ -32,6 +32,11 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return sum(self.num_new_tokens)
 
+    def prompt_tokens_per_row(self) -> list[int]:
+        """Prompt tokens each row computes (not its generated ones being recomputed); read before launch."""
+        return [max(0, min(n, r.num_prompt_tokens - r.num_computed_tokens))
+                for r, n in zip(self.requests, self.num_new_tokens)]
+
     def __bool__(self) -> bool:
         return bool(self.requests)
 
