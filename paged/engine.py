@@ -152,7 +152,7 @@ class LLMEngine:
         startup.compilation_cache_counts()  # counts the persistent cache's hits from here on
         self.model_name = model  # as the user named it
         self.model_description = builtin[1] if builtin else random_weights_note(model_dir)  # None for most
-        startup.log_summary(self, model, self.model_description, time.perf_counter() - started)
+        startup.log_summary(self, time.perf_counter() - started)
 
     def _num_blocks(self, config: EngineConfig, max_blocks_per_seq: int, device) -> int:
         if config.num_kv_blocks is not None:

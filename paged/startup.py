@@ -54,13 +54,14 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / 2**20:,.1f} MiB"
 
 
-def summary(engine, model: str, description: str | None, seconds: float) -> str:
-    """The start-up summary of a constructed `LLMEngine` (`model` as the user named it)."""
+def summary(engine, seconds: float) -> str:
+    """The start-up summary of a constructed `LLMEngine`."""
     cfg, mc = engine.config, engine.model_config
+    model, description = engine.model_name, engine.model_description
     devices = engine.devices
     placed = (f"{len(devices)} x {devices[0].platform} (tensor parallel mesh {dict(engine.mesh.shape)})"
               if engine.mesh is not None else str(devices[0]))
-    pool_tokens = (engine.block_manager.num_blocks - 1) * cfg.block_size  # block 0 is the reserved sink
+    usable = engine.block_manager.num_usable_blocks  # block 0 is the reserved sink
     num_shapes = len(engine.buckets.all_shapes())
     cache = engine.compilation_cache_dir
     lines = [
@@ -68,7 +69,7 @@ def summary(engine, model: str, description: str | None, seconds: float) -> str:
         + f": {mc.architecture}, {mc.num_layers} layers, weights {_mib(engine.weight_bytes['total'])} "
           f"in {engine.dtype.name}" + (f", quantization {cfg.quantization}" if cfg.quantization else ""),
         f"devices {placed}; attention backend {engine.attention_name}, linear backend {engine.linear_backend}",
-        f"KV pool {engine.block_manager.num_blocks - 1:,} blocks x {cfg.block_size} tokens = {pool_tokens:,} "
+        f"KV pool {usable:,} blocks x {cfg.block_size} tokens = {usable * cfg.block_size:,} "
         f"tokens, {_mib(engine.kv_pool_bytes)} in {engine.kv_dtype.name}; prefix caching "
         f"{'on' if cfg.enable_prefix_caching else 'off'}",
         f"max_model_len {cfg.max_model_len}, max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens "
@@ -79,8 +80,8 @@ def summary(engine, model: str, description: str | None, seconds: float) -> str:
     return f"engine ready in {seconds:.1f} s\n  " + "\n  ".join(lines)
 
 
-def log_summary(engine, model: str, description: str | None, seconds: float) -> None:
-    logger.info("%s", summary(engine, model, description, seconds))
+def log_summary(engine, seconds: float) -> None:
+    logger.info("%s", summary(engine, seconds))
 
 
 def log_precompiled(num_shapes: int, seconds: float, hits: int, misses: int, cache_dir: str | None) -> None:
