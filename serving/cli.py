@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
 from models.builtin import DEFAULT_MODEL
 from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
+from serving.api_keys import parse_api_keys
 from serving.tool_calls import TOOL_CALL_PARSERS
 from serving.vllm_flags import add_vllm_flags, check_vllm_flags
 
@@ -108,6 +110,8 @@ def _serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (" + ", ".join(TOOL_CALL_PARSERS) + ")")
     model = _model(args)
+    env_key = os.environ.get("PAGED_API_KEY")
+    api_keys = parse_api_keys((args.api_key or []) + ([env_key] if env_key else []), args.api_keys_file)
     options = engine_kwargs_from_cli_args(args)
     name = args.served_model_name or model
     metrics = EngineMetrics(name)
@@ -134,7 +138,7 @@ def _serve(args: argparse.Namespace) -> int:
     async_engine = replicas[0] if len(replicas) == 1 else ReplicatedEngine(replicas)
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
                           allow_request_chat_template=args.trust_request_chat_template)
-    app = build_app(async_engine, name, metrics, api_key=args.api_key, model_path=model, limits=limits,
+    app = build_app(async_engine, name, metrics, api_keys=api_keys, model_path=model, limits=limits,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to the grace period,
     # then the app's shutdown aborts whatever is left.
@@ -185,7 +189,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_and_engine_args(serve, exclude=("data_parallel_rank",))  # serve runs every replica
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY on every route but /health")
+    serve.add_argument("--api-key", action="append", default=None,
+                       help="require Authorization: Bearer KEY on every route but /health and /metrics; repeat for "
+                            "several keys (named key-0, key-1, ...; the PAGED_API_KEY variable adds one more)")
+    serve.add_argument("--api-keys-file", default=None,
+                       help='a JSON list of keys with names and limits: [{"name": "team-a", "key": "...", '
+                            '"requests_per_minute": 60, "tokens_per_minute": 100000}]; over a limit is HTTP 429')
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="beyond this many waiting requests, new ones get HTTP 503")

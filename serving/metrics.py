@@ -1,14 +1,22 @@
 """Prometheus metrics, named like vLLM's with a `paged:` prefix. Updated on each engine's thread.
 
-Every series carries `model_name` and `engine`, the data-parallel replica (`data_parallel_rank`; "0" with one
-engine), as vLLM's do: Prometheus sums over `engine` for the server's totals.
+Every engine series carries `model_name` and `engine`, the data-parallel replica (`data_parallel_rank`; "0"
+with one engine), as vLLM's do: Prometheus sums over `engine` for the server's totals. The server's own
+series (requests by route, API key and outcome; tokens by key) carry `model_name` and `key_name`, the key's
+name (never its secret). The process's CPU and memory are exported too (`process_*`).
 """
 
 from __future__ import annotations
 
 import time
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
+
+# How a generation request ended, for `paged:api_requests{outcome}`: ok; aborted (the client left, or the
+# server shut down under it); failed (its step failed: a 500 or an error event); invalid (another 4xx);
+# unauthorized (401); rate_limited (429); overloaded (503, the waiting queue is full); unavailable (503, the
+# engine is not running).
+OUTCOMES = ("ok", "aborted", "failed", "invalid", "unauthorized", "rate_limited", "overloaded", "unavailable")
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
@@ -45,7 +53,22 @@ class EngineMetrics:
         self.itl = hist("paged:inter_token_latency_seconds", "Time between consecutive output tokens")
         self.e2e = hist("paged:e2e_request_latency_seconds", "Arrival to finish")
         self.queue_time = hist("paged:request_queue_time_seconds", "Arrival to first scheduled")
+        self.api_requests = Counter("paged:api_requests", "Generation requests by route, API key name and outcome",
+                                    ["model_name", "key_name", "route", "outcome"], registry=r)
+        self.api_tokens = Counter("paged:api_key_tokens", "Tokens by API key name: admitted prompt tokens and "
+                                  "generated tokens", ["model_name", "key_name", "kind"], registry=r)
+        self.device_memory_used = Gauge("paged:device_memory_used_bytes", "Accelerator memory in use, where the "
+                                        "platform reports it (not on CPU)", labels + ["device"], registry=r)
+        self.device_memory_limit = Gauge("paged:device_memory_limit_bytes", "Accelerator memory the allocator "
+                                         "may use, where the platform reports it", labels + ["device"], registry=r)
+        self.info = Info("paged:engine", "What this server runs: version, model, dtype, backends, mesh",
+                         registry=r)
+        ProcessCollector(registry=r)
         self.model_name = model_name
+        # Called with (key name, tokens) for every generated token batch (the key ring's charge).
+        self.usage_hook = None
+        # Per request id (engine thread and event loop; single dict operations): its API key's name.
+        self._key_of: dict[str, str] = {}
         # Per replica, the engine's running totals as last copied into the counters.
         self._seen: dict[int, dict[str, float]] = {}
         # Per request (ids are unique across replicas): tokens counted and when the last one came.
@@ -57,6 +80,29 @@ class EngineMetrics:
         seen = self._seen.setdefault(rank, {})
         counter.labels(*labels).inc(max(0.0, total - seen.get(key, 0)))
         seen[key] = total
+
+    def describe(self, engine) -> None:
+        """The info metric, from the first engine (every replica runs the same configuration)."""
+        from paged import __version__
+        config, model = engine.config, engine.model_config
+        mesh = dict(engine.mesh.shape) if engine.mesh is not None else {}
+        self.info.info({"version": __version__, "model_name": self.model_name, "architecture": model.architecture,
+                        "dtype": engine.dtype.name, "kv_cache_dtype": engine.kv_dtype.name,
+                        "attention_backend": str(engine.attention_name), "linear_backend": str(engine.linear_backend),
+                        "platform": engine.devices[0].platform,
+                        "mesh": ",".join(f"{axis}={size}" for axis, size in mesh.items()) or "none",
+                        "data_parallel_size": str(config.data_parallel_size),
+                        "max_model_len": str(config.max_model_len), "block_size": str(config.block_size)})
+
+    def attribute(self, request_id: str, key_name: str) -> None:
+        """Counts request `request_id`'s generated tokens under API key `key_name`."""
+        self._key_of[request_id] = key_name
+
+    def count_request(self, key_name: str, route: str, outcome: str) -> None:
+        self.api_requests.labels(self.model_name, key_name, route, outcome).inc()
+
+    def count_prompt_tokens(self, key_name: str, tokens: int) -> None:
+        self.api_tokens.labels(self.model_name, key_name, "prompt").inc(tokens)
 
     def update_gauges(self, engine) -> None:
         """Reads the engine's state (call on the engine thread); also done after every step."""
@@ -70,6 +116,12 @@ class EngineMetrics:
         self._advance(self.prefix_queries, labels, rank, "queries", stats["prefix_cache_queries"])
         self._advance(self.prefix_hits, labels, rank, "hits", stats["prefix_cache_hits"])
         self._advance(self.constrained, labels, rank, "constrained", engine.num_constrained_requests)
+        for device in engine.devices:
+            stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+            if stats and "bytes_in_use" in stats:
+                self.device_memory_used.labels(*labels, str(device.id)).set(stats["bytes_in_use"])
+                if "bytes_limit" in stats:
+                    self.device_memory_limit.labels(*labels, str(device.id)).set(stats["bytes_limit"])
         # Replicas share one grammar cache, compiled on server workers: its totals are counted on replica 0.
         if engine.grammars is not None and rank == 0:
             self._advance(self.grammars_compiled, labels, rank, "compiled", engine.grammars.num_compiled)
@@ -85,6 +137,11 @@ class EngineMetrics:
             new = total - self._tokens_seen.get(key, 0)
             self._tokens_seen[key] = total
             self.generation_tokens.labels(*m).inc(new)
+            key_name = self._key_of.get(key)
+            if key_name is not None and new:
+                self.api_tokens.labels(self.model_name, key_name, "generation").inc(new)
+                if self.usage_hook is not None:
+                    self.usage_hook(key_name, new)
             times = output.metrics
             if key not in self._last_token_time:
                 self.ttft.labels(*m).observe(now - times.arrival_time)
@@ -100,11 +157,13 @@ class EngineMetrics:
                 self.e2e.labels(*m).observe(now - times.arrival_time)
                 self._tokens_seen.pop(key, None)
                 self._last_token_time.pop(key, None)
+                self._key_of.pop(key, None)
 
     def forget(self, request_id: str) -> None:
         """Drops per-request state of an aborted request."""
         self._tokens_seen.pop(request_id, None)
         self._last_token_time.pop(request_id, None)
+        self._key_of.pop(request_id, None)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -11,8 +11,8 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
-import hmac
 import json
+import math
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +25,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from paged import InvalidStructuredOutput, InvalidTokenIds, RequestOutput, SamplingParams
 from paged.chat import chat_prompt_token_ids, text_token_ids
+from serving.api_keys import ANONYMOUS, ApiKey, KeyRing, RateLimited
 from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
-from serving.metrics import EngineMetrics
+from serving.metrics import OUTCOMES, EngineMetrics
 from serving.replicas import ReplicatedEngine
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                               DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest,
@@ -37,10 +38,11 @@ from serving.tool_calls import (PARSERS, ToolCallStream, constrained_calls, func
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type_: str | None = None):
+                 type_: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.type = type_ or ("invalid_request_error" if status < 500 else "server_error")
+        self.headers = headers or {}
 
 
 # Seconds a client should wait before retrying a 503 (overloaded or restarting).
@@ -52,8 +54,15 @@ def error_body(err: APIError) -> dict:
 
 
 def error_response(err: APIError) -> JSONResponse:
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else None
-    return JSONResponse(error_body(err), status_code=err.status, headers=headers)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if err.status == 503 else {}
+    return JSONResponse(error_body(err), status_code=err.status, headers={**headers, **err.headers})
+
+
+def outcome_of(err: APIError) -> str:
+    """The `paged:api_requests` outcome of a request that ended with `err` (see serving.metrics.OUTCOMES)."""
+    if err.status == 503:
+        return "overloaded" if err.code == "overloaded" else "unavailable"
+    return {401: "unauthorized", 429: "rate_limited"}.get(err.status, "invalid" if err.status < 500 else "failed")
 
 
 def api_error_of(exc: BaseException) -> APIError:
@@ -67,17 +76,33 @@ def api_error_of(exc: BaseException) -> APIError:
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")
 
 
-async def sse_with_errors(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A stream's events; a failure mid-stream becomes a final error event and `[DONE]`, so a client learns
-    why its stream ended instead of seeing it cut."""
-    try:
-        async for event in events:
-            yield event
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - reported to the client, in OpenAI's error shape
-        yield _sse(error_body(api_error_of(exc)))
-        yield _sse("[DONE]")
+class EventStream(StreamingResponse):
+    """A generation's server-sent events. A failure mid-stream becomes a final error event and `[DONE]`, so a
+    client learns why its stream ended instead of seeing it cut; `on_end(outcome)`, when set, is called once
+    the stream has ended (an outcome of serving.metrics.OUTCOMES). `X-Accel-Buffering: no` keeps a proxy
+    such as nginx from holding events back."""
+
+    def __init__(self, events: AsyncIterator[str]):
+        self.on_end = None
+        super().__init__(self._with_errors(events), media_type="text/event-stream",
+                         headers={"X-Accel-Buffering": "no", "Cache-Control": "no-cache"})
+
+    async def _with_errors(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        outcome = "aborted"  # the client left before the end
+        try:
+            async for event in events:
+                yield event
+            outcome = "ok"
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported to the client, in OpenAI's error shape
+            err = api_error_of(exc)
+            outcome = outcome_of(err)
+            yield _sse(error_body(err))
+            yield _sse("[DONE]")
+        finally:
+            if self.on_end is not None:
+                self.on_end(outcome)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,7 +123,7 @@ class ServerState:
     engine: AsyncEngine | ReplicatedEngine  # one engine, or data-parallel replicas behind one interface
     served_model_name: str
     metrics: EngineMetrics | None = None
-    api_key: str | None = None
+    keys: KeyRing = dataclasses.field(default_factory=lambda: KeyRing([]))  # none: no auth, no limits
     model_path: str | None = None
     limits: ServerLimits = ServerLimits()
     tool_call_parser: str | None = None  # finds calls in tool_choice=auto outputs; None: auto is refused
@@ -166,6 +191,58 @@ class _Choices:
 
 
 # ---- shared by the generation routes ----------------------------------------------------------------
+
+
+def key_name(raw: Request) -> str:
+    """The name of the API key the request came with (set by BearerAuth)."""
+    key = raw.scope.get("paged.api_key")
+    return key.name if key is not None else ANONYMOUS
+
+
+def admit(state: ServerState, raw: Request, prompt_tokens: int) -> None:
+    """Charges the request to its key's limits: a 429 in OpenAI's shape, with Retry-After, when it is over."""
+    name = key_name(raw)
+    try:
+        state.keys.admit(name, prompt_tokens)
+    except RateLimited as exc:
+        headers = {f"x-ratelimit-limit-{exc.kind}": str(exc.limit),
+                   f"x-ratelimit-remaining-{exc.kind}": str(exc.remaining)}
+        if exc.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        raise APIError(429, str(exc), code="rate_limit_exceeded", type_=exc.kind, headers=headers) from None
+    if state.metrics is not None:
+        state.metrics.count_prompt_tokens(name, prompt_tokens)
+
+
+def counted(route: str):
+    """Counts each request of a generation route once, by key and outcome, in `paged:api_requests`: when the
+    handler raises, or for a stream when its last event has been sent."""
+
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def counting(body, raw: Request, state: State):
+            count = (lambda outcome: state.metrics.count_request(key_name(raw), route, outcome)) \
+                if state.metrics is not None else (lambda outcome: None)
+            try:
+                response = await handler(body, raw, state)
+            except APIError as err:
+                count(outcome_of(err))
+                raise
+            except asyncio.CancelledError:
+                count("aborted")
+                raise
+            except Exception:
+                count("failed")
+                raise
+            if isinstance(response, EventStream):
+                response.on_end = count
+            else:
+                count("ok")
+            return response
+
+        return counting
+
+    return wrap
 
 
 def check_model(state: ServerState, model: str | None) -> None:
@@ -272,10 +349,13 @@ async def tokenize_prompts(state: ServerState, prompts: list[tuple[str | None, l
 
 
 async def submit_all(state: ServerState, prompts: list[tuple[str | None, list[int] | None]],
-                     params: SamplingParams, request_id: str) -> list[RequestStream]:
+                     params: SamplingParams, request_id: str, key: str = ANONYMOUS) -> list[RequestStream]:
+    """Submits every prompt; their generated tokens are counted (and charged) under API key `key`."""
     streams = []
     try:
         for i, (text, ids) in enumerate(prompts):
+            if state.metrics is not None:
+                state.metrics.attribute(f"{request_id}-{i}", key)
             streams.append(await state.engine.submit(f"{request_id}-{i}", text, ids, params))
     except ValueError as exc:
         for s in streams:
@@ -375,6 +455,7 @@ def completion_logprobs(completion, start: int, end: int, k: int, offset: int) -
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
+@counted("completions")
 async def completions(body: CompletionRequest, raw: Request, state: State):
     """POST /v1/completions"""
     check_model(state, body.model)
@@ -394,7 +475,9 @@ async def completions(body: CompletionRequest, raw: Request, state: State):
     else:
         raise APIError(400, "prompt must not be empty", param="prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = await submit_all(state, await tokenize_prompts(state, prompts), params, request_id)
+    prompts = await tokenize_prompts(state, prompts)
+    admit(state, raw, sum(len(ids) for _, ids in prompts))
+    streams = await submit_all(state, prompts, params, request_id, key_name(raw))
     n = params.n
 
     def prompt_text(output):
@@ -447,7 +530,7 @@ async def completions(body: CompletionRequest, raw: Request, state: State):
                         "model": served_model_name, "choices": [], "usage": usage(list(finals.values()))})
         yield _sse("[DONE]")
 
-    return StreamingResponse(sse_with_errors(events()), media_type="text/event-stream")
+    return EventStream(events())
 
 
 # ---- /v1/chat/completions -------------------------------------------------------------------------
@@ -512,6 +595,7 @@ class ToolSetup:
         return message, completion.finish_reason
 
 
+@counted("chat_completions")
 async def chat_completions(body: ChatCompletionRequest, raw: Request, state: State):
     """POST /v1/chat/completions"""
     check_model(state, body.model)
@@ -527,8 +611,9 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     ids = await chat_token_ids(state, message_dicts(body.messages), body.chat_template, body.add_generation_prompt,
                                tools.tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    admit(state, raw, len(ids))
     try:
-        streams = await submit_all(state, [(None, ids)], params, request_id)
+        streams = await submit_all(state, [(None, ids)], params, request_id, key_name(raw))
     except APIError as err:
         err.param = "messages" if err.param and err.param.startswith("prompt") else err.param
         raise
@@ -588,7 +673,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
             yield _sse({**base, "choices": [], "usage": usage([final])})
         yield _sse("[DONE]")
 
-    return StreamingResponse(sse_with_errors(events()), media_type="text/event-stream")
+    return EventStream(events())
 
 
 # ---- everything else ------------------------------------------------------------------------------
@@ -653,7 +738,15 @@ async def _api_error(_, exc: APIError):
     return error_response(exc)
 
 
-async def _validation_error(_, exc: RequestValidationError):
+def _count_refused(request: Request, outcome: str) -> None:
+    """Counts a generation request refused before its handler ran (a body that does not parse)."""
+    route, metrics = GENERATION_ROUTES.get(request.url.path), request.app.state.paged.metrics
+    if route is not None and metrics is not None:
+        metrics.count_request(key_name(request), route, outcome)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError):
+    _count_refused(request, "invalid")
     errors = exc.errors()
     first = errors[0] if errors else {}
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
@@ -664,9 +757,10 @@ async def _validation_error(_, exc: RequestValidationError):
                                         f"(got {first.get('input')!r})"[:500], param=loc[0] if loc else None))
 
 
-async def _http_error(_, exc: StarletteHTTPException):
+async def _http_error(request: Request, exc: StarletteHTTPException):
     """Starlette's own errors (unknown route 404, wrong method 405 with its Allow header, an unreadable body
-    400) in OpenAI's shape."""
+    400, a body over the limit 413) in OpenAI's shape."""
+    _count_refused(request, "invalid")
     response = error_response(APIError(exc.status_code, str(exc.detail)))
     response.headers.update(exc.headers or {})
     return response
@@ -706,24 +800,34 @@ class BodyLimit:
         await self.app(scope, counting_receive, send)
 
 
+# Routes open without a key: probes and scrapers (a load balancer's health check, Prometheus) carry none.
+OPEN_ROUTES = ("/health", "/metrics", "/openapi.json")
+GENERATION_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+
+
 class BearerAuth:
-    """Requires `Authorization: Bearer KEY` on every route but /health and the OpenAPI document.
+    """When the server has keys, requires `Authorization: Bearer KEY` with one of them on every route but
+    OPEN_ROUTES, and puts the key in `scope["paged.api_key"]` for the handlers (limits, metrics).
 
     A plain ASGI middleware, not Starlette's BaseHTTPMiddleware: that one stands between the route and the
     connection, so `request.is_disconnected()` never saw a client leave and non-streamed requests ran on.
     """
 
-    def __init__(self, app, api_key: str | None):
-        self.app = app
-        self.api_key = api_key
+    def __init__(self, app, keys: KeyRing, metrics: EngineMetrics | None = None):
+        self.app, self.keys, self.metrics = app, keys, metrics
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or self.api_key is None or scope["path"] in ("/health", "/openapi.json"):
+        if scope["type"] != "http" or not self.keys.required or scope["path"] in OPEN_ROUTES:
             return await self.app(scope, receive, send)
         header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
         token = header[7:] if header.lower().startswith("bearer ") else ""
-        if hmac.compare_digest(token.encode(), self.api_key.encode()):
+        key = self.keys.identify(token)
+        if key is not None:
+            scope["paged.api_key"] = key
             return await self.app(scope, receive, send)
+        route = GENERATION_ROUTES.get(scope["path"])
+        if route is not None and self.metrics is not None:
+            self.metrics.count_request(ANONYMOUS, route, "unauthorized")
         response = error_response(APIError(401, "invalid or missing API key (Authorization: Bearer ...)",
                                            code="invalid_api_key"))
         await response(scope, receive, send)
@@ -731,6 +835,7 @@ class BearerAuth:
 
 _JSON_ERRORS = {status: {"model": ErrorResponse, "description": description} for status, description in (
     (400, "invalid request (the error's `param` names the field)"), (401, "missing or wrong API key"),
+    (429, "over the API key's requests or tokens per minute (with Retry-After)"),
     (404, "unknown model"), (413, "request body over the server's limit"),
     (500, "the step carrying this request failed; the server goes on"),
     (503, "overloaded or the engine is not running (with Retry-After)"))}
@@ -755,7 +860,7 @@ ROUTES = [
 
 def _openapi(app: FastAPI) -> dict:
     """FastAPI's document, corrected: errors are 400 (never FastAPI's 422) in OpenAI's shape, every route but
-    /health takes a bearer key, /health answers 200 with no body."""
+    OPEN_ROUTES takes a bearer key, /health answers 200 with no body."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes,
@@ -763,8 +868,9 @@ def _openapi(app: FastAPI) -> dict:
         for path, operations in schema["paths"].items():
             for operation in operations.values():
                 operation["responses"].pop("422", None)
-                if path == "/health":
+                if path in OPEN_ROUTES:
                     operation["security"] = []
+                if path == "/health":
                     operation["responses"] = {"200": {"description": "the engine runs (no body)"},
                                               "503": operation["responses"]["503"]}
         schema["components"].setdefault("securitySchemes", {})["bearer"] = {"type": "http", "scheme": "bearer"}
@@ -776,9 +882,18 @@ def _openapi(app: FastAPI) -> dict:
 
 
 def build_app(engine: AsyncEngine | ReplicatedEngine, served_model_name: str, metrics: EngineMetrics | None = None,
-              api_key: str | None = None, model_path: str | None = None,
+              api_keys: list[ApiKey] | None = None, model_path: str | None = None,
               limits: ServerLimits = ServerLimits(), tool_call_parser: str | None = None) -> FastAPI:
-    """The app starts the engine thread on startup and stops it (aborting what is left) on shutdown."""
+    """The app starts the engine thread on startup and stops it (aborting what is left) on shutdown.
+
+    `api_keys`: none, an open server; otherwise every route but OPEN_ROUTES needs one of them, and each key's
+    limits apply to its generation requests (token limits need `metrics`, which sees the tokens generated)."""
+    keys = KeyRing(api_keys or [])
+    if keys.limits_tokens and metrics is None:
+        raise ValueError("tokens_per_minute limits need the server's metrics (they count generated tokens)")
+    if metrics is not None:
+        metrics.usage_hook = keys.charge
+        metrics.describe(engine.engine)
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
@@ -788,12 +903,12 @@ def build_app(engine: AsyncEngine | ReplicatedEngine, served_model_name: str, me
         engine.stop()
 
     app = FastAPI(title="paged", version="0.1.0", lifespan=lifespan)
-    app.state.paged = ServerState(engine, served_model_name, metrics, api_key, model_path, limits, tool_call_parser)
+    app.state.paged = ServerState(engine, served_model_name, metrics, keys, model_path, limits, tool_call_parser)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _internal)
-    app.add_middleware(BearerAuth, api_key=api_key)
+    app.add_middleware(BearerAuth, keys=keys, metrics=metrics)
     app.add_middleware(BodyLimit, max_bytes=limits.max_request_body_bytes)  # outermost: before auth reads it
     for path, handler, methods, success in ROUTES:
         app.add_api_route(path, handler, methods=methods, response_model=None,

@@ -169,10 +169,12 @@ def test_bad_chat_input_through_the_client(client):
 
 
 def test_auth(server):
+    # Probes and scrapers carry no key (as vLLM leaves /health and /metrics open).
     assert httpx.get(server.url + "/health").status_code == 200
+    assert httpx.get(server.url + "/metrics").status_code == 200
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        for path in ("/v1/models", "/metrics"):
-            response = httpx.get(server.url + path, headers=headers)
+        for method, path in (("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/tokenize")):
+            response = httpx.request(method, server.url + path, headers=headers, json={"prompt": "hi"})
             assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
@@ -188,6 +190,12 @@ def test_metrics_parse_and_count(server, client):
                  "paged:request_queue_time_seconds_count", "paged:prefix_cache_queries_total"):
         assert name in values, name
     assert values["paged:generation_tokens_total"] >= 3 and values["paged:request_success_total"] >= 1
+    for name in ("paged:api_requests_total", "paged:api_key_tokens_total", "process_resident_memory_bytes"):
+        assert name in values, name
+    (info,) = [s.labels for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+               for s in f.samples if s.name == "paged:engine_info"]
+    assert info["model_name"] == "tiny" and info["platform"] == "cpu" and info["dtype"] == "float32"
+    assert info["max_model_len"] == "256" and info["block_size"] == "8" and info["version"]
 
 
 def test_disconnect_mid_stream_frees_blocks(server):
@@ -206,6 +214,9 @@ def test_disconnect_mid_stream_frees_blocks(server):
         time.sleep(0.2)
     assert values["paged:num_requests_running"] == 0
     assert values["paged:kv_cache_usage_perc"] == 0, "the aborted request's blocks must be freed"
+    aborted = [s.value for f in text_string_to_metric_families(httpx.get(server.url + "/metrics").text)
+               for s in f.samples if s.name == "paged:api_requests_total" and s.labels["outcome"] == "aborted"]
+    assert sum(aborted) >= 1, "the stream the client left is counted as aborted"
 
 
 def test_32_concurrent_streaming_clients(server, client):
