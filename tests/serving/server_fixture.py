@@ -20,7 +20,10 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model_dir: str, *extra: str, env: dict[str, str] | None = None):
+    """`paged serve` on a free port; with `wait=False` the caller calls `wait_healthy()` (start several at
+    once)."""
+
+    def __init__(self, model_dir: str, *extra: str, env: dict[str, str] | None = None, wait: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
@@ -29,7 +32,11 @@ class Server:
             [sys.executable, "-m", "serving.cli", "serve", "--model", model_dir, "--port", str(self.port),
              "--served-model-name", "tiny", "--enforce-eager", *extra],  # shapes compile on first use
             stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 120
+        if wait:
+            self.wait_healthy()
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited with {self.proc.returncode}; see {self.log.name}")
@@ -38,7 +45,7 @@ class Server:
                     return
             time.sleep(0.3)
         self.stop()
-        raise RuntimeError("server did not become healthy in 120 s")
+        raise RuntimeError(f"server did not become healthy in {timeout:.0f} s")
 
     def stop(self, timeout: float = 60) -> int:
         if self.proc.poll() is None:
