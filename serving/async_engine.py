@@ -259,7 +259,10 @@ class AsyncEngine(Generating):
                     continue
                 end = time.monotonic()
                 if self.observer is not None:
-                    self.observer.on_step(engine, outputs, start, end)
+                    try:
+                        self.observer.on_step(engine, outputs, start, end)
+                    except Exception:  # noqa: BLE001 - a metrics bug loses a step's counts, never the engine
+                        logger.exception("the metrics observer failed on a step (the requests go on)")
                 for output in outputs:
                     stream = self._streams.get(output.request_id)
                     if stream is not None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import jax
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
 
 # How a generation request ended, for `paged:api_requests{outcome}`: ok; aborted (the client left, or the
@@ -20,6 +21,17 @@ OUTCOMES = ("ok", "aborted", "failed", "invalid", "unauthorized", "rate_limited"
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0)
+
+
+def _memory_stats(device) -> dict | None:
+    """The allocator's figures for a device of this process (None where the platform reports none: CPU; a
+    device of another host of a multi-host mesh)."""
+    if device.process_index != jax.process_index():
+        return None
+    try:
+        return device.memory_stats()
+    except Exception:  # noqa: BLE001 - a metric must never fail the engine thread it runs on
+        return None
 
 
 class EngineMetrics:
@@ -117,7 +129,7 @@ class EngineMetrics:
         self._advance(self.prefix_hits, labels, rank, "hits", stats["prefix_cache_hits"])
         self._advance(self.constrained, labels, rank, "constrained", engine.num_constrained_requests)
         for device in engine.devices:
-            stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+            stats = _memory_stats(device)
             if stats and "bytes_in_use" in stats:
                 self.device_memory_used.labels(*labels, str(device.id)).set(stats["bytes_in_use"])
                 if "bytes_limit" in stats:

@@ -112,6 +112,32 @@ def test_async_engine_fails_the_step_and_serves_the_rest(engine, monkeypatch):
     assert engine.num_free_blocks == free
 
 
+def test_a_failing_metrics_observer_never_stops_the_engine(engine):
+    prompts = [[11, 12, 13, 14], [20, 21, 22]]
+    want = _reference(engine, prompts)
+
+    class Broken(EngineMetrics):
+        def on_step(self, *args):
+            raise RuntimeError("a metrics bug")
+
+    async def run():
+        async_engine = AsyncEngine(engine, observer=Broken("tiny"))
+        async_engine.start()
+        try:
+            async def collect(request_id, prompt):
+                last = None
+                async for last in await async_engine.submit(request_id, None, prompt, GREEDY):
+                    pass
+                return last.outputs[0].token_ids
+
+            return await asyncio.gather(*(collect(f"m-{i}", p) for i, p in enumerate(prompts))), async_engine.alive
+        finally:
+            async_engine.stop()
+
+    served, alive = asyncio.run(run())
+    assert served == want and alive
+
+
 def test_a_dead_engine_loop_fails_everything_at_once_and_nothing_hangs(engine, monkeypatch):
     """If the loop itself dies: on_death is told, every waiting request fails, new ones and /metrics are
     answered at once, and /health says 503 with Retry-After."""
