@@ -68,10 +68,13 @@ def test_requests_spread_and_a_stopped_replica_loses_nothing_retryable(replicas,
     port = free_port()
     with nginx(tmp_path / "nginx", port, [a.port, b.port]) as url:
 
+        served: list[float] = []
+
         async def run() -> tuple[list[dict], list[dict]]:
             async with httpx.AsyncClient(base_url=url, timeout=60) as client:
                 # Both replicas serve: least_conn spreads concurrent requests.
                 warm = await asyncio.gather(*(_request(client, i % 2 == 0, 8) for i in range(12)))
+                served.extend([_served(a), _served(b)])  # from each replica's own /metrics
 
                 # Under load, replica b is stopped (SIGTERM: it stops accepting, then fails what is left when
                 # its 1 s grace period runs out).
@@ -103,7 +106,7 @@ def test_requests_spread_and_a_stopped_replica_loses_nothing_retryable(replicas,
     addr = {f"127.0.0.1:{a.port}": "a", f"127.0.0.1:{b.port}": "b"}
     assert all(r["ok"] for r in warm), [r for r in warm if not r["ok"]]
     assert {addr.get(r["upstream"]) for r in warm} == {"a", "b"}
-    assert _served(a) > 0  # from replica a's own metrics (b has exited)
+    assert served[0] > 0 and served[1] > 0 and sum(served) == len(warm)
 
     on_b_streams = [r for r in results if r["stream"] and addr.get(r["upstream"]) == "b"]
     retryable = [r for r in results if r not in on_b_streams]
