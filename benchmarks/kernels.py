@@ -9,6 +9,7 @@ fraction of a matmul rate measured in the same run.
 Implementations, each where it runs:
   pallas          the portable Pallas kernels (Triton lowering on GPU; interpret mode on CPU)
   pallas-mosaic   the Hopper decode kernel (Mosaic GPU; only on a GPU)
+  pallas-tpu      the TPU ragged kernel (Mosaic TPU; under the TPU interpreter on CPU)
   cpu             the native CPU kernel (C++ through XLA's FFI; CPU only)
   xla             the chunked XLA paths
   jnp-reference   the plain jax.numpy references
@@ -90,6 +91,9 @@ def decode_implementations(on_gpu: bool, group: int, head_dim: int, dtype: str) 
         return _cpu_kernel().paged_attention_cpu(q, k, v, 0, t, rows, n - 1, scale=s)
 
     impls["cpu"] = _native_cpu(on_gpu, cpu)
+    # Decode as the ragged kernel sees it: one token per row (a row of length 0 sees no key: zeros).
+    impls["pallas-tpu"] = _tpu_kernel(on_gpu, lambda q, k, v, t, n, s: _tpu_ragged()(
+        q, k, v, t, jnp.arange(q.shape[0] + 1, dtype=jnp.int32), n, scale=s, tokens_per_block=_decode_block(q, k)))
     if on_gpu:
         from pallas_kernels.gpu.decode_mgpu import paged_decode_attention_mgpu
         if dtype in ("bfloat16", "float16") and head_dim % 64 == 0:
@@ -135,6 +139,8 @@ def prefill_implementations() -> dict:
     impls = {
         "pallas": lambda q, k, v, t, qs, n, s: ragged_paged_attention(q, k, v, t, qs, n, scale=s),
         "cpu": _native_cpu(jax.default_backend() != "cpu", cpu),
+        "pallas-tpu": _tpu_kernel(jax.default_backend() == "gpu",
+                                  lambda q, k, v, t, qs, n, s: _tpu_ragged()(q, k, v, t, qs, n, scale=s)),
         "xla": xla,
         "jnp-reference": lambda q, k, v, t, qs, n, s: ragged_paged_attention_reference(q, k, v, t, qs, n, scale=s),
     }
@@ -205,6 +211,22 @@ def registered_implementations(names: list[str], kind: str) -> dict:
 def _cpu_kernel():
     from pallas_kernels import cpu as cpu_kernel
     return cpu_kernel
+
+
+def _tpu_ragged():
+    from pallas_kernels.tpu.ragged import ragged_paged_attention_tpu  # Mosaic TPU: imported only when used
+    return ragged_paged_attention_tpu
+
+
+def _decode_block(q, k):
+    """The engine's decode-step query block for the TPU kernel (one real token per block)."""
+    from pallas_kernels.tpu.block_sizes import tokens_per_block_for
+    return tokens_per_block_for(1, q.shape[1] // k.shape[1], q.dtype)
+
+
+def _tpu_kernel(on_gpu: bool, fn):
+    """The TPU kernel on a TPU, and under the TPU interpreter on CPU (as "pallas" runs interpreted there)."""
+    return "TPU only (the Mosaic TPU kernel; on CPU it runs interpreted)" if on_gpu else fn
 
 
 def _native_cpu(on_gpu: bool, fn):

@@ -243,6 +243,36 @@ class MosaicPallasAttention(PallasAttention):
                                            interpret=interpret)
 
 
+class PallasTpuAttention(ReferenceAttention):
+    """The Mosaic TPU ragged kernel (pallas_kernels/tpu) for every step; on CPU under the TPU interpreter.
+
+    Decode-only steps (decided on device, as for "pallas") run it with the smallest query block the TPU
+    tiling allows, since each block holds one real token; steps with prompt tokens use the generation's
+    prefill block. The pool write is XLA's scatter into the donated pool, which XLA does in place.
+    """
+
+    name = "pallas-tpu"
+
+    def __init__(self, interpret=None, tokens_per_block: int | None = None, pages_per_step: int | None = None):
+        self.interpret = interpret
+        self.tokens_per_block = tokens_per_block
+        self.pages_per_step = pages_per_step
+
+    def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None,
+               soft_cap=None):
+        from pallas_kernels.tpu.block_sizes import tokens_per_block_for
+        from pallas_kernels.tpu.ragged import ragged_paged_attention_tpu  # Mosaic TPU: imported only when used
+        group = q.shape[1] // k_cache.shape[1]
+        run = lambda tokens_per_block: ragged_paged_attention_tpu(
+            q, k_cache, v_cache, meta.page_tables, meta.query_start, meta.seq_lens, layer, sliding_window,
+            scale=scale, soft_cap=soft_cap, tokens_per_block=tokens_per_block, pages_per_step=self.pages_per_step,
+            interpret=self.interpret)
+        if self.tokens_per_block is not None:
+            return run(self.tokens_per_block)
+        decode_block = tokens_per_block_for(1, group, q.dtype)
+        return jax.lax.cond(meta.num_prefill_rows == 0, lambda _: run(decode_block), lambda _: run(None), None)
+
+
 class UserAttention(ReferenceAttention):
     """A registered `attend` function as a backend: the pool writes are the reference's."""
 
@@ -257,7 +287,7 @@ class UserAttention(ReferenceAttention):
 
 
 _BACKENDS = {"reference": ReferenceAttention, "xla": XlaAttention, "cpu": CpuKernelAttention,
-             "pallas": PallasAttention, "pallas-mosaic": MosaicPallasAttention}
+             "pallas": PallasAttention, "pallas-mosaic": MosaicPallasAttention, "pallas-tpu": PallasTpuAttention}
 _REGISTERED: dict[str, Any] = {}  # name -> a factory of the backend object (paged.register_attention_backend)
 
 

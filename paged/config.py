@@ -53,9 +53,9 @@ class EngineConfig:
     preemption_mode: str = _option("recompute", "what preemption does with a request's KV blocks",
                                    ("recompute", "swap"))
     swap_space: float = _option(4.0, "GiB of host memory for swapped-out K/V (preemption_mode=swap)")
-    attention_backend: str = _option("auto", "attention kernels (auto: Pallas on GPU, the native kernel on "
-                                             "CPU where it builds, else xla)",
-                                     ("auto", "xla", "cpu", "pallas", "pallas-mosaic", "reference"))
+    attention_backend: str = _option("auto", "attention kernels (auto: Pallas on GPU, the Pallas TPU kernel "
+                                             "on TPU, the native kernel on CPU where it builds, else xla)",
+                                     ("auto", "xla", "cpu", "pallas", "pallas-mosaic", "pallas-tpu", "reference"))
     linear_backend: str = _option("auto", "matmul of the projections (auto: the native CPU matmul with the cpu "
                                           "attention backend, else XLA's dot)", ("auto", "xla", "cpu"))
     # "scan" compiles one layer and loops over stacked weights; "unroll" compiles every layer with its own

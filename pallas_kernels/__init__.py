@@ -4,6 +4,8 @@ This package imports nothing from the rest of the project: kernels are usable on
 
 - `gpu/`: portable Pallas kernels, `paged_decode_attention` and `ragged_paged_attention` (Triton lowering on
   NVIDIA GPUs, interpret mode on CPU), and the Hopper decode kernel (`gpu/decode_mgpu.py`, Mosaic GPU).
+- `tpu/`: `tpu.ragged.ragged_paged_attention_tpu`, the ragged kernel for TPUs (Mosaic TPU; the TPU
+  interpreter on CPU), and `tpu.block_sizes`, its tiling rules and per-generation block sizes.
 - `cpu/`: the native CPU kernels (C++ through XLA's FFI, built on first use): `cpu.paged_attention_cpu`, the
   fastest paged read on CPU, and `cpu.matmul_cpu`; `cpu.available()` says whether they built here.
 - `xla.py`: `paged_attention_chunked`, `packed_causal_attention`, the XLA path (prompt chunks; the fallback).

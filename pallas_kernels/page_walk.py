@@ -1,5 +1,5 @@
-"""The page walk and online softmax every paged kernel shares (the portable decode and ragged kernels, the
-Mosaic GPU decode kernel; TPU kernels next).
+"""The page walk and online softmax the GPU kernels share (the portable decode and ragged kernels, the Mosaic
+GPU decode kernel), and the query-block layout of the ragged kernels (GPU and TPU).
 
 A program attends a tile of queries over a run of one sequence's pages, read from the pool in place
 (`memory_space=pl.ANY`, indexed by page-table values inside the kernel), keeping the running max `m`, sum `l`
@@ -73,6 +73,39 @@ def attend_pages(q, page_row, k_ref, v_ref, layer, head, start_page, num_steps, 
     l = jnp.zeros((rows, 1), jnp.float32)
     acc = jnp.zeros((rows, head_dim), jnp.float32)
     return jax.lax.fori_loop(0, num_steps, body, (m, l, acc))
+
+
+def query_block_layout(query_start, seq_lens, num_tokens, tokens_per_block):
+    """How the ragged kernels cut a step's packed tokens into query blocks that never straddle two sequences.
+
+    A sequence with n new tokens gets ceil(n / tokens_per_block) blocks, so num_blocks = num_tokens //
+    tokens_per_block + num_seqs (static) bounds any split; blocks past the last real one are idle.
+    Returns (num_blocks, (block_seq, block_first_pos, block_num_tokens), (token_block, token_slot,
+    token_real)): per block, int32 [num_blocks] its sequence row, the position of its first token and how
+    many of its tokens are real (0: idle); per packed token, int32 [num_tokens] its block and slot, and
+    bool [num_tokens] whether it is real (not padding).
+    """
+    num_seqs = seq_lens.shape[0]
+    num_blocks = num_tokens // tokens_per_block + num_seqs  # >= sum(ceil(n_s / tpb)) for any split of tokens
+    q_lens = query_start[1:] - query_start[:-1]
+    blocks_per_seq = (q_lens + tokens_per_block - 1) // tokens_per_block
+    block_end = jnp.cumsum(blocks_per_seq)
+    block_begin = block_end - blocks_per_seq
+    b = jnp.arange(num_blocks, dtype=jnp.int32)
+    block_seq = jnp.minimum(jnp.searchsorted(block_end, b, side="right"), num_seqs - 1).astype(jnp.int32)
+    local = b - block_begin[block_seq]
+    real = b < block_end[-1]
+    block_first_pos = seq_lens[block_seq] - q_lens[block_seq] + local * tokens_per_block
+    block_num_tokens = jnp.where(real, jnp.clip(q_lens[block_seq] - local * tokens_per_block, 0, tokens_per_block), 0)
+
+    t = jnp.arange(num_tokens, dtype=jnp.int32)
+    token_seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, num_seqs - 1)
+    offset = t - query_start[token_seq]
+    token_block = block_begin[token_seq] + offset // tokens_per_block
+    token_slot = offset % tokens_per_block
+    token_real = t < query_start[-1]
+    layout = (block_seq, block_first_pos.astype(jnp.int32), block_num_tokens.astype(jnp.int32))
+    return num_blocks, layout, (token_block, token_slot, token_real)
 
 
 def merge_splits(out: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:

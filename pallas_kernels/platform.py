@@ -1,9 +1,11 @@
 """Which kernels run where: the one place `attention_backend="auto"` and `linear_backend="auto"` resolve.
 
 GPU: the Pallas kernels (Triton lowering) and XLA's dot. CPU: the native kernels when this machine builds them
-(attention and the decode-sized matmul together), else XLA's chunked attention and dot. TPU: the XLA path
-until `tpu/` holds kernels. An explicit "xla" attention keeps XLA's dot too, so it stays the pure-XLA
-baseline that kernel comparisons measure against.
+(attention and the decode-sized matmul together), else XLA's chunked attention and dot. TPU: the Mosaic TPU
+ragged kernel (`tpu/ragged.py`) and XLA's dot. An explicit "xla" attention keeps XLA's dot too, so it stays
+the pure-XLA baseline that kernel comparisons measure against. Off its platform a Pallas kernel runs in
+interpret mode on CPU (for tests), and is refused elsewhere: the GPU kernels' Triton parameters mean nothing
+to the TPU compiler, nor the TPU kernel's to a GPU.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from pallas_kernels import cpu
 
 logger = logging.getLogger(__name__)
 
-ATTENTION_BACKENDS = ("reference", "xla", "cpu", "pallas", "pallas-mosaic")
+ATTENTION_BACKENDS = ("reference", "xla", "cpu", "pallas", "pallas-mosaic", "pallas-tpu")
 LINEAR_BACKENDS = ("xla", "cpu")
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -31,6 +33,8 @@ def select_backends(platform: str, attention: str = "auto", linear: str = "auto"
     if attention == "auto":
         if platform in GPU_PLATFORMS:
             attention = "pallas"
+        elif platform == "tpu":
+            attention = "pallas-tpu"
         else:
             attention = "cpu" if platform == "cpu" and cpu.available()[0] else "xla"
             if platform == "cpu" and attention == "xla":
@@ -43,6 +47,10 @@ def select_backends(platform: str, attention: str = "auto", linear: str = "auto"
         linear = "cpu" if attention == "cpu" and not sharded else "xla"
     if linear not in LINEAR_BACKENDS:
         raise ValueError(f"unknown linear_backend {linear!r}; choose one of {['auto', *LINEAR_BACKENDS]}")
+    if attention in ("pallas", "pallas-mosaic") and platform == "tpu":
+        raise ValueError(f"attention_backend={attention!r} is a GPU kernel; on TPU use 'pallas-tpu' (or 'auto')")
+    if attention == "pallas-tpu" and platform in GPU_PLATFORMS:
+        raise ValueError("attention_backend='pallas-tpu' is the TPU kernel; on a GPU use 'pallas' (or 'auto')")
     for option, name in (("attention_backend", attention), ("linear_backend", linear)):
         if name == "cpu" and platform != "cpu":  # the FFI targets exist only for the host platform
             raise ValueError(f"{option}='cpu' runs on the CPU only; this engine runs on {platform!r}")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu.decode import GPU_MIN_ROWS
-from pallas_kernels.page_walk import KEYS_PER_STEP, attend_pages, layer_window_scalars
+from pallas_kernels.page_walk import KEYS_PER_STEP, attend_pages, layer_window_scalars, query_block_layout
 
 
 def _validate(q, k_pages, v_pages, page_tables, query_start, seq_lens):
@@ -84,31 +84,6 @@ def _ragged_kernel(scalars_ref, block_seq_ref, block_first_pos_ref, block_num_to
     o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(o_ref.dtype)
 
 
-def _block_layout(query_start, seq_lens, num_tokens, tokens_per_block):
-    """Per-block (sequence, first position, real tokens) and each packed token's (block, slot)."""
-    num_seqs = seq_lens.shape[0]
-    num_blocks = num_tokens // tokens_per_block + num_seqs  # >= sum(ceil(n_s / tpb)) for any split of tokens
-    q_lens = query_start[1:] - query_start[:-1]
-    blocks_per_seq = (q_lens + tokens_per_block - 1) // tokens_per_block
-    block_end = jnp.cumsum(blocks_per_seq)
-    block_begin = block_end - blocks_per_seq
-    b = jnp.arange(num_blocks, dtype=jnp.int32)
-    block_seq = jnp.minimum(jnp.searchsorted(block_end, b, side="right"), num_seqs - 1).astype(jnp.int32)
-    local = b - block_begin[block_seq]
-    real = b < block_end[-1]
-    block_first_pos = seq_lens[block_seq] - q_lens[block_seq] + local * tokens_per_block
-    block_num_tokens = jnp.where(real, jnp.clip(q_lens[block_seq] - local * tokens_per_block, 0, tokens_per_block), 0)
-
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    token_seq = jnp.clip(jnp.searchsorted(query_start, t, side="right") - 1, 0, num_seqs - 1)
-    offset = t - query_start[token_seq]
-    token_block = block_begin[token_seq] + offset // tokens_per_block
-    token_slot = offset % tokens_per_block
-    token_real = t < query_start[-1]
-    layout = (block_seq, block_first_pos.astype(jnp.int32), block_num_tokens.astype(jnp.int32))
-    return num_blocks, layout, (token_block, token_slot, token_real)
-
-
 @functools.partial(jax.jit, static_argnames=("scale", "soft_cap", "tokens_per_block", "pages_per_step",
                                              "interpret"))
 def ragged_paged_attention(
@@ -166,7 +141,7 @@ def ragged_paged_attention(
         pages_per_step = max(1, KEYS_PER_STEP // page_size)
     page_tables = jnp.pad(page_tables, ((0, 0), (0, pages_per_step)))
 
-    num_blocks, layout, (token_block, token_slot, token_real) = _block_layout(
+    num_blocks, layout, (token_block, token_slot, token_real) = query_block_layout(
         query_start, seq_lens, num_tokens, tokens_per_block)
     # Packed tokens -> [NB, Hkv, tokens_per_block * padded_group, D] (slots with no token hold zeros).
     qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)

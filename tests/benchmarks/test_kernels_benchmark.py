@@ -18,7 +18,7 @@ def test_kernel_benchmark_reports_every_implementation(tmp_path):
     assert kinds == ["decode", "prefill"]
     for row in report["rows"]:
         timed = {name: r for name, r in row["results"].items() if "seconds" in r}
-        assert {"pallas", "xla", "jnp-reference"} <= set(timed)
+        assert {"pallas", "pallas-tpu", "xla", "jnp-reference"} <= set(timed)
         # Every implementation computes the same attention (float32 here).
         assert all(r["max_abs_diff_vs_first"] < 1e-4 for r in timed.values())
     decode = report["rows"][0]

@@ -80,3 +80,11 @@ def test_the_hopper_decode_backend_passes_under_the_mosaic_interpreter():
     cases = [dataclasses.replace(c, head_dim=64) for c in default_cases() if c.name.startswith("decode")]
     report = check_attention("pallas-mosaic", dtype="bfloat16", cases=cases)
     assert report.passed, str(report)
+
+
+def test_the_tpu_backend_passes_the_window_and_soft_cap_cases_under_the_tpu_interpreter():
+    # Through the engine's contract ("pallas-tpu": the decode/prefill blocks' cond), poisoned slots included;
+    # the kernel's own tests (tests/pallas_kernels/test_tpu_ragged.py) cover the page sizes and head layouts.
+    cases = [c for c in default_cases() if c.sliding_window is not None or c.soft_cap is not None]
+    report = check_attention("pallas-tpu", cases=cases)
+    assert report.passed and len(report.results) == 6, str(report)

@@ -65,3 +65,30 @@ def tolerance(dtype) -> dict:
     bfloat16: inputs are the same bf16 values in both; the kernel computes in float32 and rounds its
     output once to bf16 (relative step 2^-8 = 3.9e-3), so 1.6e-2 is about four output ulps."""
     return dict(atol=2e-5, rtol=2e-5) if dtype == np.float32 else dict(atol=1.6e-2, rtol=1.6e-2)
+
+
+# The ragged kernels' batches: PAGES_PER_SEQ pages per table row, PADDING_TOKENS padding tokens at the end.
+PAGES_PER_SEQ = 5
+PADDING_TOKENS = 3
+
+
+def ragged_batch(page_size):
+    """(new tokens, context length) per sequence: a fresh one-token prompt, decodes at a page boundary and
+    at the maximum, a padded row, a whole prompt ending mid-page, a chunk continuing a cached prefix, and
+    a chunk that fills the table."""
+    top = PAGES_PER_SEQ * page_size
+    return [(1, 1), (1, page_size), (1, top), (0, 0), (2 * page_size + 3, 2 * page_size + 3),
+            (page_size + 1, 3 * page_size), (page_size, top)]
+
+
+def ragged_f64(q, inputs, seqs, query_start, scale, window=None, soft_cap=None):
+    num_kv_heads = inputs.k_pages.shape[1]
+    out = np.zeros(q.shape, np.float64)
+    for s, (n, ctx) in enumerate(seqs):
+        if n == 0:
+            continue
+        kv = [inputs.keys(s, ctx, h) for h in range(num_kv_heads)]
+        rows = slice(query_start[s], query_start[s + 1])
+        out[rows] = attention_f64(q[rows], [k for k, _ in kv], [v for _, v in kv], range(ctx - n, ctx), scale,
+                                  window, soft_cap)
+    return out

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from pallas_kernels import select_backends
 
 REPO = Path(__file__).resolve().parents[2]
@@ -39,3 +41,14 @@ def test_without_a_compiler_the_engine_says_so_once_and_runs_on_xla(tiny_model_d
 
 def test_gpu_platforms_take_pallas():
     assert select_backends("cuda") == ("pallas", "xla")
+
+
+def test_tpu_takes_its_own_kernel_and_refuses_the_gpu_ones():
+    assert select_backends("tpu") == ("pallas-tpu", "xla")
+    assert select_backends("tpu", "xla") == ("xla", "xla")
+    assert select_backends("cpu", "pallas-tpu") == ("pallas-tpu", "xla")  # the TPU interpreter, for tests
+    for gpu_kernel in ("pallas", "pallas-mosaic"):
+        with pytest.raises(ValueError, match="GPU kernel; on TPU use 'pallas-tpu'"):
+            select_backends("tpu", gpu_kernel)
+    with pytest.raises(ValueError, match="TPU kernel; on a GPU use 'pallas'"):
+        select_backends("cuda", "pallas-tpu")

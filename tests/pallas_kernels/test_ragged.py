@@ -8,38 +8,13 @@ import numpy as np
 import pytest
 
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
-from tests.pallas_kernels.kernel_inputs import (HEAD_CONFIGS, HEAD_IDS, LAYER, attention_f64, random_pool,
-                                                tolerance)
-
-PAGES_PER_SEQ = 5
-PADDING_TOKENS = 3
-
-
-def batch(page_size):
-    """(new tokens, context length) per sequence: a fresh one-token prompt, decodes at a page boundary and
-    at the maximum, a padded row, a whole prompt ending mid-page, a chunk continuing a cached prefix, and
-    a chunk that fills the table."""
-    top = PAGES_PER_SEQ * page_size
-    return [(1, 1), (1, page_size), (1, top), (0, 0), (2 * page_size + 3, 2 * page_size + 3),
-            (page_size + 1, 3 * page_size), (page_size, top)]
-
-
-def ragged_f64(q, inputs, seqs, query_start, scale, window=None, soft_cap=None):
-    num_kv_heads = inputs.k_pages.shape[1]
-    out = np.zeros(q.shape, np.float64)
-    for s, (n, ctx) in enumerate(seqs):
-        if n == 0:
-            continue
-        kv = [inputs.keys(s, ctx, h) for h in range(num_kv_heads)]
-        rows = slice(query_start[s], query_start[s + 1])
-        out[rows] = attention_f64(q[rows], [k for k, _ in kv], [v for _, v in kv], range(ctx - n, ctx), scale,
-                                  window, soft_cap)
-    return out
+from tests.pallas_kernels.kernel_inputs import (HEAD_CONFIGS, HEAD_IDS, LAYER, PADDING_TOKENS, PAGES_PER_SEQ,
+                                                ragged_batch, ragged_f64, random_pool, tolerance)
 
 
 def run_case(rng, page_size, num_q_heads, num_kv_heads, head_dim, dtype, *, window=None, soft_cap=None,
              tokens_per_block=None):
-    seqs = batch(page_size)
+    seqs = ragged_batch(page_size)
     inputs = random_pool(rng, len(seqs), PAGES_PER_SEQ, num_kv_heads, page_size, head_dim, dtype)
     query_start = np.concatenate([[0], np.cumsum([n for n, _ in seqs])]).astype(np.int32)
     num_tokens = query_start[-1] + PADDING_TOKENS
