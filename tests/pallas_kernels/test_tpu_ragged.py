@@ -2,8 +2,8 @@
 
 The interpreter runs the kernel's DMAs, semaphores and VMEM buffers as a TPU would order them; with
 `uninitialized_memory="nan"` every output and scratch buffer starts as NaN, so a row the kernel never writes,
-or a buffer slot read before its copy landed, shows. `detect_races` checks each DMA against the reads and
-writes of its buffers.
+or a buffer slot read before its copy landed, shows. Every case runs with `detect_races`, which checks each
+DMA against the reads and writes of its buffers.
 
 Tolerances (kernel_inputs.tolerance): float32 as for the other kernels (the MXU products at HIGHEST
 precision). bfloat16: both sides see the same bf16 inputs; the kernel rounds P to bf16 for P.V, as TPU
@@ -28,7 +28,7 @@ from tests.pallas_kernels.kernel_inputs import (HEAD_CONFIGS, HEAD_IDS, LAYER, P
 
 
 def run_case(rng, page_size, num_q_heads, num_kv_heads, head_dim, dtype, *, window=None, soft_cap=None,
-             tokens_per_block=None, pages_per_step=None, detect_races=False):
+             tokens_per_block=None, pages_per_step=None):
     seqs = ragged_batch(page_size)  # lengths 0, 1, a page, the maximum; decode rows and prompt chunks mixed
     inputs = random_pool(rng, len(seqs), PAGES_PER_SEQ, num_kv_heads, page_size, head_dim, dtype)
     query_start = np.concatenate([[0], np.cumsum([n for n, _ in seqs])]).astype(np.int32)
@@ -38,7 +38,7 @@ def run_case(rng, page_size, num_q_heads, num_kv_heads, head_dim, dtype, *, wind
         jnp.asarray(q), jnp.asarray(inputs.k_pages), jnp.asarray(inputs.v_pages), jnp.asarray(inputs.page_tables),
         jnp.asarray(query_start), jnp.asarray([c for _, c in seqs], jnp.int32), LAYER, window, scale=scale,
         soft_cap=soft_cap, tokens_per_block=tokens_per_block, pages_per_step=pages_per_step,
-        interpret=interpret_params(detect_races=detect_races))
+        interpret=interpret_params(detect_races=True))
     assert out.shape == q.shape and out.dtype == q.dtype
     out = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(out).all()
@@ -80,9 +80,10 @@ def test_block_and_step_sizes(tokens_per_block, pages_per_step):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"])
-def test_no_dma_races(dtype):
-    """The double buffer: the next step's copies never land in a buffer still being read."""
-    run_case(np.random.default_rng(14), 16, 4, 2, 128, dtype, pages_per_step=2, detect_races=True)
+def test_many_double_buffered_steps(dtype):
+    """Two pages per step: every row of the batch walks several steps, so the next step's copies are in
+    flight while the last step's buffer is read (the race detector, on in every case, watches them)."""
+    run_case(np.random.default_rng(14), 16, 4, 2, 128, dtype, pages_per_step=2)
 
 
 def test_matches_its_jnp_twin_on_a_random_batch():
