@@ -92,3 +92,16 @@ def ragged_f64(q, inputs, seqs, query_start, scale, window=None, soft_cap=None):
         out[rows] = attention_f64(q[rows], [k for k, _ in kv], [v for _, v in kv], range(ctx - n, ctx), scale,
                                   window, soft_cap)
     return out
+
+
+def random_ragged_args(rng, window):
+    """A random ragged batch as the kernels take it (6 rows of random context and chunk lengths, 5 padding
+    tokens): (q, k_pages, v_pages, page_tables, query_start, seq_lens, layer, window)."""
+    import jax.numpy as jnp
+    inputs = random_pool(rng, 6, 8, 2, 16, 64, np.float32)
+    ctx = rng.integers(1, 8 * 16 + 1, size=6)
+    q_lens = np.minimum(rng.integers(1, 40, size=6), ctx)
+    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+    q = jnp.asarray(rng.normal(size=(int(query_start[-1]) + 5, 8, 64)).astype(np.float32))
+    return (q, inputs.k_pages, inputs.v_pages, inputs.page_tables, jnp.asarray(query_start),
+            jnp.asarray(ctx, jnp.int32), LAYER, window)

@@ -9,7 +9,8 @@ import pytest
 
 from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
 from tests.pallas_kernels.kernel_inputs import (HEAD_CONFIGS, HEAD_IDS, LAYER, PADDING_TOKENS, PAGES_PER_SEQ,
-                                                ragged_batch, ragged_f64, random_pool, tolerance)
+                                                random_ragged_args, ragged_batch, ragged_f64, random_pool,
+                                                tolerance)
 
 
 def run_case(rng, page_size, num_q_heads, num_kv_heads, head_dim, dtype, *, window=None, soft_cap=None,
@@ -58,14 +59,7 @@ def test_sliding_window_and_soft_cap(window):
 
 
 def test_matches_its_jnp_reference_on_a_random_batch():
-    rng = np.random.default_rng(3)
-    inputs = random_pool(rng, 6, 8, 2, 16, 64, np.float32)
-    ctx = rng.integers(1, 8 * 16 + 1, size=6)
-    q_lens = np.minimum(rng.integers(1, 40, size=6), ctx)
-    query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = jnp.asarray(rng.normal(size=(int(query_start[-1]) + 5, 8, 64)).astype(np.float32))
-    args = (q, inputs.k_pages, inputs.v_pages, inputs.page_tables, jnp.asarray(query_start),
-            jnp.asarray(ctx, jnp.int32), LAYER, 7)
+    args = random_ragged_args(np.random.default_rng(3), window=7)
     np.testing.assert_allclose(ragged_paged_attention(*args, scale=0.125, interpret=True),
                                ragged_paged_attention_reference(*args, scale=0.125), atol=2e-5, rtol=2e-5)
 
