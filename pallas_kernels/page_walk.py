@@ -1,5 +1,5 @@
 """The page walk and online softmax the GPU kernels share (the portable decode and ragged kernels, the Mosaic
-GPU decode kernel), and the query-block layout of the ragged kernels (GPU and TPU).
+GPU decode kernel), and the query-block layout and argument checks of the ragged kernels (GPU and TPU).
 
 A program attends a tile of queries over a run of one sequence's pages, read from the pool in place
 (`memory_space=pl.ANY`, indexed by page-table values inside the kernel), keeping the running max `m`, sum `l`
@@ -106,6 +106,30 @@ def query_block_layout(query_start, seq_lens, num_tokens, tokens_per_block):
     token_real = t < query_start[-1]
     layout = (block_seq, block_first_pos.astype(jnp.int32), block_num_tokens.astype(jnp.int32))
     return num_blocks, layout, (token_block, token_slot, token_real)
+
+
+def validate_ragged_inputs(q, k_pages, v_pages, page_tables, query_start, seq_lens):
+    """The ragged kernels' argument checks (GPU and TPU), with messages that say what was got."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim]; got shape {q.shape}")
+    if k_pages.ndim != 5 or k_pages.shape != v_pages.shape:
+        raise ValueError("k_pages and v_pages must share a shape [num_layers, num_kv_heads, num_pages, page_size, "
+                         f"head_dim] (layer axis optional); got {k_pages.shape} and {v_pages.shape}")
+    num_q_heads, head_dim = q.shape[1:]
+    num_kv_heads = k_pages.shape[1]
+    if k_pages.shape[-1] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} != pool head_dim {k_pages.shape[-1]}")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    num_seqs = page_tables.shape[0]
+    if page_tables.ndim != 2 or page_tables.dtype != jnp.int32:
+        raise ValueError(f"page_tables must be int32 [num_seqs, pages_per_seq]; got {page_tables.dtype} "
+                         f"{page_tables.shape}")
+    if query_start.shape != (num_seqs + 1,) or query_start.dtype != jnp.int32:
+        raise ValueError(f"query_start must be int32 [num_seqs + 1 = {num_seqs + 1}]; got {query_start.dtype} "
+                         f"{query_start.shape}")
+    if seq_lens.shape != (num_seqs,) or seq_lens.dtype != jnp.int32:
+        raise ValueError(f"seq_lens must be int32 [num_seqs = {num_seqs}]; got {seq_lens.dtype} {seq_lens.shape}")
 
 
 def merge_splits(out: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:

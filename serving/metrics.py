@@ -111,6 +111,8 @@ class EngineMetrics:
         self._key_of[request_id] = key_name
 
     def count_request(self, key_name: str, route: str, outcome: str) -> None:
+        if outcome not in OUTCOMES:  # a new outcome must be documented (and charted) before it is counted
+            raise ValueError(f"unknown request outcome {outcome!r}; one of {OUTCOMES}")
         self.api_requests.labels(self.model_name, key_name, route, outcome).inc()
 
     def count_prompt_tokens(self, key_name: str, tokens: int) -> None:

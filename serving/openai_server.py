@@ -27,7 +27,7 @@ from paged import InvalidStructuredOutput, InvalidTokenIds, RequestOutput, Sampl
 from paged.chat import chat_prompt_token_ids, text_token_ids
 from serving.api_keys import ANONYMOUS, ApiKey, KeyRing, RateLimited
 from serving.async_engine import AsyncEngine, EngineDeadError, QueueFullError, RequestFailedError, RequestStream
-from serving.metrics import OUTCOMES, EngineMetrics
+from serving.metrics import EngineMetrics
 from serving.replicas import ReplicatedEngine
 from serving.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest, CompletionResponse,
                               DetokenizeRequest, DetokenizeResponse, ErrorResponse, ModelList, TokenizeRequest,

@@ -22,30 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.gpu.decode import GPU_MIN_ROWS
-from pallas_kernels.page_walk import KEYS_PER_STEP, attend_pages, layer_window_scalars, query_block_layout
-
-
-def _validate(q, k_pages, v_pages, page_tables, query_start, seq_lens):
-    if q.ndim != 3:
-        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim]; got shape {q.shape}")
-    if k_pages.ndim != 5 or k_pages.shape != v_pages.shape:
-        raise ValueError("k_pages and v_pages must share a shape [num_layers, num_kv_heads, num_pages, page_size, "
-                         f"head_dim] (layer axis optional); got {k_pages.shape} and {v_pages.shape}")
-    num_q_heads, head_dim = q.shape[1:]
-    num_kv_heads = k_pages.shape[1]
-    if k_pages.shape[-1] != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != pool head_dim {k_pages.shape[-1]}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    num_seqs = page_tables.shape[0]
-    if page_tables.ndim != 2 or page_tables.dtype != jnp.int32:
-        raise ValueError(f"page_tables must be int32 [num_seqs, pages_per_seq]; got {page_tables.dtype} "
-                         f"{page_tables.shape}")
-    if query_start.shape != (num_seqs + 1,) or query_start.dtype != jnp.int32:
-        raise ValueError(f"query_start must be int32 [num_seqs + 1 = {num_seqs + 1}]; got {query_start.dtype} "
-                         f"{query_start.shape}")
-    if seq_lens.shape != (num_seqs,) or seq_lens.dtype != jnp.int32:
-        raise ValueError(f"seq_lens must be int32 [num_seqs = {num_seqs}]; got {seq_lens.dtype} {seq_lens.shape}")
+from pallas_kernels.page_walk import (KEYS_PER_STEP, attend_pages, layer_window_scalars, query_block_layout,
+                                      validate_ragged_inputs)
 
 
 def _ragged_kernel(scalars_ref, block_seq_ref, block_first_pos_ref, block_num_tokens_ref, page_tables_ref, q_ref,
@@ -126,7 +104,7 @@ def ragged_paged_attention(
     """
     if k_pages.ndim == 4:
         k_pages, v_pages = k_pages[None], v_pages[None]
-    _validate(q, k_pages, v_pages, page_tables, query_start, seq_lens)
+    validate_ragged_inputs(q, k_pages, v_pages, page_tables, query_start, seq_lens)
     interpret = jax.default_backend() == "cpu" if interpret is None else interpret
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = k_pages.shape[1], k_pages.shape[3]

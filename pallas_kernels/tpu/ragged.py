@@ -31,38 +31,21 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.page_walk import MASK_VALUE, layer_window_scalars, query_block_layout
+from pallas_kernels.page_walk import MASK_VALUE, layer_window_scalars, query_block_layout, validate_ragged_inputs
 from pallas_kernels.tpu.block_sizes import block_sizes, sublane_tile, tokens_per_block_for
 
 
 def _validate(q, k_pages, v_pages, page_tables, query_start, seq_lens, tokens_per_block):
-    if q.ndim != 3:
-        raise ValueError(f"q must be [num_tokens, num_q_heads, head_dim]; got shape {q.shape}")
-    if k_pages.ndim != 5 or k_pages.shape != v_pages.shape or k_pages.dtype != v_pages.dtype:
-        raise ValueError("k_pages and v_pages must share a shape [num_layers, num_kv_heads, num_pages, page_size, "
-                         f"head_dim] (layer axis optional) and a dtype; got {k_pages.shape} {k_pages.dtype} and "
-                         f"{v_pages.shape} {v_pages.dtype}")
-    num_q_heads, head_dim = q.shape[1:]
-    num_kv_heads, page_size = k_pages.shape[1], k_pages.shape[3]
-    if k_pages.shape[-1] != head_dim:
-        raise ValueError(f"q head_dim {head_dim} != pool head_dim {k_pages.shape[-1]}")
-    if num_q_heads % num_kv_heads:
-        raise ValueError(f"num_q_heads={num_q_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    """The ragged contract's checks, then what the TPU tiling adds."""
+    validate_ragged_inputs(q, k_pages, v_pages, page_tables, query_start, seq_lens)
+    if k_pages.dtype != v_pages.dtype:
+        raise ValueError(f"k_pages and v_pages must share a dtype; got {k_pages.dtype} and {v_pages.dtype}")
     tile = sublane_tile(k_pages.dtype)
-    if page_size % tile:
+    if k_pages.shape[3] % tile:
         raise ValueError(f"page_size must be a multiple of {tile} for a {k_pages.dtype} pool on TPU (its (sublane, "
-                         f"lane) tile); got {page_size}")
+                         f"lane) tile); got {k_pages.shape[3]}")
     if tokens_per_block is not None and (tokens_per_block < 1 or tokens_per_block & (tokens_per_block - 1)):
         raise ValueError(f"tokens_per_block must be a power of two; got {tokens_per_block}")
-    num_seqs = page_tables.shape[0]
-    if page_tables.ndim != 2 or page_tables.dtype != jnp.int32:
-        raise ValueError(f"page_tables must be int32 [num_seqs, pages_per_seq]; got {page_tables.dtype} "
-                         f"{page_tables.shape}")
-    if query_start.shape != (num_seqs + 1,) or query_start.dtype != jnp.int32:
-        raise ValueError(f"query_start must be int32 [num_seqs + 1 = {num_seqs + 1}]; got {query_start.dtype} "
-                         f"{query_start.shape}")
-    if seq_lens.shape != (num_seqs,) or seq_lens.dtype != jnp.int32:
-        raise ValueError(f"seq_lens must be int32 [num_seqs = {num_seqs}]; got {seq_lens.dtype} {seq_lens.shape}")
 
 
 def _kernel(scalars_ref, block_seq_ref, block_first_pos_ref, block_num_tokens_ref, page_table_ref,
