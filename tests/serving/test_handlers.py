@@ -43,3 +43,28 @@ def test_handlers_run_without_an_app():
 async def models_named(state, model):
     from serving.openai_server import check_model
     check_model(state, model)
+
+
+def test_every_counted_outcome_is_documented():
+    """`paged:api_requests{outcome}` takes only serving.metrics.OUTCOMES (the dashboard charts those): the
+    outcome of every error status, and every outcome the server names literally."""
+    import ast
+    import inspect
+
+    import serving.openai_server as server
+    from serving.metrics import OUTCOMES
+    from serving.openai_server import outcome_of
+
+    errors = [APIError(status, "x") for status in range(400, 600)]
+    errors += [APIError(503, "x", code="overloaded"), APIError(429, "x", code="rate_limit_exceeded")]
+    assert {outcome_of(err) for err in errors} <= set(OUTCOMES)
+    literals = set()
+    for node in ast.walk(ast.parse(inspect.getsource(server))):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in (
+                "count", "count_request", "_count_refused"):
+            literals |= {arg.value for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str)}
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "outcome" for t in node.targets) \
+                and isinstance(node.value, ast.Constant):
+            literals.add(node.value.value)
+    assert {"ok", "aborted", "failed", "unauthorized", "invalid"} <= literals  # the walk finds the call sites
+    assert literals <= set(OUTCOMES), literals - set(OUTCOMES)
