@@ -587,7 +587,11 @@ auto pick_group(int64_t group, int64_t block_size) {
     switch (group) {
       case 1: return attend_item_avx512<T, 1, (FIXED_D > 0 ? FIXED_D : 16)>;
       case 2: return attend_item_avx512<T, 2, (FIXED_D > 0 ? FIXED_D : 16)>;
+      case 3: return attend_item_avx512<T, 3, (FIXED_D > 0 ? FIXED_D : 16)>;
       case 4: return attend_item_avx512<T, 4, (FIXED_D > 0 ? FIXED_D : 16)>;
+      case 5: return attend_item_avx512<T, 5, (FIXED_D > 0 ? FIXED_D : 16)>;
+      case 6: return attend_item_avx512<T, 6, (FIXED_D > 0 ? FIXED_D : 16)>;  // Qwen2.5-1.5B
+      case 7: return attend_item_avx512<T, 7, (FIXED_D > 0 ? FIXED_D : 16)>;  // Qwen2.5-0.5B and 7B
       case 8: return attend_item_avx512<T, 8, (FIXED_D > 0 ? FIXED_D : 16)>;
       default: break;
     }
