@@ -72,7 +72,7 @@ class GPT2LMHeadModel:
         self.dtype = jnp.dtype(dtype)
         self.block = GPT2Block(config, self.dtype, linear_backend)
         self.final_norm = nn.LayerNorm(epsilon=config.rms_norm_eps, dtype=self.dtype, param_dtype=self.dtype)
-        self.wte = Embedding(config.vocab_rows, config.hidden_size, self.dtype)
+        self.wte = Embedding(config.vocab_rows, config.hidden_size, self.dtype, backend=linear_backend)
         self.wpe = Embedding(config.max_position_embeddings, config.hidden_size, self.dtype, vocab_parallel=False)
 
     def global_params(self) -> dict:
@@ -130,7 +130,7 @@ class GPT2LMHeadModel:
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         h, k_all, v_all = run_layers(one_layer, (h, *kv_cache), params["layers"], (layer_ids,))
         h = self.final_norm.apply({"params": params["ln_f"]}, h[logits_indices])
-        logits = self.wte.apply(wte, h, method="attend")
+        logits = self.wte.apply(wte, h, jnp.sum(meta.seq_lens > 0, dtype=jnp.int32), method="attend")
         if self.config.padded_vocab_size:
             logits = logits[:, :self.config.vocab_size]  # the padding rows are not tokens
         return logits, (k_all, v_all)

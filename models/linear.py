@@ -61,17 +61,17 @@ def native_cpu_matmul(x: jax.Array, kernel: jax.Array, live_rows: jax.Array | No
                       preferred_element_type: Any = None) -> jax.Array:
     """The native CPU matmul (pallas_kernels/cpu/matmul.cc) where it wins, XLA's dot elsewhere.
 
-    Taken: x and kernel both float32 or both bfloat16 (K even), at most `cpu.MATMUL_MAX_ROWS[dtype]` rows
-    (decode-sized steps), N a multiple of 64, and only where the kernel was built with that dtype's fast path.
+    Taken: x and kernel both float32 or both bfloat16 (K even), at most `cpu.matmul_max_rows(dtype)` rows
+    (decode-sized steps; every step for bfloat16 on AMX), N a multiple of 64, and only where the kernel was built
+    with that dtype's fast path.
     It accumulates in float32 (as `xla_matmul`) and rounds once to the result dtype. Rows from `live_rows` on
     come back as zeros.
     """
     rows = math.prod(x.shape[:-1])
     dtype = jnp.dtype(x.dtype)
-    fits = (dtype.name in cpu.MATMUL_MAX_ROWS and kernel.dtype == dtype
-            and 0 < rows <= cpu.MATMUL_MAX_ROWS[dtype.name] and kernel.ndim == 2 and kernel.shape[1] % 64 == 0
-            and (dtype == jnp.float32 or kernel.shape[0] % 2 == 0))
-    if fits and cpu.matmul_is_vectorized(dtype):
+    fits = (dtype.name in cpu.MATMUL_MAX_ROWS and kernel.dtype == dtype and kernel.ndim == 2
+            and kernel.shape[1] % 64 == 0 and (dtype == jnp.float32 or kernel.shape[0] % 2 == 0))
+    if fits and 0 < rows <= cpu.matmul_max_rows(dtype):
         out = cpu.matmul_cpu(x.reshape(rows, x.shape[-1]), kernel, live_rows)
         return out.reshape(*x.shape[:-1], kernel.shape[1]).astype(preferred_element_type or dtype)
     return xla_matmul(x, kernel, None, preferred_element_type)
@@ -217,6 +217,7 @@ class Embedding(nn.Module):
     features: int
     dtype: Any
     vocab_parallel: bool = True
+    backend: str = "xla"  # the linear backend: "cpu" runs `attend` natively where it can (below)
 
     def setup(self):
         axes = (TENSOR_AXIS if self.vocab_parallel else None, None)
@@ -226,9 +227,19 @@ class Embedding(nn.Module):
     def __call__(self, token_ids: jax.Array) -> jax.Array:
         return self.embedding[token_ids].astype(self.dtype)
 
-    def attend(self, h: jax.Array) -> jax.Array:
-        """float32 logits [S, V] of h [S, H] against the table (tied embeddings)."""
-        return jnp.einsum("sh,vh->sv", h, self.embedding, preferred_element_type=jnp.float32)
+    def attend(self, h: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
+        """float32 logits [S, V] of h [S, H] against the table (tied embeddings).
+
+        With the "cpu" backend, a bfloat16 table on a CPU with AMX is read as stored by the native transposed
+        matmul, which computes only rows [0, live_rows) (the rest are zeros: padding rows, nobody reads them).
+        XLA's dot computes every row, and a one-row product against a 150k-row table takes it ~10x the time
+        of eight (benchmarks in docs/performance.md).
+        """
+        table = self.embedding
+        if (self.backend == "cpu" and table.dtype == jnp.bfloat16 and h.ndim == 2 and h.shape[1] % 32 == 0
+                and cpu.matmul_on_amx()):
+            return cpu.matmul_transposed_cpu(h.astype(jnp.bfloat16), table, live_rows)
+        return jnp.einsum("sh,vh->sv", h, table, preferred_element_type=jnp.float32)
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tiled: bool | None = None) -> jax.Array:

@@ -71,7 +71,7 @@ class LlamaForCausalLM:
         self.linear_backend = linear_backend
         self.layer = DecoderLayer(config, self.dtype, linear_backend)
         self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype, config.norm_plus_one)
-        self.embed = Embedding(config.vocab_rows, config.hidden_size, self.dtype)
+        self.embed = Embedding(config.vocab_rows, config.hidden_size, self.dtype, backend=linear_backend)
         self.lm_head = Linear(config.vocab_rows, self.dtype, parallel="column", backend=linear_backend,
                               out_dtype=jnp.float32)
         rotary_dim = config.rotary_dim or config.head_dim
@@ -226,11 +226,11 @@ class LlamaForCausalLM:
         h, k_all, v_all = run_layers(one_layer, (h, k_all, v_all), params["layers"], (layer_ids, windows))
         h = h[logits_indices]
         h = self.final_norm.apply({"params": params["norm"]}, h)
+        live_seqs = jnp.sum(meta.seq_lens > 0, dtype=jnp.int32)  # rows of padded sequences may be skipped
         if cfg.tie_word_embeddings:
-            logits = self.embed.apply(embed, h, method="attend")
-        else:  # rows of padded sequences (seq_lens 0) may be skipped
-            logits = self.lm_head.apply({"params": params["lm_head"]}, h,
-                                        jnp.sum(meta.seq_lens > 0, dtype=jnp.int32))
+            logits = self.embed.apply(embed, h, live_seqs, method="attend")
+        else:
+            logits = self.lm_head.apply({"params": params["lm_head"]}, h, live_seqs)
         if cfg.padded_vocab_size:
             logits = logits[:, :cfg.vocab_size]  # the padding rows are not tokens
         if cfg.final_soft_cap:

@@ -32,15 +32,18 @@ from pallas_kernels.cache import cache_root
 from pallas_kernels.reference import to_pool_dtype
 
 _SOURCE_DIR = Path(__file__).parent
-_SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc")
-_HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h")
+_SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc",
+            _SOURCE_DIR / "amx.cc")
+_HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h")
 _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
+_MATMUL_TRANSPOSED_TARGET = "matmul_transposed_cpu"
 _KV_WRITE_TARGET = "write_kv_cpu"
 _COPY_BLOCKS_TARGET = "copy_blocks_cpu"
 _SCATTER_BLOCKS_TARGET = "scatter_blocks_cpu"
 _VECTORIZED_MATMUL: dict[str, bool] = {}  # filled by _load(): dtype -> whether the default build has its fast path
+_MATMUL_ON_AMX: list[bool] = []  # filled by _load(): whether the default build's bfloat16 products run on AMX
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -104,12 +107,14 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                                     jax.ffi.pycapsule(library.MatmulCpu), platform="cpu")
         for name, symbol in ((_KV_WRITE_TARGET, library.WriteKvCpu), (_COPY_BLOCKS_TARGET, library.CopyBlocksCpu),
                              (_SCATTER_BLOCKS_TARGET, library.ScatterBlocksCpu),
-                             (_QUANT_MATMUL_TARGET, library.QuantMatmulCpu)):
+                             (_QUANT_MATMUL_TARGET, library.QuantMatmulCpu),
+                             (_MATMUL_TRANSPOSED_TARGET, library.MatmulTransposedCpu)):
             jax.ffi.register_ffi_target(f"{name}{target[len(_TARGET):]}", jax.ffi.pycapsule(symbol), platform="cpu")
         if target == _TARGET:
             _VECTORIZED_MATMUL.update(float32=bool(library.MatmulCpuIsVectorized()),
                                       bfloat16=bool(library.MatmulCpuBf16IsVectorized()),
                                       int8=bool(library.QuantMatmulCpuIsVectorized()))
+            _MATMUL_ON_AMX[:] = [bool(library.MatmulCpuBf16UsesAmx())]
     except Exception as error:  # noqa: BLE001 - any failure means "use the XLA path", reported by available()
         return f"{type(error).__name__}: {error}"
     return None
@@ -238,6 +243,8 @@ def scatter_blocks_cpu(k_cache: jax.Array, v_cache: jax.Array, dst: jax.Array, k
 # Quantized weights (int8 or int4 codes, `quant_matmul_cpu`; the key is "int8"): the alternative is dequantizing
 # the whole kernel to float32 in every step, so the native call wins at prompt sizes too; on the 30M benchmark model with --quantization int8, prompt steps took
 # 0.91 s of device time with it against 1.36 s when steps over 192 rows dequantized for XLA's dot.
+# bfloat16 on AMX tiles (amx.cc) has no limit: on the 0.5B shape's products it beat XLA's bf16 dot (which uses
+# AMX too on that CPU) at every row count measured, 8 to 2048 (docs/kernels.md).
 MATMUL_MAX_ROWS = {"float32": 192, "bfloat16": 256, "int8": 2048}
 
 
@@ -260,6 +267,22 @@ def matmul_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = N
     if live.shape != () or not jnp.issubdtype(live.dtype, jnp.integer):
         raise ValueError(f"live_rows must be an integer scalar; got {live.dtype}{list(live.shape)}")
     call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
+    return call(x, w, live.astype(jnp.int32))
+
+
+def matmul_transposed_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = None) -> jax.Array:
+    """x [M, K] @ w [N, K]^T on AMX tiles, float32 [M, N]: the tied LM head against the embedding table as
+    stored (no transposed copy). bfloat16 operands, K a multiple of 32; only where `matmul_on_amx()`.
+    live_rows: as for `matmul_cpu` (rows from it on are zeros)."""
+    _require_kernels()
+    if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or x.shape[1] % 32:
+        raise ValueError(f"expected x [M, K] and w [N, K] with K a multiple of 32; got {x.shape} and {w.shape}")
+    if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
+        raise ValueError(f"matmul_transposed_cpu takes bfloat16 operands; got {x.dtype} and {w.dtype}")
+    if not matmul_on_amx():
+        raise ValueError("matmul_transposed_cpu runs on AMX tiles, and this CPU (or OS) offers none")
+    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
+    call = jax.ffi.ffi_call(_MATMUL_TRANSPOSED_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
     return call(x, w, live.astype(jnp.int32))
 
 
@@ -294,6 +317,20 @@ def quant_matmul_takes(in_features: int, out_features: int, groups: int, bits: i
     """Whether `quant_matmul_cpu` takes a layer of this shape (and the build has its fast path)."""
     return (matmul_is_vectorized("int8") and out_features % 64 == 0 and in_features % groups == 0
             and _groups_fit(in_features // groups, bits == 4))
+
+
+def matmul_max_rows(dtype) -> int:
+    """The most rows for which `matmul_cpu` in `dtype` is faster than XLA's dot on this machine (0: never)."""
+    name = jnp.dtype(dtype).name
+    if not matmul_is_vectorized(name) or name not in MATMUL_MAX_ROWS:
+        return 0
+    return 2**31 - 1 if name == "bfloat16" and matmul_on_amx() else MATMUL_MAX_ROWS[name]
+
+
+def matmul_on_amx() -> bool:
+    """Whether the default build runs bfloat16 products on AMX tiles: the CPU has AMX-BF16, the compiler
+    targets it, and the OS granted this process the tile state."""
+    return available()[0] and bool(_MATMUL_ON_AMX and _MATMUL_ON_AMX[0])
 
 
 def matmul_is_vectorized(dtype="float32") -> bool:

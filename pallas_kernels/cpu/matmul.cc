@@ -23,8 +23,9 @@
 //                 steps on the benchmark workload, and skipping it leaves every live row's result as it was
 //                 (each row's sums run in the same order whatever the tile it falls in).
 //   y     [M, N]  float32
-// AVX-512 machines run the register-blocked path; elsewhere a plain loop keeps the call correct, and
-// MatmulCpuIsVectorized() tells the model to keep XLA's dot.
+// bfloat16 on a CPU with AMX runs on its tiles instead, at every row count (amx.cc). Other AVX-512 machines run
+// the register-blocked path; elsewhere a plain loop keeps the call correct, and MatmulCpuIsVectorized() tells
+// the model to keep XLA's dot.
 
 #include <algorithm>
 #include <cstdint>
@@ -34,6 +35,7 @@
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
 #include "bf16.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -344,6 +346,10 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
       break;
     case ffi::DataType::BF16:
       if (K % 2) return ffi::Error::InvalidArgument("matmul_cpu: bfloat16 needs an even K");
+      if (paged::amx::Available() &&
+          paged::amx::Matmul(pool, static_cast<const uint16_t*>(x.untyped_data()),
+                             static_cast<const uint16_t*>(w.untyped_data()), yp, M, K, N))
+        break;
       matmul(pool, static_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint16_t*>(w.untyped_data()),
              yp, M, K, N);
       break;
@@ -353,6 +359,27 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   return ffi::Error::Success();
 }
 
+
+// y[M, N] = x[M, K] @ w[N, K]^T in bfloat16 on AMX tiles (amx.cc: MatmulTransposed), rows [live, M) zeros:
+// the tied LM head against the embedding table as stored. K a multiple of 32; only where AMX is available.
+ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> live,
+                                ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || x.element_type() != ffi::DataType::BF16 ||
+      w.element_type() != ffi::DataType::BF16 || live.element_count() != 1)
+    return ffi::Error::InvalidArgument("matmul_transposed_cpu: expected bfloat16 x [M, K], w [N, K], a scalar live");
+  const int64_t K = xd[1], N = wd[0];
+  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
+  float* yp = y->typed_data();
+  std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
+  if (M == 0) return ffi::Error::Success();
+  if (!paged::amx::Available() ||
+      !paged::amx::MatmulTransposed(pool, static_cast<const uint16_t*>(x.untyped_data()),
+                                    static_cast<const uint16_t*>(w.untyped_data()), yp, M, K, N))
+    return ffi::Error::InvalidArgument("matmul_transposed_cpu: needs AMX and K a multiple of 32");
+  return ffi::Error::Success();
+}
 
 // ---- quantized weights with per-group scales (GPTQ, AWQ, compressed-tensors; int8 or packed int4) -------
 //
@@ -433,10 +460,20 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
 // Whether this build has the fast path for float32 / bfloat16; without it the model keeps XLA's dot
 // (models/linear.py: native_cpu_matmul).
 extern "C" int MatmulCpuIsVectorized() { return kVectorized<float>; }
-extern "C" int MatmulCpuBf16IsVectorized() { return kVectorized<uint16_t>; }
+extern "C" int MatmulCpuBf16IsVectorized() { return kVectorized<uint16_t> || paged::amx::Available(); }
+// Whether bfloat16 products run on AMX tiles (amx.cc): fast at every row count, so the model sends them all here.
+extern "C" int MatmulCpuBf16UsesAmx() { return paged::amx::Available(); }
 extern "C" int QuantMatmulCpuIsVectorized() { return kVectorized<int8_t>; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulCpu, MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulTransposedCpu, MatmulTransposedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()

@@ -67,9 +67,9 @@ def test_native_matmul_skips_rows_past_live_rows():
     ((192, 64), (64, 64), np.float32, True),      # the most rows it takes
     ((193, 64), (64, 64), np.float32, False),     # a prompt-sized step: XLA's dot
     ((8, 64), (64, 100), np.float32, False),      # N not a multiple of 64
-    ((8, 64), (64, 64), jnp.bfloat16, True),      # AVX-512 BF16
-    ((256, 64), (64, 64), jnp.bfloat16, True),    # the most bf16 rows it takes
-    ((257, 64), (64, 64), jnp.bfloat16, False),
+    ((8, 64), (64, 64), jnp.bfloat16, True),      # AMX, or AVX-512 BF16
+    ((256, 64), (64, 64), jnp.bfloat16, True),    # the most bf16 rows AVX-512 BF16 takes
+    ((257, 64), (64, 64), jnp.bfloat16, "amx"),   # on AMX tiles every row count
     ((8, 63), (63, 64), jnp.bfloat16, False),     # an odd K: bf16 pairs cannot cover it
     ((8, 64), (64, 64), np.float16, False),
 ])
@@ -82,6 +82,8 @@ def test_native_matmul_routes_and_matches_xla(monkeypatch, lhs_shape, rhs_shape,
     rhs = jnp.asarray(rng.normal(size=rhs_shape), dtype)
     got = native_cpu_matmul(lhs, rhs)
     want = xla_matmul(lhs, rhs)
+    if native == "amx":
+        native = cpu_kernel.matmul_on_amx()
     assert bool(calls) == (native and cpu_kernel.matmul_is_vectorized(dtype))
     assert got.shape == want.shape and got.dtype == want.dtype
     # Both sum in float32 and round once: in bfloat16 the two may differ by one unit in the last place (2^-8).
@@ -161,3 +163,23 @@ def test_moe_experts_are_grouped_and_split():
     assert specs[("layers", "mlp", "experts_gate_proj", "kernel")] == P(None, None, None, "tensor")
     assert specs[("layers", "mlp", "experts_down_proj", "kernel")] == P(None, None, "tensor", None)
     assert specs[("layers", "mlp", "gate", "kernel")] == P(None, None, None)
+
+
+@pytest.mark.parametrize("dtype, hidden", [(jnp.bfloat16, 64), (jnp.bfloat16, 48), (np.float32, 64)])
+def test_tied_lm_head_routes_and_matches_xla(monkeypatch, dtype, hidden):
+    """`Embedding.attend` with the "cpu" backend: bfloat16 tables with a hidden size that is a multiple of 32
+    run the native transposed matmul on AMX (rows past live_rows zeros); others keep XLA's einsum."""
+    from models.linear import Embedding
+    calls = []
+    real = cpu_kernel.matmul_transposed_cpu
+    monkeypatch.setattr(cpu_kernel, "matmul_transposed_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    embed = Embedding(300, hidden, dtype, backend="cpu")
+    params = embed.init(jax.random.PRNGKey(0), jnp.zeros((2,), jnp.int32))
+    h = jnp.asarray(np.random.default_rng(0).normal(size=(6, hidden)), dtype)
+    got = np.asarray(embed.apply(params, h, jnp.int32(4), method="attend"), np.float64)
+    want = np.asarray(Embedding(300, hidden, dtype).apply(params, h, method="attend"), np.float64)
+    native = dtype == jnp.bfloat16 and hidden % 32 == 0 and cpu_kernel.matmul_on_amx()
+    assert bool(calls) == native
+    rows = 4 if native else 6
+    np.testing.assert_allclose(got[:rows], want[:rows], atol=1e-4, rtol=1e-4)
+    assert not native or not np.any(got[4:])

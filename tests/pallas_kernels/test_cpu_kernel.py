@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.cpu import available, matmul_cpu, paged_attention_cpu, quant_matmul_cpu
+from pallas_kernels.cpu import available, matmul_cpu, matmul_transposed_cpu, paged_attention_cpu, quant_matmul_cpu
 from tests.native import needs_compiler
 from tests.pallas_kernels.kernel_inputs import LAYER, attention_f64, random_pool, tolerance
 
@@ -48,15 +48,16 @@ def _check(rng, *, num_q_heads, num_kv_heads, page_size, head_dim, dtype=np.floa
 
 
 @pytest.mark.parametrize("page_size", [8, 16, 32])
-@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(2, 2), (4, 2), (8, 2), (16, 2), (4, 1), (6, 2)],
-                         ids=["mha", "gqa2", "gqa4", "gqa8", "mqa", "gqa3-generic"])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(2, 2), (4, 2), (8, 2), (16, 2), (4, 1), (6, 2), (14, 2),
+                                                        (18, 2)],
+                         ids=["mha", "gqa2", "gqa4", "gqa8", "mqa", "gqa3", "gqa7", "gqa9-generic"])
 @pytest.mark.parametrize("head_dim", [64, 128, 40], ids=["d64", "d128", "d40-generic"])
 def test_float32_matches_float64(page_size, num_q_heads, num_kv_heads, head_dim):
     rng = np.random.default_rng(page_size * 1000 + num_q_heads * 10 + num_kv_heads + head_dim)
     _check(rng, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size, head_dim=head_dim)
 
 
-@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 2), (8, 1)])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(4, 2), (8, 1), (14, 2)])
 def test_bfloat16(num_q_heads, num_kv_heads):
     rng = np.random.default_rng(num_q_heads)
     _check(rng, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=16, head_dim=64,
@@ -229,6 +230,108 @@ def test_matmul_bfloat16_matches_float64(rows, inner, cols):
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-4, rtol=2e-5)
 
 
+@pytest.fixture(scope="module")
+def avx512_bf16_target():
+    """The kernel built without AMX: the AVX-512 BF16 dot-product path, which AMX machines (like CI's) would
+    otherwise never run for bfloat16."""
+    from pallas_kernels import cpu as cpu_kernel
+    if " amx_bf16 " not in _cpu_flags():
+        pytest.skip("no AMX here: the default build already runs the AVX-512 BF16 path (the tests above)")
+    target = "paged_attention_cpu_no_amx"
+    reason = cpu_kernel._load(cpu_kernel._FLAGS + ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"), target)
+    assert reason is None, reason
+    return target.replace("paged_attention_cpu", "matmul_cpu")
+
+
+def _cpu_flags() -> str:
+    from pathlib import Path
+    cpuinfo = Path("/proc/cpuinfo")
+    return cpuinfo.read_text().replace("\n", " ") + " " if cpuinfo.exists() else ""
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 31, 32, 33, 100, 520])
+@pytest.mark.parametrize("inner, cols", [(96, 64), (302, 320), (600, 1216)])
+def test_matmul_bfloat16_tiles_match_float64(rows, inner, cols):
+    """The AMX path's edges (on a CPU without AMX these run the AVX-512 BF16 path again): row blocks of 32
+    and the 16-row tile for a last block of at most 16 rows; inner sizes that end mid tile step (302 = 9 x 32
+    + 14) and span two 256-row weight blocks; 19 panels, more than a pass of 8 on each of two threads."""
+    x, w, want = _bf16_case(rows, inner, cols, rows * 7 + inner + cols)
+    np.testing.assert_allclose(np.asarray(matmul_cpu(x, w), np.float64), want, atol=2e-4, rtol=2e-5)
+
+
+@pytest.mark.parametrize("rows", [5, 64, 65])
+def test_matmul_bfloat16_tiles_many_passes_match_float64(rows):
+    """130 panels: two threads' ranges of 65, more than a pass of 64 of the decode-sized plan (64 rows or
+    fewer) and many passes of 8 of the larger one."""
+    x, w, want = _bf16_case(rows, 96, 130 * 64, rows)
+    np.testing.assert_allclose(np.asarray(matmul_cpu(x, w), np.float64), want, atol=2e-4, rtol=2e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 6, 13, 48, 192])
+@pytest.mark.parametrize("inner, cols", [(200, 192), (302, 320)])
+def test_matmul_bfloat16_without_amx_matches_float64(avx512_bf16_target, rows, inner, cols):
+    x, w, want = _bf16_case(rows, inner, cols, rows * 1000 + inner + cols)
+    got = np.asarray(matmul_cpu(x, w, _target=avx512_bf16_target), np.float64)
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-5)
+
+
+@pytest.mark.parametrize("live", [0, 1, 16, 17, 33, 40])
+def test_matmul_bfloat16_live_rows_ignore_the_padding(live):
+    """Rows from live_rows on are zeros whatever they hold (NaN here), and the live rows are exactly what the
+    whole product gives them, across row blocks of 32 and the last block's buffer."""
+    x, w, _ = _bf16_case(40, 302, 192, live)
+    x = np.asarray(x, np.float32)
+    x[live:] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    got = np.asarray(jax.jit(matmul_cpu)(x, w, jnp.int32(live)))
+    assert not np.any(got[live:])
+    whole = np.asarray(matmul_cpu(jnp.nan_to_num(x)[:max(live, 1)], w))
+    np.testing.assert_array_equal(got[:live], whole[:live])
+    np.testing.assert_allclose(got[:live].astype(np.float64),
+                               np.asarray(x[:live], np.float64) @ np.asarray(w, np.float64), atol=2e-4, rtol=2e-5)
+
+
+def _needs_amx():
+    from pallas_kernels import cpu as cpu_kernel
+    if not cpu_kernel.matmul_on_amx():
+        pytest.skip("no AMX on this CPU: the tied LM head keeps XLA's dot (tests/models/test_linear.py)")
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 70])
+@pytest.mark.parametrize("inner, vocab", [(32, 32), (96, 100), (896, 1000)])
+def test_matmul_transposed_matches_float64(rows, inner, vocab):
+    """x @ w^T with w [N, K] as stored (the tied LM head): row chunks of 32 and 16, a table whose last block
+    has fewer than 32 rows (100, 1000), and threads splitting the table's blocks."""
+    _needs_amx()
+    rng = np.random.default_rng(rows + inner + vocab)
+    x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(vocab, inner)), jnp.bfloat16)
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64).T
+    np.testing.assert_allclose(np.asarray(matmul_transposed_cpu(x, w), np.float64), want, atol=2e-4, rtol=2e-5)
+
+
+@pytest.mark.parametrize("live", [0, 1, 17, 40])
+def test_matmul_transposed_live_rows(live):
+    _needs_amx()
+    rng = np.random.default_rng(live)
+    x = rng.normal(size=(40, 64)).astype(np.float32)
+    x[live:] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(200, 64)), jnp.bfloat16)
+    got = np.asarray(jax.jit(matmul_transposed_cpu)(x, w, jnp.int32(live)))
+    assert not np.any(got[live:])
+    np.testing.assert_allclose(got[:live].astype(np.float64),
+                               np.asarray(x[:live], np.float64) @ np.asarray(w, np.float64).T, atol=2e-4, rtol=2e-5)
+
+
+def test_matmul_transposed_refuses_what_it_cannot_do():
+    _needs_amx()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        matmul_transposed_cpu(jnp.zeros((4, 48), jnp.bfloat16), jnp.zeros((64, 48), jnp.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 operands"):
+        matmul_transposed_cpu(jnp.zeros((4, 64)), jnp.zeros((64, 64)))
+
+
 def test_matmul_bfloat16_portable_build_matches_float64(portable_target):
     x, w, want = _bf16_case(13, 200, 192, 0)
     target = portable_target.replace("paged_attention_cpu", "matmul_cpu")
@@ -310,7 +413,7 @@ def test_matmul_live_rows(live):
 
 def test_matmul_fast_path_follows_the_cpu():
     """The AVX-512 matmul is built (and used by the model) exactly when the CPU has AVX-512, the bfloat16 one
-    exactly when it has AVX-512 BF16."""
+    exactly when it has AVX-512 BF16, on AMX tiles (and then for every row count) exactly when it has AMX-BF16."""
     from pathlib import Path
 
     from pallas_kernels import cpu as cpu_kernel
@@ -322,6 +425,9 @@ def test_matmul_fast_path_follows_the_cpu():
     assert cpu_kernel.matmul_is_vectorized("float32") == (" avx512f " in flags)
     assert cpu_kernel.matmul_is_vectorized("bfloat16") == (" avx512_bf16 " in flags)
     assert cpu_kernel.matmul_is_vectorized("int8") == (" avx512f " in flags)
+    assert cpu_kernel.matmul_on_amx() == (" amx_bf16 " in flags)  # Linux grants the tile state (kernel >= 5.16)
+    assert cpu_kernel.matmul_max_rows("bfloat16") == (2**31 - 1 if " amx_bf16 " in flags else 256 * (
+        " avx512_bf16 " in flags))
 
 
 def test_matmul_refuses_what_it_cannot_do():

@@ -1,0 +1,117 @@
+"""`paged bench matmul`: the projections' matmul backends side by side on a real model's layer shapes.
+
+Each point times one call that runs every projection of one decoder layer (q, k, v, o, gate, up, down of
+`--model-shape`; `--layers` copies of each, so the weights, `--layers` x 14 MB in bfloat16 at the 0.5B shape,
+stream from memory as a decode step's do) for x of `rows` rows, and reports GFLOP/s. Implementations:
+  xla         XLA's dot, float32 accumulation (models/linear.py: xla_matmul)
+  native      the native CPU matmul as the engine's "cpu" linear backend calls it (AMX tiles for bfloat16 where
+              the CPU has them, else AVX-512)
+  native-avx512  the same kernel built without AMX (only on a CPU with AMX: the path it replaces)
+
+    paged bench matmul                                  # qwen2.5-0.5b's shapes, bfloat16, 8 to 2048 rows
+    paged bench matmul --dtype float32 --rows 8 64 256 --json docs/results/matmul_f32.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+from benchmarks.shapes import MODEL_SHAPES
+
+
+def layer_products(shape: str) -> list[tuple[int, int]]:
+    """(in, out) of each projection of one decoder layer of `shape`."""
+    c = MODEL_SHAPES[shape]
+    hidden, inter = c["hidden_size"], c["intermediate_size"]
+    head_dim = hidden // c["num_attention_heads"]
+    q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
+    return [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
+
+
+def _implementations(dtype) -> dict:
+    import jax.numpy as jnp
+
+    from models.linear import xla_matmul
+    from pallas_kernels import cpu
+
+    impls = {"xla": lambda x, w: xla_matmul(x, w, None, jnp.float32)}
+    if cpu.matmul_max_rows(dtype) > 0:
+        impls["native"] = lambda x, w: cpu.matmul_cpu(x, w)
+    elif cpu.available()[0]:
+        print(f"native: no fast path for {jnp.dtype(dtype).name} on this CPU (the engine keeps XLA's dot)",
+              file=sys.stderr)
+    if cpu.matmul_on_amx() and jnp.dtype(dtype) == jnp.bfloat16:
+        target = "paged_attention_cpu_no_amx"
+        reason = cpu._load(cpu._FLAGS + ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"), target)
+        if reason is None:
+            no_amx = target.replace("paged_attention_cpu", "matmul_cpu")
+            impls["native-avx512"] = lambda x, w: cpu.matmul_cpu(x, w, _target=no_amx)
+    return impls
+
+
+def run(shape: str, dtype_name: str, rows_list: list[int], layers: int, repeats: int) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    dtype = jnp.dtype(dtype_name)
+    rng = np.random.default_rng(0)
+    products = layer_products(shape) * layers
+    weights = [jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, dtype) for k, n in products]
+    impls = _implementations(dtype)
+    results = []
+    for rows in rows_list:
+        xs = {k: jnp.asarray(rng.standard_normal((rows, k), np.float32), dtype) for k in {k for k, _ in products}}
+        flops = sum(2 * rows * k * n for k, n in products)
+        row: dict = {"rows": rows}
+        reference = None
+        for name, fn in impls.items():
+            step = jax.jit(lambda xs, ws, fn=fn: [fn(xs[w.shape[0]], w) for w in ws])
+            outs = [np.asarray(y, np.float32) for y in jax.block_until_ready(step(xs, weights))]
+            if reference is None:  # xla's: every implementation must compute the same products
+                reference = outs
+            row[f"{name}_max_rel_diff"] = float(max(np.abs(a - b).max() / np.abs(b).max()
+                                                    for a, b in zip(outs, reference)))
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                jax.block_until_ready(step(xs, weights))
+                times.append(time.perf_counter() - start)
+            row[name] = flops / float(np.median(times)) / 1e9
+        results.append(row)
+        print(f"{rows:>6}  " + "  ".join(f"{name} {row[name]:7.1f}" for name in impls)
+              + ("  native/xla %.2fx" % (row["native"] / row["xla"]) if "native" in row else ""))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="paged bench matmul", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model-shape", default="qwen2.5-0.5b", choices=sorted(MODEL_SHAPES))
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--rows", type=int, nargs="+", default=[8, 16, 32, 64, 128, 256, 512, 1024, 2048])
+    parser.add_argument("--layers", type=int, default=4,
+                        help="copies of the layer's products per call (weights that outgrow the caches)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed calls per point (median)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args(argv)
+    if min(args.rows) < 1 or args.layers < 1 or args.repeats < 1:
+        parser.error("--rows, --layers and --repeats must be positive")
+    import jax
+    from pallas_kernels import cpu
+    print(f"{args.model_shape} layer products x {args.layers}, {args.dtype}, GFLOP/s (median of {args.repeats}); "
+          f"{jax.devices()[0].device_kind}, AMX {'on' if cpu.matmul_on_amx() else 'off'}", file=sys.stderr)
+    results = run(args.model_shape, args.dtype, args.rows, args.layers, args.repeats)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model_shape": args.model_shape, "dtype": args.dtype, "layers": args.layers,
+                       "amx": cpu.matmul_on_amx(), "gflops": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

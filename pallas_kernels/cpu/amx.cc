@@ -1,0 +1,354 @@
+// bfloat16 matmul on Intel AMX tiles: y[M, N] = x[M, K] @ w[K, N], float32 accumulation and result.
+//
+// Why: on a CPU with AMX, one tile instruction (TDPBF16PS) multiplies a 16 x 32 bf16 tile by a 32 x 16 one
+// into 16 x 16 float32 sums: 16,384 FLOPs per 16 cycles, about 3.3 TFLOP/s per core on the benchmark CPU,
+// against about 0.1 for the AVX-512 BF16 dot products (matmul.cc) and 0.5 for XLA's bf16 dot there.
+//
+// Layout. A tile row is 64 bytes: for x (the A operand) 32 consecutive k of one row; for w (the B operand)
+// 16 pairs (w[k, n], w[k + 1, n]) of 16 consecutive n ("VNNI" order). Both operands are packed so that every
+// tile is 1 KB contiguous, which the tile loads read at L1 speed:
+//   x -> xa [M / 32][K / 32][32 rows][32 k]        once per call, zero-padded in M and K
+//   w -> wb [panel][K block / 32][4][16 pairs][16 n][2]   per block of weight rows and a pass of 64-column
+//        panels (Plan, below); each weight row's piece of the pass is read contiguously
+// so the weights keep [K, N] as loaded (every other path reads them so) and are read from memory once per call.
+//
+// Tiles: 0-3 accumulate a 32 x 32 block of y (2 x 2 tiles of 16 x 16), 4-5 hold two A tiles (rows 0-15 and
+// 16-31), 6-7 two B tiles: each loaded tile serves two products. Blocks of 16 rows or fewer use one A tile
+// and four accumulators across the panel's 64 columns instead. Partial sums wait in y between weight blocks;
+// the last block of rows (M not a multiple of 32) goes through a buffer, so y past row M is never touched.
+
+#include "amx.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "parallel.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#define PAGED_AMX 1
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace paged::amx {
+
+#if defined(PAGED_AMX)
+namespace {
+
+constexpr int64_t kRows = 32;    // x rows per block: two A tiles
+constexpr int64_t kDepth = 32;   // k per tile step
+constexpr int64_t kPanel = 64;   // y columns per panel: four B tiles
+// How the weights are walked: blocks of `block_k` rows of a pass of `panels_per_pass` panels, packed into a
+// 512 KB buffer (L2) either way. Large products are compute-bound: 512-row blocks of 8 panels leave each
+// panel's 64 KB slice near L1 for all row blocks and halve how often y's partial sums are reloaded. Small ones
+// (decode steps) are bound by reading the weights: 64-row blocks of 64 panels read each weight row's piece of
+// the pass, 8 KB, in one run, which the memory system streams faster than 1 KB pieces. Measured on the 0.5B
+// shape's products (`paged bench matmul`, two threads), small plan against large: 8 rows 128 against 119
+// GFLOP/s, 16: 245 / 190, 32: 446 / 415, 64: 670 / 597; 128 rows: 865 / 881.
+struct Plan {
+  int64_t block_k, panels_per_pass;
+};
+constexpr int64_t kSmallRows = 64;
+constexpr Plan kSmallPlan{64, 64}, kLargePlan{512, 8};
+constexpr int64_t kPackedWords = 512 * 8 * 64;  // block_k x panels_per_pass x 64 columns, either plan
+static_assert(kSmallPlan.block_k * kSmallPlan.panels_per_pass * 64 <= kPackedWords &&
+              kLargePlan.block_k * kLargePlan.panels_per_pass * 64 <= kPackedWords);
+constexpr int64_t kTileWords = 512;  // 16 rows x 32 bf16
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Every tile 16 rows x 64 bytes (a partial block of x is zero-padded instead of reconfigured).
+void configure_tiles() {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.bytes_per_row[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// Word i of the result: 2i from a (row k), 2i + 1 from b (row k + 1), for columns [0, 16) (kPairLow) and
+// [16, 32) (kPairHigh) of 32-column pieces of the two rows.
+alignas(64) constexpr uint16_t kPairLow[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                               8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+alignas(64) constexpr uint16_t kPairHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+
+// Rows [k0, k0 + kc) (kc even) of panels [p0, p0 + np) of w (row stride N) into wb; pairs past kc up to the
+// tile step are zeros.
+void pack_weights(const uint16_t* w, int64_t N, int64_t k0, int64_t kc, int64_t p0, int64_t np, uint16_t* wb) {
+  const __m512i low = _mm512_load_si512(kPairLow), high = _mm512_load_si512(kPairHigh);
+  const int64_t steps = (kc + kDepth - 1) / kDepth;
+  for (int64_t pair = 0; pair < steps * kDepth / 2; ++pair) {
+    const int64_t step = pair / 16, row = pair % 16;
+    const bool real = 2 * pair < kc;  // kc is even: both rows of a pair exist, or neither
+    const uint16_t* r0 = w + (real ? (k0 + 2 * pair) * N : 0) + p0 * kPanel;
+    const uint16_t* r1 = r0 + (real ? N : 0);
+    for (int64_t p = 0; p < np; ++p) {
+      uint16_t* out = wb + (p * steps + step) * 4 * kTileWords + row * 32;
+      for (int half = 0; half < 2; ++half) {
+        const __m512i a = real ? _mm512_loadu_si512(r0 + p * kPanel + 32 * half) : _mm512_setzero_si512();
+        const __m512i b = real ? _mm512_loadu_si512(r1 + p * kPanel + 32 * half) : _mm512_setzero_si512();
+        _mm512_storeu_si512(out + 2 * half * kTileWords, _mm512_permutex2var_epi16(a, low, b));
+        _mm512_storeu_si512(out + (2 * half + 1) * kTileWords, _mm512_permutex2var_epi16(a, high, b));
+      }
+    }
+  }
+}
+
+// Rows [m0, m0 + 32) of x (those past M zeros) into xa's block: [K / 32][32 rows][32 k], k past K zeros.
+void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t m0, uint16_t* block) {
+  const int64_t steps = (K + kDepth - 1) / kDepth;
+  for (int64_t r = 0; r < kRows; ++r) {
+    uint16_t* out = block + r * kDepth;
+    const bool real = m0 + r < M;
+    for (int64_t s = 0; s < steps; ++s) {
+      const int64_t k = s * kDepth, valid = real ? std::min<int64_t>(kDepth, K - k) : 0;
+      const __mmask32 lanes = valid >= kDepth ? ~0u : (1u << valid) - 1;  // none for rows past M
+      _mm512_storeu_si512(out + s * kRows * kDepth, _mm512_maskz_loadu_epi16(lanes, x + (real ? (m0 + r) * K + k : 0)));
+    }
+  }
+}
+
+// y[32, 32] (+)= a's rows x b's two column tiles over `steps` tile steps. a: [steps][32][32]; b: a panel's
+// [steps][4 tiles][16][32], offset to the first of the two column tiles.
+inline void tile_32x32(const uint16_t* a, const uint16_t* b, float* y, int64_t ldy, int64_t steps, bool first) {
+  const int64_t stride = ldy * sizeof(float);
+  if (first) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  } else {
+    _tile_loadd(0, y, stride); _tile_loadd(1, y + 16, stride);
+    _tile_loadd(2, y + 16 * ldy, stride); _tile_loadd(3, y + 16 * ldy + 16, stride);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a + s * 2 * kTileWords, 64);
+    _tile_loadd(5, a + (s * 2 + 1) * kTileWords, 64);
+    _tile_loadd(6, b + s * 4 * kTileWords, 64);
+    _tile_loadd(7, b + (s * 4 + 1) * kTileWords, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, y, stride); _tile_stored(1, y + 16, stride);
+  _tile_stored(2, y + 16 * ldy, stride); _tile_stored(3, y + 16 * ldy + 16, stride);
+}
+
+// y[16, 64] (+)= a's first 16 rows x b's four column tiles (b: the panel's [steps][4][16][32]).
+inline void tile_16x64(const uint16_t* a, const uint16_t* b, float* y, int64_t ldy, int64_t steps, bool first) {
+  const int64_t stride = ldy * sizeof(float);
+  if (first) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  } else {
+    _tile_loadd(0, y, stride); _tile_loadd(1, y + 16, stride); _tile_loadd(2, y + 32, stride);
+    _tile_loadd(3, y + 48, stride);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a + s * 2 * kTileWords, 64);
+    _tile_loadd(6, b + s * 4 * kTileWords, 64);
+    _tile_loadd(7, b + (s * 4 + 1) * kTileWords, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(6, b + (s * 4 + 2) * kTileWords, 64);
+    _tile_loadd(7, b + (s * 4 + 3) * kTileWords, 64);
+    _tile_dpbf16ps(2, 4, 6);
+    _tile_dpbf16ps(3, 4, 7);
+  }
+  _tile_stored(0, y, stride); _tile_stored(1, y + 16, stride); _tile_stored(2, y + 32, stride);
+  _tile_stored(3, y + 48, stride);
+}
+
+alignas(64) thread_local uint16_t packed_weights[kPackedWords];
+thread_local std::vector<float> last_rows_buffer;  // y of a partial row block: [32, panels_per_pass * 64]
+
+// Panels [p_begin, p_end) of y from the packed x, a pass of the plan's panels at a time.
+void panels(const uint16_t* xa, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p_begin,
+            int64_t p_end) {
+  configure_tiles();
+  const Plan plan = M <= kSmallRows ? kSmallPlan : kLargePlan;
+  const int64_t block_k = plan.block_k, panels_per_pass = plan.panels_per_pass;
+  last_rows_buffer.resize(kRows * panels_per_pass * kPanel);
+  float* last_rows = last_rows_buffer.data();
+  const int64_t k_steps = (K + kDepth - 1) / kDepth;
+  const int64_t row_blocks = (M + kRows - 1) / kRows;
+  const int64_t last_block_rows = M - (row_blocks - 1) * kRows;
+  for (int64_t p0 = p_begin; p0 < p_end; p0 += panels_per_pass) {
+    const int64_t np = std::min(panels_per_pass, p_end - p0);
+    for (int64_t k0 = 0; k0 < K; k0 += block_k) {
+      const int64_t kc = std::min(block_k, K - k0), steps = (kc + kDepth - 1) / kDepth;
+      pack_weights(w, N, k0, kc, p0, np, packed_weights);
+      const bool first = k0 == 0;
+      // Row block by row block: its A tiles stay in L1 across the pass's panels.
+      for (int64_t mb = 0; mb < row_blocks; ++mb) {
+        const uint16_t* a = xa + (mb * k_steps + k0 / kDepth) * 2 * kTileWords;
+        const bool partial = mb == row_blocks - 1 && last_block_rows < kRows;
+        const int64_t ldy = partial ? panels_per_pass * kPanel : N;
+        for (int64_t p = 0; p < np; ++p) {
+          const uint16_t* b = packed_weights + p * steps * 4 * kTileWords;
+          float* yb = partial ? last_rows + p * kPanel : y + mb * kRows * N + (p0 + p) * kPanel;
+          if (partial && last_block_rows <= 16) {
+            tile_16x64(a, b, yb, ldy, steps, first);
+          } else {
+            tile_32x32(a, b, yb, ldy, steps, first);
+            tile_32x32(a, b + 2 * kTileWords, yb + 32, ldy, steps, first);
+          }
+        }
+      }
+    }
+    if (last_block_rows < kRows)
+      for (int64_t r = 0; r < last_block_rows; ++r)
+        std::memcpy(y + ((row_blocks - 1) * kRows + r) * N + p0 * kPanel, last_rows + r * panels_per_pass * kPanel,
+                    np * kPanel * sizeof(float));
+  }
+  _tile_release();
+}
+
+// ---- y = x @ w^T with w [N, K] as stored (the tied LM head: the embedding table) ------------------------
+//
+// Rows of w are 32 consecutive k apiece per tile row, so w's tiles are A operands loaded in place (no packing
+// and no copy of the 150k-row table): a C tile is y^T for 16 rows of w x 16 rows of x, and x, transposed into
+// VNNI pairs, is the small B operand. Tiles: A 4-5 (32 rows of w), B 6-7 (32 rows of x), C 0-3 (2 x 2).
+
+// x rows [m0, m0 + 32) (past M: zeros) as B tiles: xb [K / 32][2 groups][16 pairs][16 rows][2].
+void pack_rows_as_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t m0, uint16_t* xb) {
+  for (int64_t s = 0; s < K / kDepth; ++s)
+    for (int64_t g = 0; g < 2; ++g)
+      for (int64_t pair = 0; pair < 16; ++pair)
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t m = m0 + 16 * g + r;
+          const int64_t k = s * kDepth + 2 * pair;
+          uint16_t* out = xb + ((s * 2 + g) * 16 + pair) * 32 + 2 * r;
+          out[0] = m < M ? x[m * K + k] : 0;
+          out[1] = m < M ? x[m * K + k + 1] : 0;
+        }
+}
+
+// y[m, n0 + i] for i < rows (<= 32) and m < rows_m (<= 32) of the x block packed in xb; w_rows: 32 rows of w
+// (row stride K), the ones past `rows` any readable memory (their results are dropped).
+void transposed_block(const uint16_t* w_rows, const uint16_t* xb, int64_t K, float* y, int64_t N, int64_t n0,
+                      int64_t rows, int64_t rows_m, int64_t m0, const char* ahead, int64_t ahead_bytes) {
+  const int64_t steps = K / kDepth, stride = K * sizeof(uint16_t);
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  // The next 32 rows of w, a step's share at a time, so their tiles load from cache.
+  const int64_t lines = ahead_bytes / 64, per_step = (lines + steps - 1) / steps;
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t i = s * per_step; i < std::min(lines, (s + 1) * per_step); ++i)
+      _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
+    _tile_loadd(4, w_rows + s * kDepth, stride);
+    _tile_loadd(5, w_rows + 16 * K + s * kDepth, stride);
+    _tile_loadd(6, xb + s * 2 * kTileWords, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(2, 5, 6);
+    if (rows_m > 16) {
+      _tile_loadd(7, xb + (s * 2 + 1) * kTileWords, 64);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float block[4][16][16];  // [tile][row of w][row of x]
+  _tile_stored(0, block[0], 64);
+  _tile_stored(1, block[1], 64);
+  _tile_stored(2, block[2], 64);
+  _tile_stored(3, block[3], 64);
+  // y's row m takes column m of the tiles: 16 strided floats, one gather.
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  for (int64_t m = 0; m < rows_m; ++m)
+    for (int64_t half = 0; half < 2 && 16 * half < rows; ++half) {
+      const __m512 v = _mm512_i32gather_ps(column, &block[half * 2 + m / 16][0][m % 16], 4);
+      const __mmask16 valid = rows - 16 * half >= 16 ? 0xFFFF : (1u << (rows - 16 * half)) - 1;
+      _mm512_mask_storeu_ps(y + (m0 + m) * N + n0 + 16 * half, valid, v);
+    }
+}
+
+// Rows [n_begin, n_end) of w (a multiple of 32 apart, except at N) against every row of x.
+void transposed_rows(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
+                     int64_t n_begin, int64_t n_end) {
+  configure_tiles();
+  const int64_t steps = K / kDepth, chunks = (M + kRows - 1) / kRows;
+  thread_local std::vector<uint16_t> xb, tail;
+  xb.resize(chunks * steps * 2 * kTileWords);
+  for (int64_t c = 0; c < chunks; ++c) pack_rows_as_pairs(x, M, K, c * kRows, xb.data() + c * steps * 2 * kTileWords);
+  for (int64_t n0 = n_begin; n0 < n_end; n0 += 32) {
+    const int64_t rows = std::min<int64_t>(32, n_end - n0);
+    const uint16_t* w_rows = w + n0 * K;
+    if (rows < 32) {  // the table's last rows: a zero-padded copy, so no tile reads past the table
+      tail.assign(32 * K, 0);
+      std::memcpy(tail.data(), w_rows, rows * K * sizeof(uint16_t));
+      w_rows = tail.data();
+    }
+    const int64_t next = std::min<int64_t>(32, std::max<int64_t>(0, n_end - n0 - 32));
+    for (int64_t c = 0; c < chunks; ++c)
+      transposed_block(w_rows, xb.data() + c * steps * 2 * kTileWords, K, y, N, n0, rows,
+                       std::min(kRows, M - c * kRows), c * kRows,
+                       next ? reinterpret_cast<const char*>(w + (n0 + 32) * K) : nullptr, c == 0 ? next * K * 2 : 0);
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+bool Available() {
+  constexpr long kRequestPermission = 0x1023;  // ARCH_REQ_XCOMP_PERM
+  constexpr long kTileData = 18;               // XFEATURE_XTILEDATA
+  static const bool granted = syscall(SYS_arch_prctl, kRequestPermission, kTileData) == 0;
+  return granted;
+}
+
+bool Matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K,
+            int64_t N) {
+  const int64_t k_steps = (K + kDepth - 1) / kDepth, row_blocks = (M + kRows - 1) / kRows;
+  const int64_t block_words = k_steps * kRows * kDepth;
+  // block_words * 2 bytes is a multiple of 64, as aligned_alloc requires.
+  const std::unique_ptr<uint16_t, decltype(&std::free)> xa(
+      static_cast<uint16_t*>(std::aligned_alloc(64, row_blocks * block_words * sizeof(uint16_t))), &std::free);
+  if (!xa) return false;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  run_parallel(&pool, row_blocks, 1, threads - 1,
+               [&](int64_t mb) { pack_rows(x, M, K, mb * kRows, xa.get() + mb * block_words); });
+  const int64_t num_panels = N / kPanel, parts = std::min(num_panels, threads);
+  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
+    panels(xa.get(), w, y, M, K, N, part * num_panels / parts, (part + 1) * num_panels / parts);
+  });
+  return true;
+}
+
+bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M,
+                      int64_t K, int64_t N) {
+  if (K % kDepth) return false;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t blocks = (N + 31) / 32, parts = std::min(blocks, threads);
+  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
+    transposed_rows(x, w, y, M, K, N, part * blocks / parts * 32, std::min(N, (part + 1) * blocks / parts * 32));
+  });
+  return true;
+}
+
+#else
+
+bool Available() { return false; }
+
+bool MatmulTransposed(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t) {
+  return false;
+}
+
+bool Matmul(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t) {
+  return false;
+}
+
+#endif
+
+}  // namespace paged::amx
