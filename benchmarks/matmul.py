@@ -46,11 +46,11 @@ def _implementations(dtype) -> dict:
         print(f"native: no fast path for {jnp.dtype(dtype).name} on this CPU (the engine keeps XLA's dot)",
               file=sys.stderr)
     if cpu.matmul_on_amx() and jnp.dtype(dtype) == jnp.bfloat16:
-        target = "paged_attention_cpu_no_amx"
-        reason = cpu._load(cpu._FLAGS + ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"), target)
-        if reason is None:
-            no_amx = target.replace("paged_attention_cpu", "matmul_cpu")
+        try:
+            no_amx = cpu.matmul_target_without_amx()
             impls["native-avx512"] = lambda x, w: cpu.matmul_cpu(x, w, _target=no_amx)
+        except RuntimeError as error:
+            print(f"native-avx512: {error}", file=sys.stderr)
     return impls
 
 

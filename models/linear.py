@@ -233,7 +233,7 @@ class Embedding(nn.Module):
         With the "cpu" backend, a bfloat16 table on a CPU with AMX is read as stored by the native transposed
         matmul, which computes only rows [0, live_rows) (the rest are zeros: padding rows, nobody reads them).
         XLA's dot computes every row, and a one-row product against a 150k-row table takes it ~10x the time
-        of eight (benchmarks in docs/performance.md).
+        of eight (measured in docs/kernels.md).
         """
         table = self.embedding
         if (self.backend == "cpu" and table.dtype == jnp.bfloat16 and h.ndim == 2 and h.shape[1] % 32 == 0

@@ -319,6 +319,17 @@ def quant_matmul_takes(in_features: int, out_features: int, groups: int, bits: i
             and _groups_fit(in_features // groups, bits == 4))
 
 
+def matmul_target_without_amx() -> str:
+    """The FFI target of the matmul built without AMX (`-mno-amx-*`), for `matmul_cpu(..., _target=...)`: the
+    AVX-512 BF16 path that an AMX machine otherwise never runs (its tests, `paged bench matmul`). Raises
+    RuntimeError when that build fails."""
+    target = "paged_attention_cpu_no_amx"
+    reason = _load(_FLAGS + ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"), target)
+    if reason is not None:
+        raise RuntimeError(f"the kernels without AMX did not build: {reason}")
+    return _MATMUL_TARGET + target[len(_TARGET):]
+
+
 def matmul_max_rows(dtype) -> int:
     """The most rows for which `matmul_cpu` in `dtype` is faster than XLA's dot on this machine (0: never)."""
     name = jnp.dtype(dtype).name

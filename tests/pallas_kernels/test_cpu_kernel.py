@@ -237,10 +237,7 @@ def avx512_bf16_target():
     from pallas_kernels import cpu as cpu_kernel
     if " amx_bf16 " not in _cpu_flags():
         pytest.skip("no AMX here: the default build already runs the AVX-512 BF16 path (the tests above)")
-    target = "paged_attention_cpu_no_amx"
-    reason = cpu_kernel._load(cpu_kernel._FLAGS + ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"), target)
-    assert reason is None, reason
-    return target.replace("paged_attention_cpu", "matmul_cpu")
+    return cpu_kernel.matmul_target_without_amx()
 
 
 def _cpu_flags() -> str:
