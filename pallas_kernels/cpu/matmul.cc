@@ -465,21 +465,19 @@ extern "C" int MatmulCpuBf16IsVectorized() { return kVectorized<uint16_t> || pag
 extern "C" int MatmulCpuBf16UsesAmx() { return paged::amx::Available(); }
 extern "C" int QuantMatmulCpuIsVectorized() { return kVectorized<int8_t>; }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulCpu, MatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// x, w, live -> y float32: the signature MatmulCpu and MatmulTransposedCpu share.
+static auto MatmulBinding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulTransposedCpu, MatmulTransposedImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulCpu, MatmulImpl, MatmulBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulTransposedCpu, MatmulTransposedImpl, MatmulBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulCpu, QuantMatmulImpl,
                               ffi::Ffi::Bind()
