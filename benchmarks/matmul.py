@@ -6,6 +6,8 @@ stream from memory as a decode step's do) for x of `rows` rows, and reports GFLO
   xla         XLA's dot, float32 accumulation (models/linear.py: xla_matmul)
   native      the native CPU matmul as the engine's "cpu" linear backend calls it (AMX tiles for bfloat16 where
               the CPU has them, else AVX-512)
+  native-packed  bfloat16 on AMX with the weights packed once beforehand into the tiles' order, as the engine
+              holds them from load (pallas_kernels/cpu: pack_for_amx)
   native-avx512  the same kernel built without AMX (only on a CPU with AMX: the path it replaces)
 
     paged bench matmul                                  # qwen2.5-0.5b's shapes, bfloat16, 8 to 2048 rows
@@ -34,21 +36,23 @@ def layer_products(shape: str) -> list[tuple[int, int]]:
 
 
 def _implementations(dtype) -> dict:
+    """name -> (matmul(x, w as prepared), prepare(w [K, N]) run once before timing, or None)."""
     import jax.numpy as jnp
 
     from models.linear import xla_matmul
     from pallas_kernels import cpu
 
-    impls = {"xla": lambda x, w: xla_matmul(x, w, None, jnp.float32)}
+    impls = {"xla": (lambda x, w: xla_matmul(x, w, None, jnp.float32), None)}
     if cpu.matmul_max_rows(dtype) > 0:
-        impls["native"] = lambda x, w: cpu.matmul_cpu(x, w)
+        impls["native"] = (lambda x, w: cpu.matmul_cpu(x, w), None)
     elif cpu.available()[0]:
         print(f"native: no fast path for {jnp.dtype(dtype).name} on this CPU (the engine keeps XLA's dot)",
               file=sys.stderr)
     if cpu.matmul_on_amx() and jnp.dtype(dtype) == jnp.bfloat16:
+        impls["native-packed"] = (lambda x, w: cpu.matmul_packed_cpu(x, w), cpu.pack_for_amx)
         try:
             no_amx = cpu.matmul_target_without_amx()
-            impls["native-avx512"] = lambda x, w: cpu.matmul_cpu(x, w, _target=no_amx)
+            impls["native-avx512"] = (lambda x, w: cpu.matmul_cpu(x, w, _target=no_amx), None)
         except RuntimeError as error:
             print(f"native-avx512: {error}", file=sys.stderr)
     return impls
@@ -69,9 +73,10 @@ def run(shape: str, dtype_name: str, rows_list: list[int], layers: int, repeats:
         flops = sum(2 * rows * k * n for k, n in products)
         row: dict = {"rows": rows}
         reference = None
-        for name, fn in impls.items():
-            step = jax.jit(lambda xs, ws, fn=fn: [fn(xs[w.shape[0]], w) for w in ws])
-            outs = [np.asarray(y, np.float32) for y in jax.block_until_ready(step(xs, weights))]
+        for name, (fn, prepare) in impls.items():
+            ws = [jax.block_until_ready(prepare(w)) for w in weights] if prepare else weights
+            step = jax.jit(lambda xs, ws, fn=fn: [fn(xs[k], w) for (k, _), w in zip(products, ws)])
+            outs = [np.asarray(y, np.float32) for y in jax.block_until_ready(step(xs, ws))]
             if reference is None:  # xla's: every implementation must compute the same products
                 reference = outs
             row[f"{name}_max_rel_diff"] = float(max(np.abs(a - b).max() / np.abs(b).max()
@@ -79,7 +84,7 @@ def run(shape: str, dtype_name: str, rows_list: list[int], layers: int, repeats:
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()
-                jax.block_until_ready(step(xs, weights))
+                jax.block_until_ready(step(xs, ws))
                 times.append(time.perf_counter() - start)
             row[name] = flops / float(np.median(times)) / 1e9
         results.append(row)

@@ -1,8 +1,10 @@
 """The one linear layer every projection goes through: `Linear`, `GroupedLinear` (MoE experts), `Embedding`.
 
 Each module owns three things, so that tensor parallelism and quantized weights attach here and nowhere else:
-- the parameter layout: today a float `kernel` [in, out] (HF's [out, in] transposed once at load time) and an
-  optional `bias` [out];
+- the parameter layout: a float `kernel` [in, out] (HF's [out, in] transposed once at load time) and an
+  optional `bias` [out]. The "cpu" backend holds a bfloat16 kernel on a CPU with AMX packed into the tiles'
+  order instead ([out / 64, ceil(in / 32), 2048], `pallas_kernels.cpu.pack_for_amx`): the loader packs it once
+  (`to_declared_layout`), so a decode step streams the weights as stored rather than re-packing each;
 - the logical sharding of its weight, named by mesh axes (`TENSOR_AXIS`), never by devices: "column"
   splits the output features (q/k/v, gate/up, the LM head), "row" the input features (o, down), "replicated"
   neither. The partition specs ride on the parameters as `flax.linen.Partitioned` metadata at init, so
@@ -40,6 +42,22 @@ def kernel_axes(parallel: str, ndim: int = 2) -> tuple[str | None, ...]:
         raise ValueError(f"parallel must be one of {PARALLEL_STYLES}, got {parallel!r}")
     split = {"column": (None, TENSOR_AXIS), "row": (TENSOR_AXIS, None), "replicated": (None, None)}[parallel]
     return (None,) * (ndim - 2) + split
+
+
+def packs_for_amx(backend: str, dtype: Any, out_features: int) -> bool:
+    """Whether a float kernel is held in the AMX layout: the native backend, bfloat16, whole 64-column panels,
+    on a CPU (and OS) that offers AMX tiles. The native backend never runs sharded (pallas_kernels.platform),
+    so the packed layout never meets a mesh."""
+    return (backend == "cpu" and jnp.dtype(dtype) == jnp.bfloat16 and out_features % cpu.AMX_PANEL == 0
+            and cpu.matmul_on_amx())
+
+
+def to_declared_layout(tensor, want: tuple[int, ...]):
+    """A checkpoint kernel [in, out] (numpy) in the layout its module declared, `want` being the parameter's
+    shape: as it is, or packed for AMX when the declared shape is the packed one (other tensors unchanged)."""
+    if tensor.ndim == 2 and len(want) == 3 and tuple(want) == cpu.amx_packed_shape(*tensor.shape):
+        return cpu.pack_for_amx(tensor)
+    return tensor
 
 
 def xla_matmul(x: jax.Array, kernel: jax.Array, live_rows: jax.Array | None = None,
@@ -90,8 +108,8 @@ def linear_backend(name: str) -> Callable:
 class Linear(nn.Module):
     """y = x @ kernel (+ bias), computed in `dtype` (out in `out_dtype`, default `dtype`).
 
-    Parameters: kernel [in, out] and, with `use_bias`, bias [out], both `dtype`. With `quant`, the kernel is
-    held quantized instead (qweight, scales, zero_offsets and perm: models/quantization.py) and dequantized
+    Parameters: kernel [in, out] (packed for AMX where `packs_for_amx`) and, with `use_bias`, bias [out], both
+    `dtype`. With `quant`, the kernel is held quantized instead (qweight, scales, zero_offsets and perm: models/quantization.py) and dequantized
     inside the step.
     """
 
@@ -106,7 +124,9 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
         axes = kernel_axes(self.parallel)
-        if self.quant is None:
+        if self.quant is None and packs_for_amx(self.backend, self.dtype, self.features):
+            y = self._amx_packed(x, live_rows, axes)
+        elif self.quant is None:
             kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(), axes),
                                 (x.shape[-1], self.features), self.dtype)
             y = linear_backend(self.backend)(x.astype(self.dtype), kernel, live_rows, self.out_dtype)
@@ -125,6 +145,18 @@ class Linear(nn.Module):
                               self.dtype)
             y = y + bias.astype(y.dtype)
         return y
+
+    def _amx_packed(self, x: jax.Array, live_rows: jax.Array | None, axes) -> jax.Array:
+        """x @ the kernel held packed for AMX ([out / 64, ceil(in / 32), 2048]; initialised as the [in, out]
+        kernel would be, then packed), on the native packed matmul."""
+        in_features = x.shape[-1]
+        init = lambda key, shape, dtype: cpu.pack_for_amx(
+            nn.initializers.lecun_normal()(key, (in_features, self.features), dtype))
+        kernel = self.param("kernel", nn.with_partitioning(init, (axes[1], axes[0], None)),
+                            cpu.amx_packed_shape(in_features, self.features), self.dtype)
+        rows = math.prod(x.shape[:-1])
+        y = cpu.matmul_packed_cpu(x.reshape(rows, in_features).astype(jnp.bfloat16), kernel, live_rows)
+        return y.reshape(*x.shape[:-1], self.features).astype(self.out_dtype or self.dtype)
 
 
 def _quantized_params(module: nn.Module, quant: WeightQuant, in_features: int, axes,

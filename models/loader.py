@@ -23,6 +23,7 @@ from safetensors import safe_open
 from models.progress import progress
 
 from models.config import ModelConfig, load_model_config
+from models.linear import to_declared_layout
 from models.quantized_checkpoints import convert, is_online, quantize_online, quantized_suffixes, weight_quant
 from models.registry import model_class
 
@@ -150,6 +151,7 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
             tensor = tensor.reshape(())
         if config.padded_vocab_size:
             tensor = _pad_vocab(tensor, want, config)
+        tensor = to_declared_layout(tensor, want)
         if tensor.shape != want:
             raise ValueError(f"checkpoint tensor {name} has shape {tensor.shape} (after transpose: "
                              f"{transpose}); the config implies {want}")

@@ -39,6 +39,7 @@ _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
 _MATMUL_TRANSPOSED_TARGET = "matmul_transposed_cpu"
+_MATMUL_PACKED_TARGET = "matmul_packed_cpu"
 _KV_WRITE_TARGET = "write_kv_cpu"
 _COPY_BLOCKS_TARGET = "copy_blocks_cpu"
 _SCATTER_BLOCKS_TARGET = "scatter_blocks_cpu"
@@ -108,7 +109,8 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
         for name, symbol in ((_KV_WRITE_TARGET, library.WriteKvCpu), (_COPY_BLOCKS_TARGET, library.CopyBlocksCpu),
                              (_SCATTER_BLOCKS_TARGET, library.ScatterBlocksCpu),
                              (_QUANT_MATMUL_TARGET, library.QuantMatmulCpu),
-                             (_MATMUL_TRANSPOSED_TARGET, library.MatmulTransposedCpu)):
+                             (_MATMUL_TRANSPOSED_TARGET, library.MatmulTransposedCpu),
+                             (_MATMUL_PACKED_TARGET, library.MatmulPackedCpu)):
             jax.ffi.register_ffi_target(f"{name}{target[len(_TARGET):]}", jax.ffi.pycapsule(symbol), platform="cpu")
         if target == _TARGET:
             _VECTORIZED_MATMUL.update(float32=bool(library.MatmulCpuIsVectorized()),
@@ -284,6 +286,58 @@ def matmul_transposed_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
     call = jax.ffi.ffi_call(_MATMUL_TRANSPOSED_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
     return call(x, w, live.astype(jnp.int32))
+
+
+# The AMX layout of a bfloat16 kernel [K, N] (amx.h: MatmulPacked): 64-column panels, each a run of 32-row
+# steps of four 1 KB B tiles (16 row pairs x 16 columns x 2). Packed once at load, a decode step streams each
+# thread's panels as one contiguous run instead of re-packing every weight it reads.
+AMX_PANEL, AMX_STEP, AMX_PANEL_STEP_WORDS = 64, 32, 2048
+
+
+def amx_packed_shape(in_features: int, out_features: int) -> tuple[int, int, int]:
+    """The packed shape of a [K, N] kernel: [N / 64, ceil(K / 32), 2048] (N must be a multiple of 64)."""
+    if out_features % AMX_PANEL:
+        raise ValueError(f"the AMX layout needs out_features a multiple of {AMX_PANEL}; got {out_features}")
+    return out_features // AMX_PANEL, -(-in_features // AMX_STEP), AMX_PANEL_STEP_WORDS
+
+
+def pack_for_amx(w):
+    """w [..., K, N] (numpy or jax) -> [..., N / 64, ceil(K / 32), 2048] in the AMX layout, rows past K zeros:
+    word (p, s, t, i, c, e) of a panel step is w[32 s + 2 i + e, 64 p + 16 t + c]."""
+    *lead, k, n = w.shape
+    panels, steps, _ = amx_packed_shape(k, n)
+    pad = [(0, 0)] * len(lead) + [(0, steps * AMX_STEP - k), (0, 0)]
+    w = (jnp.pad if isinstance(w, jax.Array) else np.pad)(w, pad)
+    w = w.reshape(*lead, steps, 16, 2, panels, 4, 16)  # [s, i, e, p, t, c]
+    d = len(lead)
+    w = w.transpose(*range(d), d + 3, d, d + 4, d + 1, d + 5, d + 2)  # [p, s, t, i, c, e]
+    return w.reshape(*lead, panels, steps, AMX_PANEL_STEP_WORDS)
+
+
+def unpack_from_amx(packed, in_features: int):
+    """The inverse of `pack_for_amx`: [..., N / 64, S, 2048] -> [..., K, N] (K = `in_features`)."""
+    *lead, panels, steps, _ = packed.shape
+    d = len(lead)
+    w = packed.reshape(*lead, panels, steps, 4, 16, 16, 2)  # [p, s, t, i, c, e]
+    w = w.transpose(*range(d), d + 1, d + 3, d + 5, d, d + 2, d + 4)  # [s, i, e, p, t, c]
+    return w.reshape(*lead, steps * AMX_STEP, panels * AMX_PANEL)[..., :in_features, :]
+
+
+def matmul_packed_cpu(x: jax.Array, packed: jax.Array, live_rows: jax.Array | int | None = None) -> jax.Array:
+    """x [M, K] @ w on AMX tiles, float32 [M, N], with w given packed (`pack_for_amx`: [N / 64, ceil(K / 32),
+    2048]). bfloat16 operands; only where `matmul_on_amx()`. live_rows: as for `matmul_cpu`."""
+    _require_kernels()
+    if x.ndim != 2 or packed.shape != amx_packed_shape(x.shape[1], packed.shape[0] * AMX_PANEL):
+        raise ValueError(f"expected x [M, K] and packed w [N / 64, ceil(K / 32), 2048]; got {x.shape} and "
+                         f"{packed.shape}")
+    if x.dtype != jnp.bfloat16 or packed.dtype != jnp.bfloat16:
+        raise ValueError(f"matmul_packed_cpu takes bfloat16 operands; got {x.dtype} and {packed.dtype}")
+    if not matmul_on_amx():
+        raise ValueError("matmul_packed_cpu runs on AMX tiles, and this CPU (or OS) offers none")
+    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
+    call = jax.ffi.ffi_call(_MATMUL_PACKED_TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0], packed.shape[0] * AMX_PANEL), jnp.float32))
+    return call(x, packed, live.astype(jnp.int32))
 
 
 def quant_matmul_cpu(x: jax.Array, w: jax.Array, scales: jax.Array, live_rows: jax.Array | int | None = None, *,

@@ -171,11 +171,27 @@ inline void tile_16x64(const uint16_t* a, const uint16_t* b, float* y, int64_t l
 alignas(64) thread_local uint16_t packed_weights[kPackedWords];
 thread_local std::vector<float> last_rows_buffer;  // y of a partial row block: [32, panels_per_pass * 64]
 
+// The weights of a product: w [K, N] as loaded, packed per block here, or already packed at load
+// (`prepacked`: [N / 64][K steps][4 tiles][16 pairs][16 n][2], the order pack_weights writes a block in, for
+// the whole of K), whose tiles are read in place.
+struct Weights {
+  const uint16_t* data;
+  bool prepacked;
+};
+
+// How a product walks its weights. Packed per call: the plans above. Prepacked at load, small products read
+// one panel's whole K (a contiguous run: the thread's share of the weights streams in one pass, and no
+// partial sums wait in y); large ones keep the large plan, which the tiles' L2 reuse needs.
+Plan plan_for(int64_t M, int64_t K, bool prepacked) {
+  if (M > kSmallRows) return kLargePlan;
+  return prepacked ? Plan{(K + kDepth - 1) / kDepth * kDepth, 1} : kSmallPlan;
+}
+
 // Panels [p_begin, p_end) of y from the packed x, a pass of the plan's panels at a time.
-void panels(const uint16_t* xa, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N, int64_t p_begin,
+void panels(const uint16_t* xa, Weights w, float* y, int64_t M, int64_t K, int64_t N, int64_t p_begin,
             int64_t p_end) {
   configure_tiles();
-  const Plan plan = M <= kSmallRows ? kSmallPlan : kLargePlan;
+  const Plan plan = plan_for(M, K, w.prepacked);
   const int64_t block_k = plan.block_k, panels_per_pass = plan.panels_per_pass;
   last_rows_buffer.resize(kRows * panels_per_pass * kPanel);
   float* last_rows = last_rows_buffer.data();
@@ -186,7 +202,15 @@ void panels(const uint16_t* xa, const uint16_t* w, float* y, int64_t M, int64_t 
     const int64_t np = std::min(panels_per_pass, p_end - p0);
     for (int64_t k0 = 0; k0 < K; k0 += block_k) {
       const int64_t kc = std::min(block_k, K - k0), steps = (kc + kDepth - 1) / kDepth;
-      pack_weights(w, N, k0, kc, p0, np, packed_weights);
+      // The pass's first panel at this block, and the words from one panel to the next.
+      const uint16_t* b_block = packed_weights;
+      int64_t panel_words = steps * 4 * kTileWords;
+      if (w.prepacked) {
+        panel_words = k_steps * 4 * kTileWords;
+        b_block = w.data + p0 * panel_words + k0 / kDepth * 4 * kTileWords;
+      } else {
+        pack_weights(w.data, N, k0, kc, p0, np, packed_weights);
+      }
       const bool first = k0 == 0;
       // Row block by row block: its A tiles stay in L1 across the pass's panels.
       for (int64_t mb = 0; mb < row_blocks; ++mb) {
@@ -194,7 +218,7 @@ void panels(const uint16_t* xa, const uint16_t* w, float* y, int64_t M, int64_t 
         const bool partial = mb == row_blocks - 1 && last_block_rows < kRows;
         const int64_t ldy = partial ? panels_per_pass * kPanel : N;
         for (int64_t p = 0; p < np; ++p) {
-          const uint16_t* b = packed_weights + p * steps * 4 * kTileWords;
+          const uint16_t* b = b_block + p * panel_words;
           float* yb = partial ? last_rows + p * kPanel : y + mb * kRows * N + (p0 + p) * kPanel;
           if (partial && last_block_rows <= 16) {
             tile_16x64(a, b, yb, ldy, steps, first);
@@ -308,8 +332,11 @@ bool Available() {
   return granted;
 }
 
-bool Matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K,
-            int64_t N) {
+namespace {
+
+// x packed once into tiles, then each thread's contiguous range of panels.
+bool run_matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, Weights w, float* y, int64_t M, int64_t K,
+                int64_t N) {
   const int64_t k_steps = (K + kDepth - 1) / kDepth, row_blocks = (M + kRows - 1) / kRows;
   const int64_t block_words = k_steps * kRows * kDepth;
   // block_words * 2 bytes is a multiple of 64, as aligned_alloc requires.
@@ -324,6 +351,18 @@ bool Matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, fl
     panels(xa.get(), w, y, M, K, N, part * num_panels / parts, (part + 1) * num_panels / parts);
   });
   return true;
+}
+
+}  // namespace
+
+bool Matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K,
+            int64_t N) {
+  return run_matmul(pool, x, Weights{w, false}, y, M, K, N);
+}
+
+bool MatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* packed, float* y, int64_t M,
+                  int64_t K, int64_t N) {
+  return run_matmul(pool, x, Weights{packed, true}, y, M, K, N);
 }
 
 bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M,
@@ -346,6 +385,10 @@ bool MatmulTransposed(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, f
 }
 
 bool Matmul(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t) {
+  return false;
+}
+
+bool MatmulPacked(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t) {
   return false;
 }
 

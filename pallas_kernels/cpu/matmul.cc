@@ -360,6 +360,30 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
 }
 
 
+// y[M, N] = x[M, K] @ w in bfloat16 on AMX tiles, w packed at load (amx.h: MatmulPacked) [N / 64, ceil(K / 32),
+// 2048]; rows [live, M) zeros.
+ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> live,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != (xd[1] + 31) / 32 || wd[2] != 4 * 16 * 32)
+    return ffi::Error::InvalidArgument("matmul_packed_cpu: expected x [M, K] and w [N / 64, ceil(K / 32), 2048]");
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("matmul_packed_cpu: x and w must be bfloat16");
+  if (live.element_count() != 1)
+    return ffi::Error::InvalidArgument("matmul_packed_cpu: expected a scalar live row count");
+  const int64_t K = xd[1], N = wd[0] * kPanel;
+  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
+  float* yp = y->typed_data();
+  std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
+  if (M == 0) return ffi::Error::Success();
+  if (!paged::amx::Available() ||
+      !paged::amx::MatmulPacked(pool, static_cast<const uint16_t*>(x.untyped_data()),
+                                static_cast<const uint16_t*>(w.untyped_data()), yp, M, K, N))
+    return ffi::Error::Internal("matmul_packed_cpu: no AMX tiles, or x's packed copy could not be allocated");
+  return ffi::Error::Success();
+}
+
 // y[M, N] = x[M, K] @ w[N, K]^T in bfloat16 on AMX tiles (amx.cc: MatmulTransposed), rows [live, M) zeros:
 // the tied LM head against the embedding table as stored. K a multiple of 32; only where AMX is available.
 ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> live,
@@ -465,7 +489,7 @@ extern "C" int MatmulCpuBf16IsVectorized() { return kVectorized<uint16_t> || pag
 extern "C" int MatmulCpuBf16UsesAmx() { return paged::amx::Available(); }
 extern "C" int QuantMatmulCpuIsVectorized() { return kVectorized<int8_t>; }
 
-// x, w, live -> y float32: the signature MatmulCpu and MatmulTransposedCpu share.
+// x, w, live -> y float32: the signature MatmulCpu, MatmulPackedCpu and MatmulTransposedCpu share.
 static auto MatmulBinding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -478,6 +502,8 @@ static auto MatmulBinding() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulCpu, MatmulImpl, MatmulBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulTransposedCpu, MatmulTransposedImpl, MatmulBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPackedCpu, MatmulPackedImpl, MatmulBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulCpu, QuantMatmulImpl,
                               ffi::Ffi::Bind()

@@ -33,6 +33,50 @@ def test_linear_matches_float64(backend, use_bias):
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-5)
 
 
+@pytest.mark.parametrize("features, packed", [(128, True), (100, False)])
+def test_bfloat16_linear_on_amx_holds_its_kernel_packed(features, packed):
+    """The "cpu" backend's bfloat16 kernel on AMX is declared in the packed layout, initialised as the [in, out]
+    kernel (lecun normal: std 1/sqrt(in)) and multiplied as that kernel; widths off the 64-column panels keep
+    [in, out]. Checked against float64 of the unpacked kernel."""
+    if not cpu_kernel.matmul_on_amx():
+        pytest.skip("no AMX on this CPU: bfloat16 kernels stay [in, out]")
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.normal(size=(3, 5, 96)), jnp.bfloat16)
+    layer = Linear(features, jnp.bfloat16, backend="cpu", out_dtype=jnp.float32)
+    params = nn.unbox(layer.init(jax.random.key(0), x)["params"])
+    if not packed:
+        assert params["kernel"].shape == (96, features)
+        return
+    assert params["kernel"].shape == cpu_kernel.amx_packed_shape(96, features)
+    kernel = np.asarray(cpu_kernel.unpack_from_amx(params["kernel"], 96), np.float64)
+    assert 0.7 < kernel.std() * np.sqrt(96) < 1.3
+    got = np.asarray(layer.apply({"params": params}, x), np.float64)
+    np.testing.assert_allclose(got, np.asarray(x, np.float64) @ kernel, atol=2e-4, rtol=2e-5)
+
+
+def test_loader_packs_bfloat16_kernels_for_amx(tiny_model_dir):
+    """A checkpoint loaded in bfloat16 for the "cpu" backend holds every projection the checkpoint stores as
+    [out, in] packed, and unpacking gives back the stored weights exactly."""
+    if not cpu_kernel.matmul_on_amx():
+        pytest.skip("no AMX on this CPU: bfloat16 kernels stay [in, out]")
+    import os
+
+    from safetensors.numpy import load_file
+
+    from models import load_model
+    *_, params, _ = load_model(tiny_model_dir, dtype="bfloat16", linear_backend="cpu", show_progress=False)
+    stored = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
+    q = params["layers"]["self_attn"]["q_proj"]["kernel"]
+    hidden = stored["model.layers.1.self_attn.q_proj.weight"].shape[1]
+    assert q.shape[1:] == cpu_kernel.amx_packed_shape(hidden, q.shape[1] * 64)
+    for layer in range(q.shape[0]):
+        for name in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj"):
+            module, proj = name.split(".")
+            packed = params["layers"][module][proj]["kernel"][layer]
+            want = np.asarray(stored[f"model.layers.{layer}.{name}.weight"].T, jnp.bfloat16)
+            np.testing.assert_array_equal(np.asarray(cpu_kernel.unpack_from_amx(packed, want.shape[0])), want)
+
+
 def test_linear_out_dtype_keeps_float32_logits_from_bfloat16_weights():
     layer = Linear(64, jnp.bfloat16, out_dtype=jnp.float32)
     x = jnp.ones((2, 16), jnp.bfloat16)

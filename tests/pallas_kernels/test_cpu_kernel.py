@@ -329,6 +329,73 @@ def test_matmul_transposed_refuses_what_it_cannot_do():
         matmul_transposed_cpu(jnp.zeros((4, 64)), jnp.zeros((64, 64)))
 
 
+def test_pack_for_amx_places_each_weight_where_the_tiles_read_it():
+    """Against the layout as amx.h describes it, word by word: (p, s, t, i, c, e) holds w[32 s + 2 i + e,
+    64 p + 16 t + c]; rows past K (here 70 of 96) are zeros; numpy and jax pack alike, and unpacking inverts."""
+    from pallas_kernels import cpu as cpu_kernel
+    k, n = 70, 192
+    w = np.arange(k * n, dtype=np.float32).reshape(k, n) + 1  # every word distinct and nonzero
+    packed = cpu_kernel.pack_for_amx(w)
+    assert packed.shape == (3, 3, 2048) == cpu_kernel.amx_packed_shape(k, n)
+    words = packed.reshape(3, 3, 4, 16, 16, 2)
+    for p, s, t, i, c, e in np.ndindex(words.shape):
+        row, col = 32 * s + 2 * i + e, 64 * p + 16 * t + c
+        assert words[p, s, t, i, c, e] == (w[row, col] if row < k else 0)
+    np.testing.assert_array_equal(np.asarray(cpu_kernel.pack_for_amx(jnp.asarray(w))), packed)
+    np.testing.assert_array_equal(cpu_kernel.unpack_from_amx(packed, k), w)
+    stacked = np.stack([w, -w])  # leading (layer) axes pack slice by slice
+    np.testing.assert_array_equal(cpu_kernel.pack_for_amx(stacked)[1], cpu_kernel.pack_for_amx(-w))
+
+
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 64, 65, 100, 520])
+@pytest.mark.parametrize("inner, cols", [(96, 64), (302, 320), (600, 1216)])
+def test_matmul_packed_matches_float64(rows, inner, cols):
+    """Weights packed at load (the engine's bfloat16 layout on AMX): decode-sized products (64 rows or fewer)
+    read each panel's whole K, larger ones blocks of 512 rows of 8 panels; inner sizes ending mid tile step
+    (302, 600) read the packing's zero rows; 19 panels split over two threads."""
+    _needs_amx()
+    from pallas_kernels import cpu as cpu_kernel
+    x, w, want = _bf16_case(rows, inner, cols, rows * 3 + inner + cols)
+    got = cpu_kernel.matmul_packed_cpu(x, cpu_kernel.pack_for_amx(w))
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-4, rtol=2e-5)
+
+
+@pytest.mark.parametrize("rows", [5, 65])
+def test_matmul_packed_many_panels_match_float64(rows):
+    _needs_amx()
+    from pallas_kernels import cpu as cpu_kernel
+    x, w, want = _bf16_case(rows, 96, 130 * 64, rows + 1)
+    got = cpu_kernel.matmul_packed_cpu(x, cpu_kernel.pack_for_amx(w))
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-4, rtol=2e-5)
+
+
+@pytest.mark.parametrize("live", [0, 1, 17, 40])
+def test_matmul_packed_live_rows_ignore_the_padding(live):
+    """Rows from live_rows on are zeros whatever they hold (NaN), the live rows bit-equal to the unpacked
+    kernel's product (the same tiles in the same order)."""
+    _needs_amx()
+    from pallas_kernels import cpu as cpu_kernel
+    x, w, _ = _bf16_case(40, 302, 192, live + 5)
+    x = np.asarray(x, np.float32)
+    x[live:] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    got = np.asarray(jax.jit(cpu_kernel.matmul_packed_cpu)(x, cpu_kernel.pack_for_amx(w), jnp.int32(live)))
+    assert not np.any(got[live:])
+    np.testing.assert_array_equal(got[:live], np.asarray(matmul_cpu(x, w, jnp.int32(live)))[:live])
+
+
+def test_matmul_packed_refuses_what_it_cannot_do():
+    _needs_amx()
+    from pallas_kernels import cpu as cpu_kernel
+    packed = cpu_kernel.pack_for_amx(jnp.zeros((64, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match="packed w"):
+        cpu_kernel.matmul_packed_cpu(jnp.zeros((4, 96), jnp.bfloat16), packed)  # packed for K = 64
+    with pytest.raises(ValueError, match="bfloat16 operands"):
+        cpu_kernel.matmul_packed_cpu(jnp.zeros((4, 64)), packed)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cpu_kernel.pack_for_amx(np.zeros((64, 100), np.float32))
+
+
 def test_matmul_bfloat16_portable_build_matches_float64(portable_target):
     x, w, want = _bf16_case(13, 200, 192, 0)
     target = portable_target.replace("paged_attention_cpu", "matmul_cpu")
