@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <new>
 #include <vector>
 
 #include "parallel.h"
@@ -181,7 +182,9 @@ struct Weights {
 
 // How a product walks its weights. Packed per call: the plans above. Prepacked at load, small products read
 // one panel's whole K (a contiguous run: the thread's share of the weights streams in one pass, and no
-// partial sums wait in y); large ones keep the large plan, which the tiles' L2 reuse needs.
+// partial sums wait in y); large ones keep the large plan. Tried for those on the 0.5B shape's products at
+// 128-2048 rows (`paged bench matmul`): whole K with 1, 2 or 4 panels a pass, 1024-row blocks of 2 or 4, 256
+// of 8; none was ahead of 512 x 8 by more than the run-to-run spread (about 15%).
 Plan plan_for(int64_t M, int64_t K, bool prepacked) {
   if (M > kSmallRows) return kLargePlan;
   return prepacked ? Plan{(K + kDepth - 1) / kDepth * kDepth, 1} : kSmallPlan;
@@ -339,16 +342,21 @@ bool run_matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, Weights w, float*
                 int64_t N) {
   const int64_t k_steps = (K + kDepth - 1) / kDepth, row_blocks = (M + kRows - 1) / kRows;
   const int64_t block_words = k_steps * kRows * kDepth;
-  // block_words * 2 bytes is a multiple of 64, as aligned_alloc requires.
-  const std::unique_ptr<uint16_t, decltype(&std::free)> xa(
-      static_cast<uint16_t*>(std::aligned_alloc(64, row_blocks * block_words * sizeof(uint16_t))), &std::free);
-  if (!xa) return false;
+  // Kept from call to call (per calling thread): a fresh allocation of a prompt step's x (megabytes) came
+  // from new pages every call, and faulting them in cost more than packing into them.
+  thread_local std::vector<uint16_t> packed_x;
+  try {
+    if (packed_x.size() < static_cast<size_t>(row_blocks * block_words)) packed_x.resize(row_blocks * block_words);
+  } catch (const std::bad_alloc&) {
+    return false;
+  }
+  uint16_t* xa = packed_x.data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   run_parallel(&pool, row_blocks, 1, threads - 1,
-               [&](int64_t mb) { pack_rows(x, M, K, mb * kRows, xa.get() + mb * block_words); });
+               [&](int64_t mb) { pack_rows(x, M, K, mb * kRows, xa + mb * block_words); });
   const int64_t num_panels = N / kPanel, parts = std::min(num_panels, threads);
   run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
-    panels(xa.get(), w, y, M, K, N, part * num_panels / parts, (part + 1) * num_panels / parts);
+    panels(xa, w, y, M, K, N, part * num_panels / parts, (part + 1) * num_panels / parts);
   });
   return true;
 }
