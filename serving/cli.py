@@ -232,6 +232,11 @@ def _version() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The `paged` command (argv None: the process's own arguments, and tcmalloc preloaded on CPU hosts:
+    serving/allocator.py) or, given argv, the same in this process as it is."""
+    if argv is None:
+        from serving.allocator import preload_tcmalloc
+        preload_tcmalloc()
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
