@@ -55,9 +55,10 @@ def packs_for_amx(backend: str, dtype: Any, out_features: int) -> bool:
 def to_declared_layout(tensor, want: tuple[int, ...]):
     """A checkpoint kernel [in, out] (numpy) in the layout its module declared, `want` being the parameter's
     shape: as it is, or packed for AMX when the declared shape is the packed one (other tensors unchanged)."""
-    if tensor.ndim == 2 and len(want) == 3 and tuple(want) == cpu.amx_packed_shape(*tensor.shape):
+    if (tensor.ndim == 2 and len(want) == 3 and tensor.shape[1] % cpu.AMX_PANEL == 0
+            and tuple(want) == cpu.amx_packed_shape(*tensor.shape)):
         return cpu.pack_for_amx(tensor)
-    return tensor
+    return tensor  # a shape that fits neither layout is the caller's to report
 
 
 def xla_matmul(x: jax.Array, kernel: jax.Array, live_rows: jax.Array | None = None,
@@ -109,8 +110,8 @@ class Linear(nn.Module):
     """y = x @ kernel (+ bias), computed in `dtype` (out in `out_dtype`, default `dtype`).
 
     Parameters: kernel [in, out] (packed for AMX where `packs_for_amx`) and, with `use_bias`, bias [out], both
-    `dtype`. With `quant`, the kernel is held quantized instead (qweight, scales, zero_offsets and perm: models/quantization.py) and dequantized
-    inside the step.
+    `dtype`. With `quant`, the kernel is held quantized instead (qweight, scales, zero_offsets and perm:
+    models/quantization.py) and dequantized inside the step.
     """
 
     features: int

@@ -10,7 +10,8 @@
 //   x -> xa [M / 32][K / 32][32 rows][32 k]        once per call, zero-padded in M and K
 //   w -> wb [panel][K block / 32][4][16 pairs][16 n][2]   per block of weight rows and a pass of 64-column
 //        panels (Plan, below); each weight row's piece of the pass is read contiguously
-// so the weights keep [K, N] as loaded (every other path reads them so) and are read from memory once per call.
+// so weights given [K, N] (Matmul) are read from memory once per call. MatmulPacked takes them already in
+// that order for the whole of K, packed once at load (the engine's bf16 kernels), and reads the tiles in place.
 //
 // Tiles: 0-3 accumulate a 32 x 32 block of y (2 x 2 tiles of 16 x 16), 4-5 hold two A tiles (rows 0-15 and
 // 16-31), 6-7 two B tiles: each loaded tile serves two products. Blocks of 16 rows or fewer use one A tile
@@ -22,7 +23,6 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <memory>
 #include <new>
 #include <vector>
 
