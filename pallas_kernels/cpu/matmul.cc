@@ -326,6 +326,14 @@ void matmul(ffi::ThreadPool& pool, const X* xp, const T* wp, float* yp, int64_t 
   over_panels(pool, N / kPanel, [&](int64_t p0, int64_t p1) { panels(xp, wp, yp, M, K, N, p0, p1); });
 }
 
+// The rows to compute, `live` clamped to [0, rows]; y's rows [live, rows) (of N columns) are zeroed: the step's
+// padding, which nobody reads.
+int64_t zero_rows_past_live(ffi::Buffer<ffi::S32> live, int64_t rows, int64_t N, float* y) {
+  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, rows);
+  std::fill(y + M * N, y + rows * N, 0.0f);
+  return M;
+}
+
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> live,
                       ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -336,9 +344,8 @@ ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, 
   if (x.element_type() != w.element_type())
     return ffi::Error::InvalidArgument("matmul_cpu: x and w must share a dtype");
   const int64_t K = xd[1], N = wd[1];
-  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
   float* yp = y->typed_data();
-  std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
+  const int64_t M = zero_rows_past_live(live, xd[0], N, yp);
   if (M == 0) return ffi::Error::Success();
   switch (x.element_type()) {
     case ffi::DataType::F32:
@@ -373,9 +380,8 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   if (live.element_count() != 1)
     return ffi::Error::InvalidArgument("matmul_packed_cpu: expected a scalar live row count");
   const int64_t K = xd[1], N = wd[0] * kPanel;
-  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
   float* yp = y->typed_data();
-  std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
+  const int64_t M = zero_rows_past_live(live, xd[0], N, yp);
   if (M == 0) return ffi::Error::Success();
   if (!paged::amx::Available() ||
       !paged::amx::MatmulPacked(pool, static_cast<const uint16_t*>(x.untyped_data()),
@@ -394,9 +400,8 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Any
       w.element_type() != ffi::DataType::BF16 || live.element_count() != 1)
     return ffi::Error::InvalidArgument("matmul_transposed_cpu: expected bfloat16 x [M, K], w [N, K], a scalar live");
   const int64_t K = xd[1], N = wd[0];
-  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
   float* yp = y->typed_data();
-  std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
+  const int64_t M = zero_rows_past_live(live, xd[0], N, yp);
   if (M == 0) return ffi::Error::Success();
   if (!paged::amx::Available() ||
       !paged::amx::MatmulTransposed(pool, static_cast<const uint16_t*>(x.untyped_data()),
@@ -465,9 +470,8 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if ((group_rows % kBlockK<int8_t> && kBlockK<int8_t> % group_rows) || (bits == 4 && group_rows % 2))
     return ffi::Error::InvalidArgument("quant_matmul_cpu: rows per group must be a multiple or a divisor of 128 "
                                        "(and even for int4)");
-  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
   float* yp = y->typed_data();
-  std::fill(yp + M * N, yp + xd[0] * N, 0.0f);
+  const int64_t M = zero_rows_past_live(live, xd[0], N, yp);
   if (M == 0) return ffi::Error::Success();
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
   over_panels(pool, N / kPanel, [&](int64_t p0, int64_t p1) {
