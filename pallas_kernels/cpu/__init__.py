@@ -33,8 +33,8 @@ from pallas_kernels.reference import to_pool_dtype
 
 _SOURCE_DIR = Path(__file__).parent
 _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc",
-            _SOURCE_DIR / "amx.cc")
-_HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h")
+            _SOURCE_DIR / "amx.cc", _SOURCE_DIR / "amx_attention.cc")
+_HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h", _SOURCE_DIR / "amx_tiles.h")
 _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
@@ -45,6 +45,7 @@ _COPY_BLOCKS_TARGET = "copy_blocks_cpu"
 _SCATTER_BLOCKS_TARGET = "scatter_blocks_cpu"
 _VECTORIZED_MATMUL: dict[str, bool] = {}  # filled by _load(): dtype -> whether the default build has its fast path
 _MATMUL_ON_AMX: list[bool] = []  # filled by _load(): whether the default build's bfloat16 products run on AMX
+_PROMPTS_ON_AMX: list[bool] = []  # filled by _load(): whether its bfloat16 prompt attention runs on AMX
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -117,6 +118,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                                       bfloat16=bool(library.MatmulCpuBf16IsVectorized()),
                                       int8=bool(library.QuantMatmulCpuIsVectorized()))
             _MATMUL_ON_AMX[:] = [bool(library.MatmulCpuBf16UsesAmx())]
+            _PROMPTS_ON_AMX[:] = [bool(library.PromptAttentionUsesAmx())]
     except Exception as error:  # noqa: BLE001 - any failure means "use the XLA path", reported by available()
         return f"{type(error).__name__}: {error}"
     return None
@@ -396,6 +398,12 @@ def matmul_on_amx() -> bool:
     """Whether the default build runs bfloat16 products on AMX tiles: the CPU has AMX-BF16, the compiler
     targets it, and the OS granted this process the tile state."""
     return available()[0] and bool(_MATMUL_ON_AMX and _MATMUL_ON_AMX[0])
+
+
+def prompt_attention_on_amx() -> bool:
+    """Whether the default build runs bfloat16 prompt chunks (pages of 16, head_dim a multiple of 32 up to 256,
+    no soft cap) on AMX tiles (amx_attention.cc); elsewhere they take the float32 FMA tiles."""
+    return available()[0] and bool(_PROMPTS_ON_AMX and _PROMPTS_ON_AMX[0])
 
 
 def matmul_is_vectorized(dtype="float32") -> bool:

@@ -1,4 +1,5 @@
-// bfloat16 matmul on Intel AMX tiles (amx.cc): y[M, N] = x[M, K] @ w[K, N], float32 accumulation and result.
+// bfloat16 on Intel AMX tiles: matmuls y[M, N] = x[M, K] @ w[K, N] with float32 accumulation and result
+// (amx.cc), and prompt attention over pages (amx_attention.cc).
 #pragma once
 
 #include <cstdint>
@@ -27,5 +28,29 @@ bool MatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t*
 // element written. False (y untouched): K is not a multiple of 32, or no AMX.
 bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M,
                       int64_t K, int64_t N);
+
+// One KV head's attention for a run of tokens of one sequence (a prompt chunk), bfloat16 in and out, float32
+// scores, softmax and accumulation; probabilities are rounded to bfloat16 for the PV product. Pages of 16 keys.
+struct PromptRun {
+  const uint16_t* q;         // row (i, g), query head g of the group for token i: q + i * token_stride + g * head_dim
+  uint16_t* out;             // the output rows, laid out as q's
+  int64_t token_stride;      // elements from one token's rows to the next (query heads x head_dim)
+  int64_t tokens, group;     // tokens in the run; query heads per KV head
+  int64_t head_dim;          // a multiple of 32, at most kMaxHeadDim
+  const int32_t* positions;  // [tokens]: token i sees keys [max(0, positions[i] + 1 - window), positions[i] + 1)
+  int32_t window;            // <= 0: no window
+  float scale;
+  const uint16_t* k_head;    // this layer's and KV head's pages: page b's 16 keys [16, head_dim] at k_head + b * 16 * head_dim
+  const uint16_t* v_head;    // the values, laid out as k_head
+  const int32_t* pages;      // the sequence's page ids
+};
+constexpr int64_t kMaxHeadDim = 256;
+
+// Writes run.out's rows. Call only when Available() and AttendsPrompts(). Not thread-safe across one run;
+// separate runs may go on separate threads.
+void AttendPrompt(const PromptRun& run);
+
+// Whether this build has the AMX attention (it also needs AVX-512 BF16).
+bool AttendsPrompts();
 
 }  // namespace paged::amx

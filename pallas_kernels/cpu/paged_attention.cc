@@ -24,12 +24,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
 #include "bf16.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -610,6 +612,40 @@ auto pick_tile(int64_t block_size) {
   return block_size == 16 ? attend_tile<T, FIXED_D, 16> : attend_tile<T, FIXED_D, 0>;
 }
 
+// Query rows per prompt tile on AMX (amx_attention.cc): each page is packed into tiles once per tile, so
+// larger tiles pack less often.
+constexpr int64_t kAmxTileRows = 256;
+
+// Whether prompt tiles of this problem go to the AMX kernel: bfloat16, pages of 16, head_dim a multiple of
+// 32, no soft cap (its tanh is not there), and a positive scale (the kernel takes the max of unscaled scores).
+template <typename T>
+bool prompts_on_amx(const Problem& pb) {
+  return std::is_same_v<T, uint16_t> && paged::amx::AttendsPrompts() && paged::amx::Available() &&
+         pb.block_size == 16 && pb.head_dim % 32 == 0 && pb.head_dim <= paged::amx::kMaxHeadDim &&
+         pb.soft_cap == 0.0f && pb.scale > 0.0f;
+}
+
+// The tokens [t0, t0 + n) of one sequence for KV head h, on AMX tiles.
+void attend_tile_amx(const Problem& pb, const uint16_t* q, const uint16_t* k_cache, const uint16_t* v_cache,
+                     uint16_t* out, int64_t t0, int64_t n, int64_t h) {
+  const int64_t G = pb.num_q_heads / pb.num_kv_heads, D = pb.head_dim;
+  const int64_t head_base = (static_cast<int64_t>(pb.layer) * pb.num_kv_heads + h) * pb.num_blocks;
+  paged::amx::PromptRun run{};
+  run.q = q + (t0 * pb.num_q_heads + h * G) * D;
+  run.out = out + (t0 * pb.num_q_heads + h * G) * D;
+  run.token_stride = pb.num_q_heads * D;
+  run.tokens = n;
+  run.group = G;
+  run.head_dim = D;
+  run.positions = pb.positions + t0;
+  run.window = pb.window;
+  run.scale = pb.scale;
+  run.k_head = k_cache + head_base * pb.block_size * D;
+  run.v_head = v_cache + head_base * pb.block_size * D;
+  run.pages = pb.page_tables + pb.token_seq_ids[t0] * pb.pages_per_seq;
+  paged::amx::AttendPrompt(run);
+}
+
 // Items in chunks of 4: few enough atomics, fine enough to balance long and short contexts.
 constexpr int64_t kItemChunk = 4;
 
@@ -622,7 +658,8 @@ template <typename T>
 void run(const Problem& pb, const T* q, const T* k, const T* v, T* out, ffi::ThreadPool* pool) {
   const int64_t G = pb.num_q_heads / pb.num_kv_heads;
   const int64_t D = pb.head_dim;
-  const int64_t max_tile = std::max<int64_t>(1, kTileRows / G);
+  const bool amx_tiles = prompts_on_amx<T>(pb);
+  const int64_t max_tile = std::max<int64_t>(1, (amx_tiles ? kAmxTileRows : kTileRows) / G);
   const int64_t rows = (max_tile * G + kRowBlock - 1) / kRowBlock * kRowBlock;
   const int64_t scratch_size = std::max(2 * G * D + G * pb.block_size + 2 * G,
                                         2 * rows * D + D * pb.block_size + rows * pb.block_size + 2 * rows);
@@ -641,7 +678,7 @@ void run(const Problem& pb, const T* q, const T* k, const T* v, T* out, ffi::Thr
     const int32_t seq = pb.token_seq_ids[t];
     const bool valid = seq >= 0 && seq < pb.num_seqs && pb.positions[t] >= 0;
     int64_t count = 1;
-    while (valid && tile_fn && count < max_tile && t + count < pb.num_tokens &&
+    while (valid && (tile_fn || amx_tiles) && count < max_tile && t + count < pb.num_tokens &&
            pb.token_seq_ids[t + count] == seq && pb.positions[t + count] >= 0)
       ++count;
     for (int64_t h = 0; h < pb.num_kv_heads; ++h) (count > 1 ? items : singles).push_back({t, count, h});
@@ -671,6 +708,9 @@ void run(const Problem& pb, const T* q, const T* k, const T* v, T* out, ffi::Thr
     const bool next_is_ours = i + 1 < num_items && (i + 1) % kItemChunk != 0;
     if (it.count == 1)
       item_fn(pb, q, k, v, out, it.first, it.head, scratch.data(), next_is_ours ? first_pages(i + 1) : NextPages{});
+    else if constexpr (std::is_same_v<T, uint16_t>)
+      amx_tiles ? attend_tile_amx(pb, q, k, v, out, it.first, it.count, it.head)
+                : tile_fn(pb, q, k, v, out, it.first, it.count, it.head, scratch.data());
     else
       tile_fn(pb, q, k, v, out, it.first, it.count, it.head, scratch.data());
   };
@@ -741,3 +781,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionCpu, PagedAttentionImpl,
                                   .Attr<float>("scale")
                                   .Attr<float>("soft_cap")
                                   .Ret<ffi::AnyBuffer>());
+
+// Whether bfloat16 prompt tiles run on AMX here (pages of 16, head_dim a multiple of 32: prompts_on_amx).
+extern "C" int PromptAttentionUsesAmx() { return paged::amx::AttendsPrompts() && paged::amx::Available(); }

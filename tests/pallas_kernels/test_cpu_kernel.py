@@ -123,6 +123,64 @@ def test_prompt_chunks_bfloat16():
                          dtype=jnp.bfloat16)
 
 
+def _check_long_prompts(rng, *, num_q_heads, num_kv_heads, head_dim, window=None, target=None):
+    """bfloat16 prompt chunks over pages of 16 as the AMX tiles take them (amx_attention.cc): prompts longer
+    than a 256-key segment and than a 256-row tile, one continuing a cached prefix, short and odd-length ones
+    (an odd page count leaves half a 32-key block), a decode between them, and every key slot no token may
+    read (past each sequence's last position, and the pool's spare pages) set to NaN, as stale pages can be."""
+    page_size, pages_per_seq = 16, 45
+    chunks = [(0, 0, 600), (1, 300, 420), (2, 0, 37), (3, 0, 1), (4, 5, 11)]
+    pool = random_pool(rng, len(chunks) + 1, pages_per_seq, num_kv_heads, page_size, head_dim, jnp.bfloat16)
+    seq_ids, positions = [5], [200]  # a decode
+    for seq, first, count in chunks:
+        seq_ids += [seq] * count
+        positions += list(range(first, first + count))
+    seq_ids += [-1] * 2
+    positions += [0] * 2
+    last = {seq: max(p for s, p in zip(seq_ids, positions) if s == seq) for seq in set(seq_ids) if seq >= 0}
+    owned = np.zeros(pool.k_pages.shape[2], bool)
+    for seq, table in enumerate(pool.page_tables):
+        owned[table] = True
+        stale = np.arange(pages_per_seq * page_size) > last.get(seq, -1)
+        for cache in (pool.k_pages, pool.v_pages):
+            pages = cache[LAYER][:, table].reshape(num_kv_heads, -1, head_dim)
+            pages[:, stale] = np.nan
+            cache[LAYER][:, table] = pages.reshape(num_kv_heads, pages_per_seq, page_size, head_dim)
+    for cache in (pool.k_pages, pool.v_pages):
+        cache[LAYER][:, ~owned] = np.nan
+    q = rng.normal(size=(len(seq_ids), num_q_heads, head_dim)).astype(jnp.bfloat16)
+    scale = head_dim ** -0.5
+    got = np.asarray(paged_attention_cpu(
+        jnp.asarray(q), jnp.asarray(pool.k_pages), jnp.asarray(pool.v_pages), LAYER, jnp.asarray(pool.page_tables),
+        jnp.asarray(seq_ids, jnp.int32), jnp.asarray(positions, jnp.int32), scale=scale, sliding_window=window,
+        **({"_target": target} if target else {})), np.float64)
+    want = np.zeros_like(got)
+    for i, (seq, pos) in enumerate(zip(seq_ids, positions)):
+        if seq < 0:
+            continue
+        k, v = zip(*(pool.keys(seq, pos + 1, h) for h in range(num_kv_heads)))
+        want[i] = attention_f64(q[i:i + 1].astype(np.float64), k, v, [pos], scale, window)[0]
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, **tolerance(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim", [(14, 2, 64), (8, 2, 128), (4, 4, 64), (8, 1, 256),
+                                                                 (12, 4, 96)],
+                         ids=["qwen0.5b", "gqa4-d128", "mha", "mqa-d256", "gqa3-d96"])
+@pytest.mark.parametrize("window", [None, 5, 40, 300])
+def test_long_prompts_bfloat16_match_float64(num_q_heads, num_kv_heads, head_dim, window):
+    rng = np.random.default_rng(num_q_heads * 1000 + head_dim + (window or 0))
+    _check_long_prompts(rng, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, window=window)
+
+
+def test_long_prompts_bfloat16_without_amx_match_float64():
+    """The same inputs through the float32 FMA tiles (the build without AMX), which AMX machines skip."""
+    from pallas_kernels import cpu as cpu_kernel
+    target = cpu_kernel.matmul_target_without_amx().replace("matmul_cpu", "paged_attention_cpu")
+    _check_long_prompts(np.random.default_rng(3), num_q_heads=14, num_kv_heads=2, head_dim=64, window=40,
+                        target=target)
+
+
 @pytest.fixture(scope="module")
 def portable_target():
     """The kernel built without AVX-512: the portable loops that AVX-512 machines (like CI's) otherwise skip
@@ -477,7 +535,8 @@ def test_matmul_live_rows(live):
 
 def test_matmul_fast_path_follows_the_cpu():
     """The AVX-512 matmul is built (and used by the model) exactly when the CPU has AVX-512, the bfloat16 one
-    exactly when it has AVX-512 BF16, on AMX tiles (and then for every row count) exactly when it has AMX-BF16."""
+    exactly when it has AVX-512 BF16, on AMX tiles (and then for every row count) exactly when it has AMX-BF16;
+    bfloat16 prompt attention runs on AMX tiles exactly when it has both."""
     from pathlib import Path
 
     from pallas_kernels import cpu as cpu_kernel
@@ -490,6 +549,7 @@ def test_matmul_fast_path_follows_the_cpu():
     assert cpu_kernel.matmul_is_vectorized("bfloat16") == (" avx512_bf16 " in flags)
     assert cpu_kernel.matmul_is_vectorized("int8") == (" avx512f " in flags)
     assert cpu_kernel.matmul_on_amx() == (" amx_bf16 " in flags)  # Linux grants the tile state (kernel >= 5.16)
+    assert cpu_kernel.prompt_attention_on_amx() == (" amx_bf16 " in flags and " avx512_bf16 " in flags)
     assert cpu_kernel.matmul_max_rows("bfloat16") == (2**31 - 1 if " amx_bf16 " in flags else 256 * (
         " avx512_bf16 " in flags))
 
