@@ -122,10 +122,21 @@ class Linear(nn.Module):
     out_dtype: Any = None  # e.g. float32 logits from a bfloat16 LM head
     quant: WeightQuant | None = None
 
+    @property
+    def held_packed(self) -> bool:
+        """Whether the kernel is held packed for AMX (`packs_for_amx`, not quantized)."""
+        return self.quant is None and packs_for_amx(self.backend, self.dtype, self.features)
+
     @nn.compact
-    def __call__(self, x: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, live_rows: jax.Array | None = None, *, packed_kernel: bool = False) -> jax.Array:
+        """x @ kernel (+ bias). packed_kernel: declare the kernel and return it, AMX-packed, instead (only where
+        `held_packed`, without a bias), for a fused call that reads two layers' kernels (`silu_gated`)."""
         axes = kernel_axes(self.parallel)
-        if self.quant is None and packs_for_amx(self.backend, self.dtype, self.features):
+        if packed_kernel:
+            if not self.held_packed or self.use_bias:
+                raise ValueError(f"{self.name}: packed_kernel needs a kernel held packed for AMX and no bias")
+            return self._packed_param(x.shape[-1], axes)
+        if self.held_packed:
             y = self._amx_packed(x, live_rows, axes)
         elif self.quant is None:
             kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(), axes),
@@ -147,17 +158,33 @@ class Linear(nn.Module):
             y = y + bias.astype(y.dtype)
         return y
 
-    def _amx_packed(self, x: jax.Array, live_rows: jax.Array | None, axes) -> jax.Array:
-        """x @ the kernel held packed for AMX ([out / 64, ceil(in / 32), 2048]; initialised as the [in, out]
-        kernel would be, then packed), on the native packed matmul."""
-        in_features = x.shape[-1]
+    def _packed_param(self, in_features: int, axes) -> jax.Array:
+        """The kernel held packed for AMX ([out / 64, ceil(in / 32), 2048]; initialised as the [in, out] kernel
+        would be, then packed)."""
         init = lambda key, shape, dtype: cpu.pack_for_amx(
             nn.initializers.lecun_normal()(key, (in_features, self.features), dtype))
-        kernel = self.param("kernel", nn.with_partitioning(init, (axes[1], axes[0], None)),
-                            cpu.amx_packed_shape(in_features, self.features), self.dtype)
+        return self.param("kernel", nn.with_partitioning(init, (axes[1], axes[0], None)),
+                          cpu.amx_packed_shape(in_features, self.features), self.dtype)
+
+    def _amx_packed(self, x: jax.Array, live_rows: jax.Array | None, axes) -> jax.Array:
+        """x @ the kernel held packed for AMX, on the native packed matmul."""
+        in_features = x.shape[-1]
+        kernel = self._packed_param(in_features, axes)
         rows = math.prod(x.shape[:-1])
         y = cpu.matmul_packed_cpu(x.reshape(rows, in_features).astype(jnp.bfloat16), kernel, live_rows)
         return y.reshape(*x.shape[:-1], self.features).astype(self.out_dtype or self.dtype)
+
+
+def silu_gated(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | None = None) -> jax.Array:
+    """silu(gate(x)) * up(x), in `gate`'s dtype. Where both kernels are held packed for AMX and neither layer
+    has a bias, one native call computes it (`pallas_kernels.cpu.gated_matmul_packed_cpu`): the two float32
+    products and the activation pass never reach memory, and the result is rounded to bfloat16 once."""
+    if not (gate.held_packed and up.held_packed) or gate.use_bias or up.use_bias:
+        return jax.nn.silu(gate(x, live_rows)) * up(x, live_rows)
+    rows, in_features = math.prod(x.shape[:-1]), x.shape[-1]
+    y = cpu.gated_matmul_packed_cpu(x.reshape(rows, in_features).astype(jnp.bfloat16), gate(x, packed_kernel=True),
+                                    up(x, packed_kernel=True), live_rows)
+    return y.reshape(*x.shape[:-1], gate.features).astype(gate.dtype)
 
 
 def _quantized_params(module: nn.Module, quant: WeightQuant, in_features: int, axes,

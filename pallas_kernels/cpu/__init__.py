@@ -34,12 +34,14 @@ from pallas_kernels.reference import to_pool_dtype
 _SOURCE_DIR = Path(__file__).parent
 _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc",
             _SOURCE_DIR / "amx.cc", _SOURCE_DIR / "amx_attention.cc")
-_HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h", _SOURCE_DIR / "amx_tiles.h")
+_HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h", _SOURCE_DIR / "amx_tiles.h",
+            _SOURCE_DIR / "vector_math.h")
 _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
 _MATMUL_TRANSPOSED_TARGET = "matmul_transposed_cpu"
 _MATMUL_PACKED_TARGET = "matmul_packed_cpu"
+_GATED_MATMUL_PACKED_TARGET = "gated_matmul_packed_cpu"
 _KV_WRITE_TARGET = "write_kv_cpu"
 _COPY_BLOCKS_TARGET = "copy_blocks_cpu"
 _SCATTER_BLOCKS_TARGET = "scatter_blocks_cpu"
@@ -111,7 +113,8 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                              (_SCATTER_BLOCKS_TARGET, library.ScatterBlocksCpu),
                              (_QUANT_MATMUL_TARGET, library.QuantMatmulCpu),
                              (_MATMUL_TRANSPOSED_TARGET, library.MatmulTransposedCpu),
-                             (_MATMUL_PACKED_TARGET, library.MatmulPackedCpu)):
+                             (_MATMUL_PACKED_TARGET, library.MatmulPackedCpu),
+                             (_GATED_MATMUL_PACKED_TARGET, library.GatedMatmulPackedCpu)):
             jax.ffi.register_ffi_target(f"{name}{target[len(_TARGET):]}", jax.ffi.pycapsule(symbol), platform="cpu")
         if target == _TARGET:
             _VECTORIZED_MATMUL.update(float32=bool(library.MatmulCpuIsVectorized()),
@@ -340,6 +343,26 @@ def matmul_packed_cpu(x: jax.Array, packed: jax.Array, live_rows: jax.Array | in
     call = jax.ffi.ffi_call(_MATMUL_PACKED_TARGET,
                             jax.ShapeDtypeStruct((x.shape[0], packed.shape[0] * AMX_PANEL), jnp.float32))
     return call(x, packed, live.astype(jnp.int32))
+
+
+def gated_matmul_packed_cpu(x: jax.Array, gate: jax.Array, up: jax.Array,
+                            live_rows: jax.Array | int | None = None) -> jax.Array:
+    """silu(x @ gate) * (x @ up) on AMX tiles, bfloat16 [M, N]: the gated MLP's first half in one call, its two
+    float32 products kept in registers and cache. x: bfloat16 [M, K]; gate, up: packed (`pack_for_amx`) from
+    [K, N]. Float32 sums and activation, rounded to bfloat16 once. Only where `matmul_on_amx()`. live_rows: as
+    for `matmul_cpu`."""
+    _require_kernels()
+    if x.ndim != 2 or gate.shape != up.shape or gate.shape != amx_packed_shape(x.shape[1], gate.shape[0] * AMX_PANEL):
+        raise ValueError(f"expected x [M, K] and gate, up both packed [N / 64, ceil(K / 32), 2048]; got {x.shape}, "
+                         f"{gate.shape} and {up.shape}")
+    if x.dtype != jnp.bfloat16 or gate.dtype != jnp.bfloat16 or up.dtype != jnp.bfloat16:
+        raise ValueError(f"gated_matmul_packed_cpu takes bfloat16 operands; got {x.dtype}, {gate.dtype}, {up.dtype}")
+    if not matmul_on_amx():
+        raise ValueError("gated_matmul_packed_cpu runs on AMX tiles, and this CPU (or OS) offers none")
+    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
+    call = jax.ffi.ffi_call(_GATED_MATMUL_PACKED_TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0], gate.shape[0] * AMX_PANEL), jnp.bfloat16))
+    return call(x, gate, up, live.astype(jnp.int32))
 
 
 def quant_matmul_cpu(x: jax.Array, w: jax.Array, scales: jax.Array, live_rows: jax.Array | int | None = None, *,

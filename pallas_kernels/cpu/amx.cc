@@ -27,7 +27,9 @@
 #include <vector>
 
 #include "amx_tiles.h"
+#include "bf16.h"
 #include "parallel.h"
+#include "vector_math.h"
 
 #if defined(PAGED_AMX)
 #include <sys/syscall.h>
@@ -213,6 +215,59 @@ void panels(const uint16_t* xa, Weights w, float* y, int64_t M, int64_t K, int64
   _tile_release();
 }
 
+// ---- y = silu(x @ gate) * (x @ up), bfloat16: the gated MLP's first half ----------------------------------
+//
+// Both kernels packed at load (MatmulPacked's layout). Each 32-row block of a panel computes the gate's and
+// the up projection's 32 x 64 sums over the whole of K into two small buffers, and the epilogue writes the
+// block's bfloat16 product: the two [M, N] float32 results never reach memory, and no separate pass reads
+// them back to apply the activation.
+
+// y's rows [0, rows) and 64 columns from the gate's and up's float32 sums g, u ([32][64]).
+void silu_times(const float* g, const float* u, int64_t rows, uint16_t* y, int64_t ldy) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < kPanel; c += 16) {
+      const __m512 gate = _mm512_loadu_ps(g + r * kPanel + c), up = _mm512_loadu_ps(u + r * kPanel + c);
+      const __m512 sigmoid = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                           _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
+      const __m512 out = _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid), up);
+#if defined(__AVX512BF16__)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + c), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out)));
+#else
+      alignas(64) float lanes[16];
+      _mm512_store_ps(lanes, out);
+      for (int i = 0; i < 16; ++i) y[r * ldy + c + i] = float_to_bf16(lanes[i]);
+#endif
+    }
+  }
+}
+
+// Panels [p_begin, p_end) of y.
+void gated_panels(const uint16_t* xa, const uint16_t* gate, const uint16_t* up, uint16_t* y, int64_t M, int64_t K,
+                  int64_t N, int64_t p_begin, int64_t p_end) {
+  configure_tiles();
+  const int64_t steps = (K + kDepth - 1) / kDepth, panel_words = steps * 4 * kTileWords;
+  alignas(64) float g[kRows * kPanel], u[kRows * kPanel];
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const uint16_t* gb = gate + p * panel_words;
+    const uint16_t* ub = up + p * panel_words;
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const uint16_t* a = xa + m0 / kRows * steps * 2 * kTileWords;
+      const int64_t rows = std::min(kRows, M - m0);
+      if (rows <= 16) {
+        tile_16x64(a, gb, g, kPanel, steps, true);
+        tile_16x64(a, ub, u, kPanel, steps, true);
+      } else {
+        tile_32x32(a, gb, g, kPanel, steps, true);
+        tile_32x32(a, gb + 2 * kTileWords, g + 32, kPanel, steps, true);
+        tile_32x32(a, ub, u, kPanel, steps, true);
+        tile_32x32(a, ub + 2 * kTileWords, u + 32, kPanel, steps, true);
+      }
+      silu_times(g, u, rows, y + m0 * N + p * kPanel, N);
+    }
+  }
+  _tile_release();
+}
+
 // ---- y = x @ w^T with w [N, K] as stored (the tied LM head: the embedding table) ------------------------
 //
 // Rows of w are 32 consecutive k apiece per tile row, so w's tiles are A operands loaded in place (no packing
@@ -310,9 +365,8 @@ bool Available() {
 
 namespace {
 
-// x packed once into tiles, then each thread's contiguous range of panels.
-bool run_matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, Weights w, float* y, int64_t M, int64_t K,
-                int64_t N) {
+// x packed once into tiles (per calling thread, kept from call to call), or null if it could not be allocated.
+uint16_t* pack_x(xla::ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K) {
   const int64_t k_steps = (K + kDepth - 1) / kDepth, row_blocks = (M + kRows - 1) / kRows;
   const int64_t block_words = k_steps * kRows * kDepth;
   // Kept from call to call (per calling thread): a fresh allocation of a prompt step's x (megabytes) came
@@ -321,12 +375,21 @@ bool run_matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, Weights w, float*
   try {
     if (packed_x.size() < static_cast<size_t>(row_blocks * block_words)) packed_x.resize(row_blocks * block_words);
   } catch (const std::bad_alloc&) {
-    return false;
+    return nullptr;
   }
   uint16_t* xa = packed_x.data();
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   run_parallel(&pool, row_blocks, 1, threads - 1,
                [&](int64_t mb) { pack_rows(x, M, K, mb * kRows, xa + mb * block_words); });
+  return xa;
+}
+
+// x packed, then each thread's contiguous range of panels.
+bool run_matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, Weights w, float* y, int64_t M, int64_t K,
+                int64_t N) {
+  const uint16_t* xa = pack_x(pool, x, M, K);
+  if (!xa) return false;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t num_panels = N / kPanel, parts = std::min(num_panels, threads);
   run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
     panels(xa, w, y, M, K, N, part * num_panels / parts, (part + 1) * num_panels / parts);
@@ -344,6 +407,17 @@ bool Matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, fl
 bool MatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* packed, float* y, int64_t M,
                   int64_t K, int64_t N) {
   return run_matmul(pool, x, Weights{packed, true}, y, M, K, N);
+}
+
+bool GatedMatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* gate, const uint16_t* up,
+                       uint16_t* y, int64_t M, int64_t K, int64_t N) {
+  const uint16_t* xa = pack_x(pool, x, M, K);
+  if (!xa) return false;
+  const int64_t num_panels = N / kPanel, parts = std::min(num_panels, std::max<int64_t>(1, pool.num_threads()));
+  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
+    gated_panels(xa, gate, up, y, M, K, N, part * num_panels / parts, (part + 1) * num_panels / parts);
+  });
+  return true;
 }
 
 bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M,
@@ -370,6 +444,11 @@ bool Matmul(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, float*, int
 }
 
 bool MatmulPacked(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t) {
+  return false;
+}
+
+bool GatedMatmulPacked(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t,
+                       int64_t, int64_t) {
   return false;
 }
 

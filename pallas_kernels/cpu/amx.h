@@ -24,6 +24,11 @@ bool Matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, fl
 bool MatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* packed, float* y, int64_t M,
                   int64_t K, int64_t N);
 
+// y[M, N] = silu(x @ gate) * (x @ up) in bfloat16 (the gated MLP's first half), gate and up [K, N] packed as
+// MatmulPacked's w; float32 sums and activation, rounded once. False: x's packed copy could not be allocated.
+bool GatedMatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* gate, const uint16_t* up,
+                       uint16_t* y, int64_t M, int64_t K, int64_t N);
+
 // y[M, N] = x[M, K] @ w[N, K]^T, w row-major as stored (the tied LM head's embedding table), y float32, every
 // element written. False (y untouched): K is not a multiple of 32, or no AMX.
 bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M,

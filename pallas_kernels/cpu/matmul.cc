@@ -390,6 +390,34 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// y[M, N] = silu(x @ gate) * (x @ up), bfloat16, on AMX tiles (amx.h: GatedMatmulPacked), gate and up packed at
+// load as matmul_packed_cpu's w; rows [live, M) zeros.
+ffi::Error GatedMatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuffer up,
+                                 ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::BF16> y) {
+  const auto xd = x.dimensions();
+  const auto gd = gate.dimensions();
+  if (xd.size() != 2 || gd.size() != 3 || gd[1] != (xd[1] + 31) / 32 || gd[2] != 4 * 16 * 32 ||
+      up.dimensions().size() != 3 || up.element_count() != gate.element_count() || up.dimensions()[0] != gd[0])
+    return ffi::Error::InvalidArgument(
+        "gated_matmul_packed_cpu: expected x [M, K] and gate, up both [N / 64, ceil(K / 32), 2048]");
+  if (x.element_type() != ffi::DataType::BF16 || gate.element_type() != ffi::DataType::BF16 ||
+      up.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("gated_matmul_packed_cpu: x, gate and up must be bfloat16");
+  if (live.element_count() != 1)
+    return ffi::Error::InvalidArgument("gated_matmul_packed_cpu: expected a scalar live row count");
+  const int64_t K = xd[1], N = gd[0] * kPanel;
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y->untyped_data());
+  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
+  std::fill(yp + M * N, yp + xd[0] * N, uint16_t{0});
+  if (M == 0) return ffi::Error::Success();
+  if (!paged::amx::Available() ||
+      !paged::amx::GatedMatmulPacked(pool, static_cast<const uint16_t*>(x.untyped_data()),
+                                     static_cast<const uint16_t*>(gate.untyped_data()),
+                                     static_cast<const uint16_t*>(up.untyped_data()), yp, M, K, N))
+    return ffi::Error::Internal("gated_matmul_packed_cpu: no AMX tiles, or x's packed copy could not be allocated");
+  return ffi::Error::Success();
+}
+
 // y[M, N] = x[M, K] @ w[N, K]^T in bfloat16 on AMX tiles (amx.cc: MatmulTransposed), rows [live, M) zeros:
 // the tied LM head against the embedding table as stored. K a multiple of 32; only where AMX is available.
 ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> live,
@@ -508,6 +536,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulCpu, MatmulImpl, MatmulBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulTransposedCpu, MatmulTransposedImpl, MatmulBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPackedCpu, MatmulPackedImpl, MatmulBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(GatedMatmulPackedCpu, GatedMatmulPackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulCpu, QuantMatmulImpl,
                               ffi::Ffi::Bind()

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from models import model_config_from_hf
-from models.linear import Linear, native_cpu_matmul, xla_matmul
+from models.linear import Linear, native_cpu_matmul, silu_gated, xla_matmul
 from models.loader import partition_specs
 from models.registry import model_class
 from pallas_kernels import cpu as cpu_kernel
@@ -52,6 +52,43 @@ def test_bfloat16_linear_on_amx_holds_its_kernel_packed(features, packed):
     assert 0.7 < kernel.std() * np.sqrt(96) < 1.3
     got = np.asarray(layer.apply({"params": params}, x), np.float64)
     np.testing.assert_allclose(got, np.asarray(x, np.float64) @ kernel, atol=2e-4, rtol=2e-5)
+
+
+class _SiluGated(nn.Module):
+    use_bias: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        gate = Linear(128, jnp.bfloat16, self.use_bias, backend="cpu", name="gate_proj")
+        up = Linear(128, jnp.bfloat16, self.use_bias, backend="cpu", name="up_proj")
+        return silu_gated(x, gate, up)
+
+
+@pytest.mark.parametrize("use_bias", [False, True], ids=["fused", "bias-unfused"])
+def test_silu_gated_on_amx_matches_float64(use_bias):
+    """silu(gate(x)) * up(x) with both kernels packed: one native call without biases, the two layers and
+    XLA's silu with them. Parameters are the two layers' own (gate_proj/kernel, up_proj/kernel), so checkpoints
+    load unchanged; checked against float64 of the unpacked kernels to bfloat16's rounding of the result
+    (and, unfused, of each layer's output)."""
+    if not cpu_kernel.matmul_on_amx():
+        pytest.skip("no AMX on this CPU: bfloat16 kernels stay [in, out]")
+    rng = np.random.default_rng(5)
+    x = jnp.asarray(rng.normal(size=(2, 9, 96)), jnp.bfloat16)
+    module = _SiluGated(use_bias)
+    params = nn.unbox(module.init(jax.random.key(1), x)["params"])
+    assert set(params) == {"gate_proj", "up_proj"}
+    assert set(params["gate_proj"]) == ({"kernel", "bias"} if use_bias else {"kernel"})
+    if use_bias:
+        params["gate_proj"]["bias"] = jnp.full(128, 0.5, jnp.bfloat16)
+    got = np.asarray(module.apply({"params": params}, x), np.float64)
+    program = str(jax.make_jaxpr(lambda p: module.apply({"params": p}, x))(params))
+    assert ("gated_matmul_packed_cpu" in program) == (not use_bias)
+    x64 = np.asarray(x, np.float64)
+    gate = x64 @ np.asarray(cpu_kernel.unpack_from_amx(params["gate_proj"]["kernel"], 96), np.float64)
+    up = x64 @ np.asarray(cpu_kernel.unpack_from_amx(params["up_proj"]["kernel"], 96), np.float64)
+    if use_bias:
+        gate = gate + 0.5
+    np.testing.assert_allclose(got, gate / (1 + np.exp(-gate)) * up, atol=2e-3, rtol=2e-2 if use_bias else 2 ** -8)
 
 
 def test_loader_packs_bfloat16_kernels_for_amx(tiny_model_dir):

@@ -454,6 +454,56 @@ def test_matmul_packed_refuses_what_it_cannot_do():
         cpu_kernel.pack_for_amx(np.zeros((64, 100), np.float32))
 
 
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 100])
+@pytest.mark.parametrize("inner, cols", [(96, 64), (302, 320), (896, 1216)])
+def test_gated_matmul_packed_matches_float64(rows, inner, cols):
+    """silu(x @ gate) * (x @ up) in one call against float64 of the same bfloat16 operands: float32 sums and
+    activation rounded once to bfloat16 (relative step 2^-8), so 2^-8 of the value plus 1e-3 absolute covers
+    the float32 sums' error on values near zero. Gate weights are three times wider so the activation's
+    negative half is exercised."""
+    _needs_amx()
+    from pallas_kernels import cpu as cpu_kernel
+    rng = np.random.default_rng(rows * 7 + inner + cols)
+    x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
+    gate = jnp.asarray(rng.normal(size=(inner, cols)) * 3 / np.sqrt(inner), jnp.bfloat16)
+    up = jnp.asarray(rng.normal(size=(inner, cols)) / np.sqrt(inner), jnp.bfloat16)
+    x64, gate64, up64 = (np.asarray(a, np.float64) for a in (x, gate, up))
+    g = x64 @ gate64
+    want = g / (1 + np.exp(-g)) * (x64 @ up64)
+    got = cpu_kernel.gated_matmul_packed_cpu(x, cpu_kernel.pack_for_amx(gate), cpu_kernel.pack_for_amx(up))
+    assert got.dtype == jnp.bfloat16 and got.shape == (rows, cols)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=1e-3, rtol=2 ** -8)
+
+
+@pytest.mark.parametrize("live", [0, 1, 17, 40])
+def test_gated_matmul_packed_live_rows_ignore_the_padding(live):
+    """Rows from live_rows on are zeros whatever they hold (NaN); the live rows equal the whole call's."""
+    _needs_amx()
+    from pallas_kernels import cpu as cpu_kernel
+    rng = np.random.default_rng(live)
+    x = rng.normal(size=(40, 302)).astype(np.float32)
+    gate, up = (cpu_kernel.pack_for_amx(jnp.asarray(rng.normal(size=(302, 192)) / 17, jnp.bfloat16)) for _ in "gu")
+    whole = np.asarray(cpu_kernel.gated_matmul_packed_cpu(jnp.asarray(x, jnp.bfloat16), gate, up))
+    x[live:] = np.nan
+    got = np.asarray(jax.jit(cpu_kernel.gated_matmul_packed_cpu)(jnp.asarray(x, jnp.bfloat16), gate, up,
+                                                                  jnp.int32(live)))
+    assert not np.any(got[live:].astype(np.float32))
+    np.testing.assert_array_equal(got[:live], whole[:live])
+
+
+def test_gated_matmul_packed_refuses_what_it_cannot_do():
+    _needs_amx()
+    from pallas_kernels import cpu as cpu_kernel
+    gate = cpu_kernel.pack_for_amx(jnp.zeros((64, 128), jnp.bfloat16))
+    up = cpu_kernel.pack_for_amx(jnp.zeros((64, 192), jnp.bfloat16))
+    with pytest.raises(ValueError, match="both packed"):
+        cpu_kernel.gated_matmul_packed_cpu(jnp.zeros((4, 64), jnp.bfloat16), gate, up)
+    with pytest.raises(ValueError, match="both packed"):
+        cpu_kernel.gated_matmul_packed_cpu(jnp.zeros((4, 96), jnp.bfloat16), gate, gate)
+    with pytest.raises(ValueError, match="bfloat16 operands"):
+        cpu_kernel.gated_matmul_packed_cpu(jnp.zeros((4, 64)), gate, gate)
+
+
 def test_matmul_bfloat16_portable_build_matches_float64(portable_target):
     x, w, want = _bf16_case(13, 200, 192, 0)
     target = portable_target.replace("paged_attention_cpu", "matmul_cpu")
