@@ -97,8 +97,12 @@ void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t m0, uint16_t* bl
 }
 
 // y[32, 32] (+)= a's rows x b's two column tiles over `steps` tile steps. a: [steps][32][32]; b: a panel's
-// [steps][4 tiles][16][32], offset to the first of the two column tiles.
-inline void tile_32x32(const uint16_t* a, const uint16_t* b, float* y, int64_t ldy, int64_t steps, bool first) {
+// [steps][4 tiles][16][32], offset to the first of the two column tiles. other_half: the panel's other two
+// column tiles, requested into L2 step by step while this pass reads its half from memory, so the weights
+// stream a whole 4 KB step at a time instead of every other 2 KB (decode steps, 17-32 rows, 80 products of
+// 8.7 MB streamed from memory: 17.1-18.7 -> 19.8-20.0 GB/s).
+inline void tile_32x32(const uint16_t* a, const uint16_t* b, float* y, int64_t ldy, int64_t steps, bool first,
+                       const uint16_t* other_half = nullptr) {
   const int64_t stride = ldy * sizeof(float);
   if (first) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -107,6 +111,9 @@ inline void tile_32x32(const uint16_t* a, const uint16_t* b, float* y, int64_t l
     _tile_loadd(2, y + 16 * ldy, stride); _tile_loadd(3, y + 16 * ldy + 16, stride);
   }
   for (int64_t s = 0; s < steps; ++s) {
+    if (other_half)
+      for (int line = 0; line < 32; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(other_half + s * 4 * kTileWords) + 64 * line, _MM_HINT_T1);
     _tile_loadd(4, a + s * 2 * kTileWords, 64);
     _tile_loadd(5, a + (s * 2 + 1) * kTileWords, 64);
     _tile_loadd(6, b + s * 4 * kTileWords, 64);
@@ -201,7 +208,7 @@ void panels(const uint16_t* xa, Weights w, float* y, int64_t M, int64_t K, int64
           if (partial && last_block_rows <= 16) {
             tile_16x64(a, b, yb, ldy, steps, first);
           } else {
-            tile_32x32(a, b, yb, ldy, steps, first);
+            tile_32x32(a, b, yb, ldy, steps, first, w.prepacked && mb == 0 ? b + 2 * kTileWords : nullptr);
             tile_32x32(a, b + 2 * kTileWords, yb + 32, ldy, steps, first);
           }
         }
@@ -257,9 +264,9 @@ void gated_panels(const uint16_t* xa, const uint16_t* gate, const uint16_t* up, 
         tile_16x64(a, gb, g, kPanel, steps, true);
         tile_16x64(a, ub, u, kPanel, steps, true);
       } else {
-        tile_32x32(a, gb, g, kPanel, steps, true);
+        tile_32x32(a, gb, g, kPanel, steps, true, m0 == 0 ? gb + 2 * kTileWords : nullptr);
         tile_32x32(a, gb + 2 * kTileWords, g + 32, kPanel, steps, true);
-        tile_32x32(a, ub, u, kPanel, steps, true);
+        tile_32x32(a, ub, u, kPanel, steps, true, m0 == 0 ? ub + 2 * kTileWords : nullptr);
         tile_32x32(a, ub + 2 * kTileWords, u + 32, kPanel, steps, true);
       }
       silu_times(g, u, rows, y + m0 * N + p * kPanel, N);
