@@ -304,11 +304,13 @@ void transposed_block(const uint16_t* w_rows, const uint16_t* xb, int64_t K, flo
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  // The next 32 rows of w, a step's share at a time, so their tiles load from cache.
+  // The next 32 rows of w, a step's share at a time, so their tiles load from cache. Into L2 rather than L1:
+  // L2 keeps more misses in flight than L1's fill buffers (the 151,936 x 896 table from memory, 32 rows of x:
+  // 13.7 -> 11.8 ms; 1 row 12.6 -> 11.3, 64 rows 19.7 -> 15.3).
   const int64_t lines = ahead_bytes / 64, per_step = (lines + steps - 1) / steps;
   for (int64_t s = 0; s < steps; ++s) {
     for (int64_t i = s * per_step; i < std::min(lines, (s + 1) * per_step); ++i)
-      _mm_prefetch(ahead + 64 * i, _MM_HINT_T0);
+      _mm_prefetch(ahead + 64 * i, _MM_HINT_T1);
     _tile_loadd(4, w_rows + s * kDepth, stride);
     _tile_loadd(5, w_rows + 16 * K + s * kDepth, stride);
     _tile_loadd(6, xb + s * 2 * kTileWords, 64);
