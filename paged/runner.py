@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec
 from pallas_kernels import cpu
 from paged.batch import StepInputs
 from paged.parallel import kv_pool_sharding, placement
-from paged.sampler import SamplerOutput, sample
+from paged.sampler import SamplerOutput, first_argmax, sample
 
 
 def kv_block_bytes(model_config, block_size: int, dtype) -> int:
@@ -59,6 +59,9 @@ class ModelRunner:
         self.no_tokens = jnp.zeros(max_num_seqs, jnp.int32)
         if (where := placement(mesh, device)) is not None:
             self.no_tokens = jax.device_put(self.no_tokens, where)
+        # The greedy argmax: the native one on a single CPU device (its FFI call does not run sharded).
+        on_cpu = (device or jax.devices()[0]).platform == "cpu"
+        self.argmax = cpu.argmax_rows_cpu if mesh is None and on_cpu and cpu.available()[0] else first_argmax
         # The pool is donated: XLA writes the new K/V into the same buffers instead of copying the pool.
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
 
@@ -68,7 +71,7 @@ class ModelRunner:
         token_ids = jnp.where(source >= 0, previous_tokens[jnp.maximum(source, 0)], inputs.token_ids)
         logits, kv_cache = self.model.forward(params, kv_cache, token_ids, inputs.attention,
                                               inputs.logits_indices, self.attention)
-        out = sample(logits, inputs.sampling)
+        out = sample(logits, inputs.sampling, self.argmax)
         return kv_cache, out, self.no_tokens.at[:out.tokens.shape[0]].set(out.tokens)
 
     def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None = None

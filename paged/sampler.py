@@ -14,6 +14,8 @@ the logits before any of that, the grammar's mask aside), as vLLM does by defaul
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -169,18 +171,22 @@ def apply_token_mask(logits: jax.Array, allowed_tokens: jax.Array) -> jax.Array:
     return jnp.where(allowed[:, :vocab], logits, -jnp.inf)
 
 
-def sample(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
+def sample(logits: jax.Array, meta: SamplingMetadata, argmax: Callable[[jax.Array], jax.Array] | None = None
+           ) -> SamplerOutput:
     """Picks one token per row from float32 logits [S, V].
 
     A step where every row is plain greedy (no penalties, biases or logprobs) only takes the argmax:
     the full path's first change to the logits copies them (the raw ones stay live for logprobs), and on CPU
-    that copy and the passes over it were 1.5-6% of a decode step.
+    that copy and the passes over it were 1.5-6% of a decode step. `argmax`: `first_argmax` (the default) or
+    a kernel with its semantics (the runner passes the native CPU one on a single CPU device).
     """
+    argmax = argmax or first_argmax
     if meta.allowed_tokens.shape[1]:  # static: some row of this step is constrained
         logits = apply_token_mask(logits, meta.allowed_tokens)
     plain_greedy = ~(jnp.any(meta.temperature > 0) | _needs_penalty(meta) | jnp.any(meta.bias_ids >= 0)
                      | jnp.any(meta.wants_logprobs))
-    return jax.lax.cond(plain_greedy, _greedy, _sample_full, logits, meta)
+    return jax.lax.cond(plain_greedy, functools.partial(_greedy, argmax=argmax),
+                        functools.partial(_sample_full, argmax=argmax), logits, meta)
 
 
 def _needs_penalty(meta: SamplingMetadata) -> jax.Array:
@@ -192,18 +198,18 @@ def _no_logprobs(num_rows: int):
             jnp.zeros((num_rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32))
 
 
-def _greedy(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
+def _greedy(logits: jax.Array, meta: SamplingMetadata, argmax) -> SamplerOutput:
     del meta
-    return SamplerOutput(first_argmax(logits), *_no_logprobs(logits.shape[0]))
+    return SamplerOutput(argmax(logits), *_no_logprobs(logits.shape[0]))
 
 
-def _sample_full(logits: jax.Array, meta: SamplingMetadata) -> SamplerOutput:
+def _sample_full(logits: jax.Array, meta: SamplingMetadata, argmax) -> SamplerOutput:
     raw_logits = logits
     rows = jnp.arange(logits.shape[0])[:, None]
     biased = jnp.where(meta.bias_ids >= 0, meta.bias_ids, logits.shape[-1])  # out of range -> dropped
     logits = logits.at[rows, biased].add(meta.bias_values, mode="drop")  # adds up an id listed twice
     logits = jax.lax.cond(_needs_penalty(meta), lambda l: apply_penalties(l, meta), lambda l: l, logits)
-    greedy_tokens = first_argmax(logits)
+    greedy_tokens = argmax(logits)
 
     def random_tokens(logits):
         filtered = filter_logits(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p)

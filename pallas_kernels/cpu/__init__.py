@@ -33,7 +33,7 @@ from pallas_kernels.reference import to_pool_dtype
 
 _SOURCE_DIR = Path(__file__).parent
 _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc",
-            _SOURCE_DIR / "amx.cc", _SOURCE_DIR / "amx_attention.cc")
+            _SOURCE_DIR / "amx.cc", _SOURCE_DIR / "amx_attention.cc", _SOURCE_DIR / "argmax.cc")
 _HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h", _SOURCE_DIR / "amx_tiles.h",
             _SOURCE_DIR / "vector_math.h")
 _TARGET = "paged_attention_cpu"
@@ -42,6 +42,7 @@ _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
 _MATMUL_TRANSPOSED_TARGET = "matmul_transposed_cpu"
 _MATMUL_PACKED_TARGET = "matmul_packed_cpu"
 _GATED_MATMUL_PACKED_TARGET = "gated_matmul_packed_cpu"
+_ARGMAX_ROWS_TARGET = "argmax_rows_cpu"
 _KV_WRITE_TARGET = "write_kv_cpu"
 _COPY_BLOCKS_TARGET = "copy_blocks_cpu"
 _SCATTER_BLOCKS_TARGET = "scatter_blocks_cpu"
@@ -114,7 +115,8 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                              (_QUANT_MATMUL_TARGET, library.QuantMatmulCpu),
                              (_MATMUL_TRANSPOSED_TARGET, library.MatmulTransposedCpu),
                              (_MATMUL_PACKED_TARGET, library.MatmulPackedCpu),
-                             (_GATED_MATMUL_PACKED_TARGET, library.GatedMatmulPackedCpu)):
+                             (_GATED_MATMUL_PACKED_TARGET, library.GatedMatmulPackedCpu),
+                             (_ARGMAX_ROWS_TARGET, library.ArgmaxRowsCpu)):
             jax.ffi.register_ffi_target(f"{name}{target[len(_TARGET):]}", jax.ffi.pycapsule(symbol), platform="cpu")
         if target == _TARGET:
             _VECTORIZED_MATMUL.update(float32=bool(library.MatmulCpuIsVectorized()),
@@ -363,6 +365,15 @@ def gated_matmul_packed_cpu(x: jax.Array, gate: jax.Array, up: jax.Array,
     call = jax.ffi.ffi_call(_GATED_MATMUL_PACKED_TARGET,
                             jax.ShapeDtypeStruct((x.shape[0], gate.shape[0] * AMX_PANEL), jnp.bfloat16))
     return call(x, gate, up, live.astype(jnp.int32))
+
+
+def argmax_rows_cpu(x: jax.Array, *, _target: str = _ARGMAX_ROWS_TARGET) -> jax.Array:
+    """int32 [S]: the first index of each row's maximum of float32 x [S, V], a NaN counting as +inf (as
+    `paged.sampler.first_argmax`), in one vectorised pass per row on the intra-op threads."""
+    _require_kernels()
+    if x.ndim != 2 or x.dtype != jnp.float32 or x.shape[1] < 1:
+        raise ValueError(f"argmax_rows_cpu takes float32 x [S, V] with V >= 1; got {x.dtype}{list(x.shape)}")
+    return jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))(x)
 
 
 def quant_matmul_cpu(x: jax.Array, w: jax.Array, scales: jax.Array, live_rows: jax.Array | int | None = None, *,

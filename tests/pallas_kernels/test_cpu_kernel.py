@@ -504,6 +504,46 @@ def test_gated_matmul_packed_refuses_what_it_cannot_do():
         cpu_kernel.gated_matmul_packed_cpu(jnp.zeros((4, 64)), gate, gate)
 
 
+def _argmax_cases(rng, vocab):
+    """Rows that test first_argmax's semantics: plain, ties (the first wins), NaN (counts as +inf, the first
+    of several wins), +inf before and after a NaN, all -inf, all NaN, the maximum in the last element."""
+    x = rng.normal(size=(10, vocab)).astype(np.float32)
+    last = vocab - 1
+    x[1, [last // 3, last]] = 50.0
+    x[2, [last // 2, last]] = np.nan
+    x[3, last // 4] = np.inf
+    x[3, last] = np.nan
+    x[4, last] = np.inf
+    x[4, last // 5] = np.nan
+    x[5] = -np.inf
+    x[6] = np.nan
+    x[7, last] = 99.0
+    x[8, 0] = np.nan
+    return x
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 16, 17, 1000, 151936])
+def test_argmax_rows_matches_first_argmax(vocab):
+    """The native argmax against the sampler's jnp one and numpy (NaN as +inf, then np.argmax: the first
+    maximum), at widths below, at and past one vector, with a tail, and at Qwen2.5's vocabulary."""
+    from pallas_kernels import cpu as cpu_kernel
+    from paged.sampler import first_argmax
+    x = _argmax_cases(np.random.default_rng(vocab), vocab)
+    got = np.asarray(jax.jit(cpu_kernel.argmax_rows_cpu)(jnp.asarray(x)))
+    np.testing.assert_array_equal(got, np.argmax(np.where(np.isnan(x), np.inf, x), axis=1))
+    np.testing.assert_array_equal(got, np.asarray(first_argmax(jnp.asarray(x))))
+
+
+def test_argmax_rows_portable_build(portable_target):
+    from pallas_kernels import cpu as cpu_kernel
+    x = _argmax_cases(np.random.default_rng(0), 1000)
+    got = cpu_kernel.argmax_rows_cpu(jnp.asarray(x), _target=portable_target.replace("paged_attention_cpu",
+                                                                                    "argmax_rows_cpu"))
+    np.testing.assert_array_equal(np.asarray(got), np.argmax(np.where(np.isnan(x), np.inf, x), axis=1))
+    with pytest.raises(ValueError, match="float32"):
+        cpu_kernel.argmax_rows_cpu(jnp.zeros((2, 8), jnp.bfloat16))
+
+
 def test_matmul_bfloat16_portable_build_matches_float64(portable_target):
     x, w, want = _bf16_case(13, 200, 192, 0)
     target = portable_target.replace("paged_attention_cpu", "matmul_cpu")
