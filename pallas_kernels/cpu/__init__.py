@@ -333,18 +333,25 @@ def unpack_from_amx(packed, in_features: int):
 def matmul_packed_cpu(x: jax.Array, packed: jax.Array, live_rows: jax.Array | int | None = None) -> jax.Array:
     """x [M, K] @ w on AMX tiles, float32 [M, N], with w given packed (`pack_for_amx`: [N / 64, ceil(K / 32),
     2048]). bfloat16 operands; only where `matmul_on_amx()`. live_rows: as for `matmul_cpu`."""
-    _require_kernels()
-    if x.ndim != 2 or packed.shape != amx_packed_shape(x.shape[1], packed.shape[0] * AMX_PANEL):
-        raise ValueError(f"expected x [M, K] and packed w [N / 64, ceil(K / 32), 2048]; got {x.shape} and "
-                         f"{packed.shape}")
-    if x.dtype != jnp.bfloat16 or packed.dtype != jnp.bfloat16:
-        raise ValueError(f"matmul_packed_cpu takes bfloat16 operands; got {x.dtype} and {packed.dtype}")
-    if not matmul_on_amx():
-        raise ValueError("matmul_packed_cpu runs on AMX tiles, and this CPU (or OS) offers none")
-    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
+    live = _check_packed("matmul_packed_cpu", x, packed, live_rows=live_rows)
     call = jax.ffi.ffi_call(_MATMUL_PACKED_TARGET,
                             jax.ShapeDtypeStruct((x.shape[0], packed.shape[0] * AMX_PANEL), jnp.float32))
-    return call(x, packed, live.astype(jnp.int32))
+    return call(x, packed, live)
+
+
+def _check_packed(name: str, x: jax.Array, *packed: jax.Array, live_rows) -> jax.Array:
+    """Refuses what the packed AMX calls cannot take (x [M, K] bfloat16, each weight packed from [K, N] for
+    one N, an AMX machine); returns the live row count as an int32 array."""
+    _require_kernels()
+    n = packed[0].shape[0] * AMX_PANEL
+    if x.ndim != 2 or any(w.shape != amx_packed_shape(x.shape[1], n) for w in packed):
+        raise ValueError(f"{name}: expected x [M, K] and packed weights [N / 64, ceil(K / 32), 2048] of one N; got "
+                         f"{x.shape} and {[w.shape for w in packed]}")
+    if x.dtype != jnp.bfloat16 or any(w.dtype != jnp.bfloat16 for w in packed):
+        raise ValueError(f"{name} takes bfloat16 operands; got {x.dtype} and {[str(w.dtype) for w in packed]}")
+    if not matmul_on_amx():
+        raise ValueError(f"{name} runs on AMX tiles, and this CPU (or OS) offers none")
+    return jnp.asarray(x.shape[0] if live_rows is None else live_rows).astype(jnp.int32)
 
 
 def gated_matmul_packed_cpu(x: jax.Array, gate: jax.Array, up: jax.Array,
@@ -353,18 +360,10 @@ def gated_matmul_packed_cpu(x: jax.Array, gate: jax.Array, up: jax.Array,
     float32 products kept in registers and cache. x: bfloat16 [M, K]; gate, up: packed (`pack_for_amx`) from
     [K, N]. Float32 sums and activation, rounded to bfloat16 once. Only where `matmul_on_amx()`. live_rows: as
     for `matmul_cpu`."""
-    _require_kernels()
-    if x.ndim != 2 or gate.shape != up.shape or gate.shape != amx_packed_shape(x.shape[1], gate.shape[0] * AMX_PANEL):
-        raise ValueError(f"expected x [M, K] and gate, up both packed [N / 64, ceil(K / 32), 2048]; got {x.shape}, "
-                         f"{gate.shape} and {up.shape}")
-    if x.dtype != jnp.bfloat16 or gate.dtype != jnp.bfloat16 or up.dtype != jnp.bfloat16:
-        raise ValueError(f"gated_matmul_packed_cpu takes bfloat16 operands; got {x.dtype}, {gate.dtype}, {up.dtype}")
-    if not matmul_on_amx():
-        raise ValueError("gated_matmul_packed_cpu runs on AMX tiles, and this CPU (or OS) offers none")
-    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
+    live = _check_packed("gated_matmul_packed_cpu", x, gate, up, live_rows=live_rows)
     call = jax.ffi.ffi_call(_GATED_MATMUL_PACKED_TARGET,
                             jax.ShapeDtypeStruct((x.shape[0], gate.shape[0] * AMX_PANEL), jnp.bfloat16))
-    return call(x, gate, up, live.astype(jnp.int32))
+    return call(x, gate, up, live)
 
 
 def argmax_rows_cpu(x: jax.Array, *, _target: str = _ARGMAX_ROWS_TARGET) -> jax.Array:
