@@ -11,6 +11,7 @@ Implementations, each where it runs:
   pallas-mosaic   the Hopper decode kernel (Mosaic GPU; only on a GPU)
   pallas-tpu      the TPU ragged kernel (Mosaic TPU; under the TPU interpreter on CPU)
   cpu             the native CPU kernel (C++ through XLA's FFI; CPU only)
+  cpu-no-amx      the same kernel built without AMX (prefill; only where bfloat16 prompts run on AMX tiles)
   xla             the chunked XLA paths
   jnp-reference   the plain jax.numpy references
   jax-pallas-ops  jax.experimental.pallas.ops.gpu.paged_attention (Triton; decode only)
@@ -19,6 +20,7 @@ Implementations, each where it runs:
 
     paged bench kernels                        # preset by platform: "smoke" on CPU, "gpu" on a GPU
     paged bench kernels --plugin my_kernels --backend mine   # your kernel beside the built-in ones
+    paged bench kernels --preset cpu-bf16      # the 0.5B shape's attention in bfloat16 on CPU
     paged bench kernels --preset gpu --json docs/results/kernels_h200.json --png docs/results/kernels_h200.png
 """
 
@@ -42,6 +44,10 @@ PRESETS = {
     # Sized to finish in a few minutes of a lent GPU (each point compiles each kernel once).
     "gpu": dict(batch=[1, 32, 64], context=[2048, 8192], page_size=[16], gqa=[1, 8], dtype=["bfloat16"],
                 head_dim=128, num_kv_heads=8, prefill_chunk=[512], prefill_batch=4),
+    # Qwen2.5-0.5B's attention (14 query heads, 2 KV heads, head_dim 64) in bfloat16 on CPU: 32 decodes, and
+    # a 512-token prompt (no cached context) and one 512-token chunk after 1,536 cached tokens.
+    "cpu-bf16": dict(batch=[32], context=[512, 2048], page_size=[16], gqa=[7], dtype=["bfloat16"], head_dim=64,
+                     num_kv_heads=2, prefill_chunk=[512], prefill_batch=1),
 }
 
 
@@ -136,9 +142,19 @@ def prefill_implementations() -> dict:
     def cpu(q, k, v, t, qs, n, s):
         return _cpu_kernel().paged_attention_cpu(q, k, v, 0, t, *token_rows(qs, n, q.shape[0]), scale=s)
 
+    def cpu_without_amx(q, k, v, t, qs, n, s):
+        target = _cpu_kernel().matmul_target_without_amx().replace("matmul_cpu", "paged_attention_cpu")
+        return _cpu_kernel().paged_attention_cpu(q, k, v, 0, t, *token_rows(qs, n, q.shape[0]), scale=s,
+                                                 _target=target)
+
+    on_cpu = jax.default_backend() == "cpu"
     impls = {
         "pallas": lambda q, k, v, t, qs, n, s: ragged_paged_attention(q, k, v, t, qs, n, scale=s),
-        "cpu": _native_cpu(jax.default_backend() != "cpu", cpu),
+        "cpu": _native_cpu(not on_cpu, cpu),
+        # The float32 FMA tiles that bfloat16 prompt chunks took before the AMX ones (amx_attention.cc).
+        "cpu-no-amx": (_native_cpu(not on_cpu, cpu_without_amx)
+                       if not on_cpu or _cpu_kernel().prompt_attention_on_amx()
+                       else "only where bfloat16 prompts run on AMX (the cpu entry is this path here)"),
         "pallas-tpu": _tpu_kernel(jax.default_backend() == "gpu",
                                   lambda q, k, v, t, qs, n, s: _tpu_ragged()(q, k, v, t, qs, n, scale=s)),
         "xla": xla,
