@@ -124,7 +124,7 @@ def decode_implementations(on_gpu: bool, group: int, head_dim: int, dtype: str) 
     return {name: (jax.jit(fn, static_argnums=5) if callable(fn) else fn) for name, fn in impls.items()}
 
 
-def prefill_implementations() -> dict:
+def prefill_implementations(dtype: str = "float32") -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -153,8 +153,8 @@ def prefill_implementations() -> dict:
         "cpu": _native_cpu(not on_cpu, cpu),
         # The float32 FMA tiles that bfloat16 prompt chunks took before the AMX ones (amx_attention.cc).
         "cpu-no-amx": (_native_cpu(not on_cpu, cpu_without_amx)
-                       if not on_cpu or _cpu_kernel().prompt_attention_on_amx()
-                       else "only where bfloat16 prompts run on AMX (the cpu entry is this path here)"),
+                       if not on_cpu or (dtype == "bfloat16" and _cpu_kernel().prompt_attention_on_amx())
+                       else "only for bfloat16 where its prompts run on AMX (the cpu entry is this path here)"),
         "pallas-tpu": _tpu_kernel(jax.default_backend() == "gpu",
                                   lambda q, k, v, t, qs, n, s: _tpu_ragged()(q, k, v, t, qs, n, scale=s)),
         "xla": xla,
@@ -309,7 +309,8 @@ def run_prefill(cfg: dict, rng, repeats: int, matmul: float, max_reference_bytes
         row = dict(kind="prefill", batch=batch, chunk=chunk, context=context, page_size=page_size, gqa=group,
                    dtype=dtype, num_kv_heads=num_kv_heads, head_dim=head_dim, flops=flops, results={})
         expected = None
-        for name, fn in {**prefill_implementations(), **registered_implementations(list(backends), "prefill")}.items():
+        for name, fn in {**prefill_implementations(dtype),
+                         **registered_implementations(list(backends), "prefill")}.items():
             gathered = batch * chunk * context * num_kv_heads * head_dim * 2 * jnp.dtype(dtype).itemsize
             if name in ("jnp-reference", "xla") and gathered > max_reference_bytes:
                 row["results"][name] = {"skipped": f"gathers each token's context ({gathered / 1e9:.1f} GB)"}
