@@ -393,16 +393,21 @@ uint16_t* pack_x(xla::ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64
   return xa;
 }
 
-// x packed, then each thread's contiguous range of panels.
+// fn(p_begin, p_end) on each thread's contiguous range of y's N / 64 panels: each thread streams one run of
+// the weights (finer parts were slower, docs/kernels.md).
+template <typename Fn>
+void split_panels(xla::ffi::ThreadPool& pool, int64_t N, const Fn& fn) {
+  const int64_t num_panels = N / kPanel, parts = std::min(num_panels, std::max<int64_t>(1, pool.num_threads()));
+  run_parallel(&pool, parts, 1, parts - 1,
+               [&](int64_t part) { fn(part * num_panels / parts, (part + 1) * num_panels / parts); });
+}
+
+// x packed, then each thread's range of panels.
 bool run_matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, Weights w, float* y, int64_t M, int64_t K,
                 int64_t N) {
   const uint16_t* xa = pack_x(pool, x, M, K);
   if (!xa) return false;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t num_panels = N / kPanel, parts = std::min(num_panels, threads);
-  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
-    panels(xa, w, y, M, K, N, part * num_panels / parts, (part + 1) * num_panels / parts);
-  });
+  split_panels(pool, N, [&](int64_t begin, int64_t end) { panels(xa, w, y, M, K, N, begin, end); });
   return true;
 }
 
@@ -422,10 +427,7 @@ bool GatedMatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint
                        uint16_t* y, int64_t M, int64_t K, int64_t N) {
   const uint16_t* xa = pack_x(pool, x, M, K);
   if (!xa) return false;
-  const int64_t num_panels = N / kPanel, parts = std::min(num_panels, std::max<int64_t>(1, pool.num_threads()));
-  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
-    gated_panels(xa, gate, up, y, M, K, N, part * num_panels / parts, (part + 1) * num_panels / parts);
-  });
+  split_panels(pool, N, [&](int64_t begin, int64_t end) { gated_panels(xa, gate, up, y, M, K, N, begin, end); });
   return true;
 }
 
