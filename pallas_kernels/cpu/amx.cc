@@ -5,9 +5,11 @@
 // against about 0.1 for the AVX-512 BF16 dot products (matmul.cc) and 0.5 for XLA's bf16 dot there.
 //
 // Layout. A tile row is 64 bytes: for x (the A operand) 32 consecutive k of one row; for w (the B operand)
-// 16 pairs (w[k, n], w[k + 1, n]) of 16 consecutive n ("VNNI" order). Both operands are packed so that every
+// 16 pairs (w[k, n], w[k + 1, n]) of 16 consecutive n ("VNNI" order). The weights are packed so that every
 // tile is 1 KB contiguous, which the tile loads read at L1 speed:
-//   x -> xa [M / 32][K / 32][32 rows][32 k]        once per call, zero-padded in M and K
+//   x -> A tiles read in place where K is a multiple of 32 (a tile row is 32 k of one row of x, 64 bytes at a
+//        stride of 2K); otherwise, and for a last block of fewer than 32 rows, packed per call into
+//        [blocks][K / 32][32 rows][32 k], zero-padded in M and K
 //   w -> wb [panel][K block / 32][4][16 pairs][16 n][2]   per block of weight rows and a pass of 64-column
 //        panels (Plan, below); each weight row's piece of the pass is read contiguously
 // so weights given [K, N] (Matmul) are read from memory once per call. MatmulPacked takes them already in
@@ -96,12 +98,32 @@ void pack_rows(const uint16_t* x, int64_t M, int64_t K, int64_t m0, uint16_t* bl
   }
 }
 
-// y[32, 32] (+)= a's rows x b's two column tiles over `steps` tile steps. a: [steps][32][32]; b: a panel's
+// 32 rows of x as A tiles: step s's rows 0-15 at data + s * step and rows 16-31 at + half, rows `stride`
+// bytes apart.
+struct RowTiles {
+  const uint16_t* data;
+  int64_t step, half, stride;
+  RowTiles from_step(int64_t s) const { return {data + s * step, step, half, stride}; }
+};
+
+// x's row blocks as A tiles: the first `in_place` blocks read from x itself, the rest from `packed`.
+struct XTiles {
+  const uint16_t* x;
+  int64_t K, in_place;
+  const uint16_t* packed;
+  RowTiles block(int64_t mb) const {
+    if (mb < in_place) return {x + mb * kRows * K, kDepth, 16 * K, K * 2};
+    const int64_t steps = (K + kDepth - 1) / kDepth;
+    return {packed + (mb - in_place) * steps * 2 * kTileWords, 2 * kTileWords, kTileWords, 64};
+  }
+};
+
+// y[32, 32] (+)= a's rows x b's two column tiles over `steps` tile steps. b: a panel's
 // [steps][4 tiles][16][32], offset to the first of the two column tiles. other_half: the panel's other two
 // column tiles, requested into L2 step by step while this pass reads its half from memory, so the weights
 // stream a whole 4 KB step at a time instead of every other 2 KB (decode steps, 17-32 rows, 80 products of
 // 8.7 MB streamed from memory: 17.1-18.7 -> 19.8-20.0 GB/s).
-inline void tile_32x32(const uint16_t* a, const uint16_t* b, float* y, int64_t ldy, int64_t steps, bool first,
+inline void tile_32x32(const RowTiles& a, const uint16_t* b, float* y, int64_t ldy, int64_t steps, bool first,
                        const uint16_t* other_half = nullptr) {
   const int64_t stride = ldy * sizeof(float);
   if (first) {
@@ -114,8 +136,8 @@ inline void tile_32x32(const uint16_t* a, const uint16_t* b, float* y, int64_t l
     if (other_half)
       for (int line = 0; line < 32; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(other_half + s * 4 * kTileWords) + 64 * line, _MM_HINT_T1);
-    _tile_loadd(4, a + s * 2 * kTileWords, 64);
-    _tile_loadd(5, a + (s * 2 + 1) * kTileWords, 64);
+    _tile_loadd(4, a.data + s * a.step, a.stride);
+    _tile_loadd(5, a.data + s * a.step + a.half, a.stride);
     _tile_loadd(6, b + s * 4 * kTileWords, 64);
     _tile_loadd(7, b + (s * 4 + 1) * kTileWords, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -128,7 +150,7 @@ inline void tile_32x32(const uint16_t* a, const uint16_t* b, float* y, int64_t l
 }
 
 // y[16, 64] (+)= a's first 16 rows x b's four column tiles (b: the panel's [steps][4][16][32]).
-inline void tile_16x64(const uint16_t* a, const uint16_t* b, float* y, int64_t ldy, int64_t steps, bool first) {
+inline void tile_16x64(const RowTiles& a, const uint16_t* b, float* y, int64_t ldy, int64_t steps, bool first) {
   const int64_t stride = ldy * sizeof(float);
   if (first) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -137,7 +159,7 @@ inline void tile_16x64(const uint16_t* a, const uint16_t* b, float* y, int64_t l
     _tile_loadd(3, y + 48, stride);
   }
   for (int64_t s = 0; s < steps; ++s) {
-    _tile_loadd(4, a + s * 2 * kTileWords, 64);
+    _tile_loadd(4, a.data + s * a.step, a.stride);
     _tile_loadd(6, b + s * 4 * kTileWords, 64);
     _tile_loadd(7, b + (s * 4 + 1) * kTileWords, 64);
     _tile_dpbf16ps(0, 4, 6);
@@ -152,7 +174,7 @@ inline void tile_16x64(const uint16_t* a, const uint16_t* b, float* y, int64_t l
 }
 
 alignas(64) thread_local uint16_t packed_weights[kPackedWords];
-thread_local std::vector<float> last_rows_buffer;  // y of a partial row block: [32, panels_per_pass * 64]
+thread_local TileVector<float> last_rows_buffer;  // y of a partial row block: [32, panels_per_pass * 64]
 
 // The weights of a product: w [K, N] as loaded, packed per block here, or already packed at load
 // (`prepacked`: [N / 64][K steps][4 tiles][16 pairs][16 n][2], the order pack_weights writes a block in, for
@@ -172,8 +194,8 @@ Plan plan_for(int64_t M, int64_t K, bool prepacked) {
   return prepacked ? Plan{(K + kDepth - 1) / kDepth * kDepth, 1} : kSmallPlan;
 }
 
-// Panels [p_begin, p_end) of y from the packed x, a pass of the plan's panels at a time.
-void panels(const uint16_t* xa, Weights w, float* y, int64_t M, int64_t K, int64_t N, int64_t p_begin,
+// Panels [p_begin, p_end) of y from x's tiles, a pass of the plan's panels at a time.
+void panels(const XTiles& xt, Weights w, float* y, int64_t M, int64_t K, int64_t N, int64_t p_begin,
             int64_t p_end) {
   configure_tiles();
   const Plan plan = plan_for(M, K, w.prepacked);
@@ -199,7 +221,7 @@ void panels(const uint16_t* xa, Weights w, float* y, int64_t M, int64_t K, int64
       const bool first = k0 == 0;
       // Row block by row block: its A tiles stay in L1 across the pass's panels.
       for (int64_t mb = 0; mb < row_blocks; ++mb) {
-        const uint16_t* a = xa + (mb * k_steps + k0 / kDepth) * 2 * kTileWords;
+        const RowTiles a = xt.block(mb).from_step(k0 / kDepth);
         const bool partial = mb == row_blocks - 1 && last_block_rows < kRows;
         const int64_t ldy = partial ? panels_per_pass * kPanel : N;
         for (int64_t p = 0; p < np; ++p) {
@@ -248,26 +270,36 @@ void silu_times(const float* g, const float* u, int64_t rows, uint16_t* y, int64
   }
 }
 
+// Blocks of more than kSmallRows rows sum K in chunks of this many steps, so a chunk of x's 32 rows (16 KB)
+// stays in L1 while the gate's and up's four column tiles each pass over it: whole K (56 KB at the 0.5B
+// shape) came from L2 each time (one thread, 512 rows, 896 x 4864 x 2: 1.21 -> 1.39 TFLOP/s).
+constexpr int64_t kGatedChunkSteps = 8;
+
 // Panels [p_begin, p_end) of y.
-void gated_panels(const uint16_t* xa, const uint16_t* gate, const uint16_t* up, uint16_t* y, int64_t M, int64_t K,
+void gated_panels(const XTiles& xt, const uint16_t* gate, const uint16_t* up, uint16_t* y, int64_t M, int64_t K,
                   int64_t N, int64_t p_begin, int64_t p_end) {
   configure_tiles();
   const int64_t steps = (K + kDepth - 1) / kDepth, panel_words = steps * 4 * kTileWords;
+  const int64_t chunk = M > kSmallRows ? kGatedChunkSteps : steps;
   alignas(64) float g[kRows * kPanel], u[kRows * kPanel];
   for (int64_t p = p_begin; p < p_end; ++p) {
-    const uint16_t* gb = gate + p * panel_words;
-    const uint16_t* ub = up + p * panel_words;
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-      const uint16_t* a = xa + m0 / kRows * steps * 2 * kTileWords;
       const int64_t rows = std::min(kRows, M - m0);
-      if (rows <= 16) {
-        tile_16x64(a, gb, g, kPanel, steps, true);
-        tile_16x64(a, ub, u, kPanel, steps, true);
-      } else {
-        tile_32x32(a, gb, g, kPanel, steps, true, m0 == 0 ? gb + 2 * kTileWords : nullptr);
-        tile_32x32(a, gb + 2 * kTileWords, g + 32, kPanel, steps, true);
-        tile_32x32(a, ub, u, kPanel, steps, true, m0 == 0 ? ub + 2 * kTileWords : nullptr);
-        tile_32x32(a, ub + 2 * kTileWords, u + 32, kPanel, steps, true);
+      for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
+        const RowTiles a = xt.block(m0 / kRows).from_step(s0);
+        const uint16_t* gb = gate + p * panel_words + s0 * 4 * kTileWords;
+        const uint16_t* ub = up + p * panel_words + s0 * 4 * kTileWords;
+        const int64_t n = std::min(chunk, steps - s0);
+        const bool first = s0 == 0, stream = m0 == 0 && chunk == steps;
+        if (rows <= 16) {
+          tile_16x64(a, gb, g, kPanel, n, first);
+          tile_16x64(a, ub, u, kPanel, n, first);
+        } else {
+          tile_32x32(a, gb, g, kPanel, n, first, stream ? gb + 2 * kTileWords : nullptr);
+          tile_32x32(a, gb + 2 * kTileWords, g + 32, kPanel, n, first);
+          tile_32x32(a, ub, u, kPanel, n, first, stream ? ub + 2 * kTileWords : nullptr);
+          tile_32x32(a, ub + 2 * kTileWords, u + 32, kPanel, n, first);
+        }
       }
       silu_times(g, u, rows, y + m0 * N + p * kPanel, N);
     }
@@ -343,7 +375,7 @@ void transposed_rows(const uint16_t* x, const uint16_t* w, float* y, int64_t M, 
                      int64_t n_begin, int64_t n_end) {
   configure_tiles();
   const int64_t steps = K / kDepth, chunks = (M + kRows - 1) / kRows;
-  thread_local std::vector<uint16_t> xb, tail;
+  thread_local TileVector<uint16_t> xb, tail;
   xb.resize(chunks * steps * 2 * kTileWords);
   for (int64_t c = 0; c < chunks; ++c) pack_rows_as_pairs(x, M, K, c * kRows, xb.data() + c * steps * 2 * kTileWords);
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 32) {
@@ -374,23 +406,24 @@ bool Available() {
 
 namespace {
 
-// x packed once into tiles (per calling thread, kept from call to call), or null if it could not be allocated.
-uint16_t* pack_x(xla::ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K) {
+// x's A tiles: whole row blocks in place when K is a multiple of 32, the rest packed (per calling thread, kept
+// from call to call: a fresh allocation of a prompt step's x, megabytes, came from new pages every call, and
+// faulting them in cost more than packing into them). False if the packed blocks could not be allocated.
+bool x_tiles(xla::ffi::ThreadPool& pool, const uint16_t* x, int64_t M, int64_t K, XTiles& xt) {
   const int64_t k_steps = (K + kDepth - 1) / kDepth, row_blocks = (M + kRows - 1) / kRows;
+  const int64_t in_place = K % kDepth == 0 ? M / kRows : 0, packed_blocks = row_blocks - in_place;
   const int64_t block_words = k_steps * kRows * kDepth;
-  // Kept from call to call (per calling thread): a fresh allocation of a prompt step's x (megabytes) came
-  // from new pages every call, and faulting them in cost more than packing into them.
-  thread_local std::vector<uint16_t> packed_x;
+  thread_local TileVector<uint16_t> packed_x;
   try {
-    if (packed_x.size() < static_cast<size_t>(row_blocks * block_words)) packed_x.resize(row_blocks * block_words);
+    if (packed_x.size() < static_cast<size_t>(packed_blocks * block_words)) packed_x.resize(packed_blocks * block_words);
   } catch (const std::bad_alloc&) {
-    return nullptr;
+    return false;
   }
   uint16_t* xa = packed_x.data();
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  run_parallel(&pool, row_blocks, 1, threads - 1,
-               [&](int64_t mb) { pack_rows(x, M, K, mb * kRows, xa + mb * block_words); });
-  return xa;
+  xt = XTiles{x, K, in_place, xa};
+  run_parallel(&pool, packed_blocks, 1, packed_blocks - 1,
+               [&](int64_t b) { pack_rows(x, M, K, (in_place + b) * kRows, xa + b * block_words); });
+  return true;
 }
 
 // fn(p_begin, p_end) on each thread's contiguous range of y's N / 64 panels: each thread streams one run of
@@ -402,12 +435,12 @@ void split_panels(xla::ffi::ThreadPool& pool, int64_t N, const Fn& fn) {
                [&](int64_t part) { fn(part * num_panels / parts, (part + 1) * num_panels / parts); });
 }
 
-// x packed, then each thread's range of panels.
+// x's tiles, then each thread's range of panels.
 bool run_matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, Weights w, float* y, int64_t M, int64_t K,
                 int64_t N) {
-  const uint16_t* xa = pack_x(pool, x, M, K);
-  if (!xa) return false;
-  split_panels(pool, N, [&](int64_t begin, int64_t end) { panels(xa, w, y, M, K, N, begin, end); });
+  XTiles xt;
+  if (!x_tiles(pool, x, M, K, xt)) return false;
+  split_panels(pool, N, [&](int64_t begin, int64_t end) { panels(xt, w, y, M, K, N, begin, end); });
   return true;
 }
 
@@ -425,9 +458,9 @@ bool MatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t*
 
 bool GatedMatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* gate, const uint16_t* up,
                        uint16_t* y, int64_t M, int64_t K, int64_t N) {
-  const uint16_t* xa = pack_x(pool, x, M, K);
-  if (!xa) return false;
-  split_panels(pool, N, [&](int64_t begin, int64_t end) { gated_panels(xa, gate, up, y, M, K, N, begin, end); });
+  XTiles xt;
+  if (!x_tiles(pool, x, M, K, xt)) return false;
+  split_panels(pool, N, [&](int64_t begin, int64_t end) { gated_panels(xt, gate, up, y, M, K, N, begin, end); });
   return true;
 }
 

@@ -122,13 +122,13 @@ void pack_values(const uint16_t* first, const uint16_t* second, int64_t D, int64
 
 // Per-thread buffers, grown to the largest run seen.
 struct Scratch {
-  std::vector<uint16_t> q;     // [passes][D / 32][2][16 rows][32]: Q's A tiles
-  std::vector<uint16_t> keys;  // [kSegmentPages][D / 32][512]: the segment's K tiles
-  std::vector<uint16_t> vals;  // [kSegmentPages / 2][D / 16][512]: the segment's V tiles
-  std::vector<float> s;        // [kPassRows][kSegmentKeys]: a pass's scores
-  std::vector<uint16_t> p;     // [kPassRows][kSegmentKeys]: its probabilities, bfloat16
-  std::vector<float> o;        // [rows][D]: the accumulators
-  std::vector<float> m, l;     // [rows]: running max (of unscaled scores) and sum
+  TileVector<uint16_t> q;     // [passes][D / 32][2][16 rows][32]: Q's A tiles
+  TileVector<uint16_t> keys;  // [kSegmentPages][D / 32][512]: the segment's K tiles
+  TileVector<uint16_t> vals;  // [kSegmentPages / 2][D / 16][512]: the segment's V tiles
+  TileVector<float> s;        // [kPassRows][kSegmentKeys]: a pass's scores
+  TileVector<uint16_t> p;     // [kPassRows][kSegmentKeys]: its probabilities, bfloat16
+  TileVector<float> o;        // [rows][D]: the accumulators
+  TileVector<float> m, l;     // [rows]: running max (of unscaled scores) and sum
 };
 
 // The keys [lo, hi) that some row among tokens [first, last] sees.
