@@ -40,6 +40,7 @@ _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
 _MATMUL_TRANSPOSED_TARGET = "matmul_transposed_cpu"
+_MATMUL_TRANSPOSED_ARGMAX_TARGET = "matmul_transposed_argmax_cpu"
 _MATMUL_PACKED_TARGET = "matmul_packed_cpu"
 _GATED_MATMUL_PACKED_TARGET = "gated_matmul_packed_cpu"
 _ARGMAX_ROWS_TARGET = "argmax_rows_cpu"
@@ -114,6 +115,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                              (_SCATTER_BLOCKS_TARGET, library.ScatterBlocksCpu),
                              (_QUANT_MATMUL_TARGET, library.QuantMatmulCpu),
                              (_MATMUL_TRANSPOSED_TARGET, library.MatmulTransposedCpu),
+                             (_MATMUL_TRANSPOSED_ARGMAX_TARGET, library.MatmulTransposedArgmaxCpu),
                              (_MATMUL_PACKED_TARGET, library.MatmulPackedCpu),
                              (_GATED_MATMUL_PACKED_TARGET, library.GatedMatmulPackedCpu),
                              (_ARGMAX_ROWS_TARGET, library.ArgmaxRowsCpu)):
@@ -283,16 +285,33 @@ def matmul_transposed_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int
     """x [M, K] @ w [N, K]^T on AMX tiles, float32 [M, N]: the tied LM head against the embedding table as
     stored (no transposed copy). bfloat16 operands, K a multiple of 32; only where `matmul_on_amx()`.
     live_rows: as for `matmul_cpu` (rows from it on are zeros)."""
+    live = _check_transposed("matmul_transposed_cpu", x, w, live_rows)
+    call = jax.ffi.ffi_call(_MATMUL_TRANSPOSED_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+    return call(x, w, live)
+
+
+def matmul_transposed_argmax_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = None) -> jax.Array:
+    """int32 [M]: `paged.sampler.first_argmax(matmul_transposed_cpu(x, w))` without the [M, N] logits (the first
+    maximum, a NaN counting as +inf), in one AMX pass over w: the greedy tied LM head. Operands as for
+    `matmul_transposed_cpu`; rows from live_rows on are 0."""
+    live = _check_transposed("matmul_transposed_argmax_cpu", x, w, live_rows)
+    if w.shape[0] < 1:
+        raise ValueError(f"matmul_transposed_argmax_cpu needs at least one row of w; got {w.shape}")
+    call = jax.ffi.ffi_call(_MATMUL_TRANSPOSED_ARGMAX_TARGET, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
+    return call(x, w, live)
+
+
+def _check_transposed(name: str, x: jax.Array, w: jax.Array, live_rows) -> jax.Array:
+    """Refuses what the transposed AMX calls cannot take; returns the live row count as an int32 array."""
     _require_kernels()
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or x.shape[1] % 32:
-        raise ValueError(f"expected x [M, K] and w [N, K] with K a multiple of 32; got {x.shape} and {w.shape}")
+        raise ValueError(f"{name}: expected x [M, K] and w [N, K] with K a multiple of 32; got {x.shape} and "
+                         f"{w.shape}")
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
-        raise ValueError(f"matmul_transposed_cpu takes bfloat16 operands; got {x.dtype} and {w.dtype}")
+        raise ValueError(f"{name} takes bfloat16 operands; got {x.dtype} and {w.dtype}")
     if not matmul_on_amx():
-        raise ValueError("matmul_transposed_cpu runs on AMX tiles, and this CPU (or OS) offers none")
-    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
-    call = jax.ffi.ffi_call(_MATMUL_TRANSPOSED_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
-    return call(x, w, live.astype(jnp.int32))
+        raise ValueError(f"{name} runs on AMX tiles, and this CPU (or OS) offers none")
+    return jnp.asarray(x.shape[0] if live_rows is None else live_rows).astype(jnp.int32)
 
 
 # The AMX layout of a bfloat16 kernel [K, N] (amx.h: MatmulPacked): 64-column panels, each a run of 32-row

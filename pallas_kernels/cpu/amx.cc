@@ -23,6 +23,7 @@
 #include "amx.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -327,10 +328,11 @@ void pack_rows_as_pairs(const uint16_t* x, int64_t M, int64_t K, int64_t m0, uin
         }
 }
 
-// y[m, n0 + i] for i < rows (<= 32) and m < rows_m (<= 32) of the x block packed in xb; w_rows: 32 rows of w
-// (row stride K), the ones past `rows` any readable memory (their results are dropped).
-void transposed_block(const uint16_t* w_rows, const uint16_t* xb, int64_t K, float* y, int64_t N, int64_t n0,
-                      int64_t rows, int64_t rows_m, int64_t m0, const char* ahead, int64_t ahead_bytes) {
+// The sums of 32 rows of w (row stride K) against the x block packed in xb, into block [tile][row of w][row
+// of x] (tile 2 * (w row / 16) + x row / 16); rows of w past the table's end may be any readable memory.
+using TransposedBlock = float[4][16][16];
+void transposed_block(const uint16_t* w_rows, const uint16_t* xb, int64_t K, int64_t rows_m, const char* ahead,
+                      int64_t ahead_bytes, TransposedBlock& block) {
   const int64_t steps = K / kDepth, stride = K * sizeof(uint16_t);
   _tile_zero(0);
   _tile_zero(1);
@@ -354,30 +356,36 @@ void transposed_block(const uint16_t* w_rows, const uint16_t* xb, int64_t K, flo
       _tile_dpbf16ps(3, 5, 7);
     }
   }
-  alignas(64) float block[4][16][16];  // [tile][row of w][row of x]
   _tile_stored(0, block[0], 64);
   _tile_stored(1, block[1], 64);
   _tile_stored(2, block[2], 64);
   _tile_stored(3, block[3], 64);
-  // y's row m takes column m of the tiles: 16 strided floats, one gather.
-  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                            _mm512_set1_epi32(16));
-  for (int64_t m = 0; m < rows_m; ++m)
-    for (int64_t half = 0; half < 2 && 16 * half < rows; ++half) {
-      const __m512 v = _mm512_i32gather_ps(column, &block[half * 2 + m / 16][0][m % 16], 4);
-      const __mmask16 valid = rows - 16 * half >= 16 ? 0xFFFF : (1u << (rows - 16 * half)) - 1;
-      _mm512_mask_storeu_ps(y + (m0 + m) * N + n0 + 16 * half, valid, v);
-    }
 }
 
-// Rows [n_begin, n_end) of w (a multiple of 32 apart, except at N) against every row of x.
-void transposed_rows(const uint16_t* x, const uint16_t* w, float* y, int64_t M, int64_t K, int64_t N,
-                     int64_t n_begin, int64_t n_end) {
+// Row m of x's sums against w rows [16 half, 16 half + 16) of a block: column m of a tile, one gather.
+inline __m512 block_column(const TransposedBlock& block, int64_t m, int64_t half) {
+  const __m512i column = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+  return _mm512_i32gather_ps(column, &block[half * 2 + m / 16][0][m % 16], 4);
+}
+
+// The lanes of w rows [16 half, 16 half + 16) that exist among a block's `rows`.
+inline __mmask16 block_lanes(int64_t rows, int64_t half) {
+  return rows - 16 * half >= 16 ? 0xFFFF : (1u << (rows - 16 * half)) - 1;
+}
+
+// Rows [n_begin, n_end) of w (a multiple of 32 apart, except at N) against every row of x, 32 x 32 at a time:
+// take(block, n0, rows, m0, rows_m) receives the sums of w rows [n0, n0 + rows) and x rows [m0, m0 + rows_m),
+// in increasing n0.
+template <typename Take>
+void transposed_rows(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, int64_t n_begin, int64_t n_end,
+                     const Take& take) {
   configure_tiles();
   const int64_t steps = K / kDepth, chunks = (M + kRows - 1) / kRows;
   thread_local TileVector<uint16_t> xb, tail;
   xb.resize(chunks * steps * 2 * kTileWords);
   for (int64_t c = 0; c < chunks; ++c) pack_rows_as_pairs(x, M, K, c * kRows, xb.data() + c * steps * 2 * kTileWords);
+  alignas(64) TransposedBlock block;
   for (int64_t n0 = n_begin; n0 < n_end; n0 += 32) {
     const int64_t rows = std::min<int64_t>(32, n_end - n0);
     const uint16_t* w_rows = w + n0 * K;
@@ -387,12 +395,26 @@ void transposed_rows(const uint16_t* x, const uint16_t* w, float* y, int64_t M, 
       w_rows = tail.data();
     }
     const int64_t next = std::min<int64_t>(32, std::max<int64_t>(0, n_end - n0 - 32));
-    for (int64_t c = 0; c < chunks; ++c)
-      transposed_block(w_rows, xb.data() + c * steps * 2 * kTileWords, K, y, N, n0, rows,
-                       std::min(kRows, M - c * kRows), c * kRows,
-                       next ? reinterpret_cast<const char*>(w + (n0 + 32) * K) : nullptr, c == 0 ? next * K * 2 : 0);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t rows_m = std::min(kRows, M - c * kRows);
+      transposed_block(w_rows, xb.data() + c * steps * 2 * kTileWords, K, rows_m,
+                       next ? reinterpret_cast<const char*>(w + (n0 + 32) * K) : nullptr, c == 0 ? next * K * 2 : 0,
+                       block);
+      take(block, n0, rows, c * kRows, rows_m);
+    }
   }
   _tile_release();
+}
+
+// Each thread's contiguous run of w's 32-row blocks: fn(part, n_begin, n_end).
+template <typename Fn>
+int64_t split_table(xla::ffi::ThreadPool& pool, int64_t N, const Fn& fn) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t blocks = (N + 31) / 32, parts = std::min(blocks, threads);
+  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
+    fn(part, part * blocks / parts * 32, std::min(N, (part + 1) * blocks / parts * 32));
+  });
+  return parts;
 }
 
 }  // namespace
@@ -467,11 +489,54 @@ bool GatedMatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint
 bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M,
                       int64_t K, int64_t N) {
   if (K % kDepth) return false;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t blocks = (N + 31) / 32, parts = std::min(blocks, threads);
-  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
-    transposed_rows(x, w, y, M, K, N, part * blocks / parts * 32, std::min(N, (part + 1) * blocks / parts * 32));
+  split_table(pool, N, [&](int64_t, int64_t n_begin, int64_t n_end) {
+    transposed_rows(x, w, M, K, n_begin, n_end,
+                    [&](const TransposedBlock& block, int64_t n0, int64_t rows, int64_t m0, int64_t rows_m) {
+                      for (int64_t m = 0; m < rows_m; ++m)
+                        for (int64_t half = 0; half < 2 && 16 * half < rows; ++half)
+                          _mm512_mask_storeu_ps(y + (m0 + m) * N + n0 + 16 * half, block_lanes(rows, half),
+                                                block_column(block, m, half));
+                    });
   });
+  return true;
+}
+
+bool MatmulTransposedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, int32_t* tokens,
+                            int64_t M, int64_t K, int64_t N) {
+  if (K % kDepth) return false;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // Each thread's best value and its first index per row of x, over the thread's run of w; a NaN counts as
+  // +inf (first_argmax's semantics), and a row's first index holds while nothing beats -inf.
+  std::vector<float> best(threads * M, -INFINITY);
+  std::vector<int32_t> index(threads * M, 0);
+  const int64_t parts = split_table(pool, N, [&](int64_t part, int64_t n_begin, int64_t n_end) {
+    float* part_best = best.data() + part * M;
+    int32_t* part_index = index.data() + part * M;
+    for (int64_t m = 0; m < M; ++m) part_index[m] = static_cast<int32_t>(n_begin);
+    transposed_rows(x, w, M, K, n_begin, n_end,
+                    [&](const TransposedBlock& block, int64_t n0, int64_t rows, int64_t m0, int64_t rows_m) {
+                      for (int64_t m = 0; m < rows_m; ++m)
+                        for (int64_t half = 0; half < 2 && 16 * half < rows; ++half) {
+                          const __mmask16 lanes = block_lanes(rows, half);
+                          __m512 v = block_column(block, m, half);
+                          v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v,
+                                                   _mm512_set1_ps(INFINITY));
+                          const float top = _mm512_mask_reduce_max_ps(lanes, v);
+                          if (top > part_best[m0 + m]) {
+                            const __mmask16 at = _mm512_mask_cmp_ps_mask(lanes, v, _mm512_set1_ps(top), _CMP_EQ_OQ);
+                            part_best[m0 + m] = top;
+                            part_index[m0 + m] = static_cast<int32_t>(n0 + 16 * half + __builtin_ctz(at));
+                          }
+                        }
+                    });
+  });
+  // Runs in increasing order: a later one wins only with a strictly greater value.
+  for (int64_t m = 0; m < M; ++m) {
+    float top = best[m];
+    tokens[m] = index[m];
+    for (int64_t part = 1; part < parts; ++part)
+      if (best[part * M + m] > top) top = best[part * M + m], tokens[m] = index[part * M + m];
+  }
   return true;
 }
 
@@ -480,6 +545,11 @@ bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint1
 bool Available() { return false; }
 
 bool MatmulTransposed(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, float*, int64_t, int64_t, int64_t) {
+  return false;
+}
+
+bool MatmulTransposedArgmax(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, int32_t*, int64_t, int64_t,
+                            int64_t) {
   return false;
 }
 

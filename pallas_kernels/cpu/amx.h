@@ -34,6 +34,11 @@ bool GatedMatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint
 bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M,
                       int64_t K, int64_t N);
 
+// tokens[m] = the first index of the maximum of row m of x @ w^T (a NaN counting as +inf), for m < M, without
+// writing the [M, N] products: the greedy LM head. As MatmulTransposed otherwise.
+bool MatmulTransposedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, int32_t* tokens,
+                            int64_t M, int64_t K, int64_t N);
+
 // One KV head's attention for a run of tokens of one sequence (a prompt chunk), bfloat16 in and out, float32
 // scores, softmax and accumulation; probabilities are rounded to bfloat16 for the PV product. Pages of 16 keys.
 struct PromptRun {

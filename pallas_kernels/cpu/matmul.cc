@@ -438,6 +438,28 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Any
   return ffi::Error::Success();
 }
 
+// tokens[m] = argmax over n of (x @ w^T)[m, n] (amx.cc: MatmulTransposedArgmax), rows [live, M) zeros: the
+// greedy LM head without the logits. Same operands and conditions as matmul_transposed_cpu.
+ffi::Error MatmulTransposedArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                      ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::S32> tokens) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || wd[0] < 1 || x.element_type() != ffi::DataType::BF16 ||
+      w.element_type() != ffi::DataType::BF16 || live.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "matmul_transposed_argmax_cpu: expected bfloat16 x [M, K], w [N, K] with N >= 1, a scalar live");
+  const int64_t K = xd[1], N = wd[0];
+  int32_t* out = tokens->typed_data();
+  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
+  std::fill(out + M, out + xd[0], 0);
+  if (M == 0) return ffi::Error::Success();
+  if (!paged::amx::Available() ||
+      !paged::amx::MatmulTransposedArgmax(pool, static_cast<const uint16_t*>(x.untyped_data()),
+                                          static_cast<const uint16_t*>(w.untyped_data()), out, M, K, N))
+    return ffi::Error::InvalidArgument("matmul_transposed_argmax_cpu: needs AMX and K a multiple of 32");
+  return ffi::Error::Success();
+}
+
 // ---- quantized weights with per-group scales (GPTQ, AWQ, compressed-tensors; int8 or packed int4) -------
 //
 // y[M, N] = x[M, K] @ W with W[k, n] = code[k, n] * scales[k / group_rows, n]: each block of weight rows
@@ -536,6 +558,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulCpu, MatmulImpl, MatmulBinding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulTransposedCpu, MatmulTransposedImpl, MatmulBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPackedCpu, MatmulPackedImpl, MatmulBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulTransposedArgmaxCpu, MatmulTransposedArgmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GatedMatmulPackedCpu, GatedMatmulPackedImpl,
                               ffi::Ffi::Bind()

@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.cpu import available, matmul_cpu, matmul_transposed_cpu, paged_attention_cpu, quant_matmul_cpu
+from pallas_kernels.cpu import (available, matmul_cpu, matmul_transposed_argmax_cpu, matmul_transposed_cpu,
+                                 paged_attention_cpu, quant_matmul_cpu)
 from tests.native import needs_compiler
 from tests.pallas_kernels.kernel_inputs import LAYER, attention_f64, random_pool, tolerance
 
@@ -385,6 +386,74 @@ def test_matmul_transposed_refuses_what_it_cannot_do():
         matmul_transposed_cpu(jnp.zeros((4, 48), jnp.bfloat16), jnp.zeros((64, 48), jnp.bfloat16))
     with pytest.raises(ValueError, match="bfloat16 operands"):
         matmul_transposed_cpu(jnp.zeros((4, 64)), jnp.zeros((64, 64)))
+
+
+def _first_argmax_np(logits: np.ndarray) -> np.ndarray:
+    """numpy's argmax with a NaN counting as +inf (`paged.sampler.first_argmax`)."""
+    return np.argmax(np.where(np.isnan(logits), np.inf, logits), axis=-1).astype(np.int32)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 33, 70])
+@pytest.mark.parametrize("inner, vocab", [(32, 1), (96, 5), (64, 100), (896, 1000)])
+def test_matmul_transposed_argmax_is_the_logits_first_argmax(rows, inner, vocab):
+    """The fused greedy LM head picks what the first argmax of the unfused call's float32 logits picks: one
+    to several 32-row blocks, a partial last block, row chunks of 32 and 16, the table split over threads."""
+    _needs_amx()
+    rng = np.random.default_rng(rows * 7 + inner + vocab)
+    x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(vocab, inner)), jnp.bfloat16)
+    want = _first_argmax_np(np.asarray(matmul_transposed_cpu(x, w)))
+    np.testing.assert_array_equal(np.asarray(matmul_transposed_argmax_cpu(x, w)), want)
+
+
+@pytest.mark.parametrize("special, want", [
+    ({300: 50.0, 700: 50.0}, 300),             # a tie across the threads' halves of the table
+    ({3: 40.0, 9: 40.0}, 3),                   # a tie inside one block
+    ({600: np.inf, 800: np.nan}, 600),         # +inf before a NaN: the +inf
+    ({200: np.nan, 900: np.inf}, 200),         # a NaN counts as +inf, first
+    ({999: 30.0}, 999),                        # the table's last row, in its partial last block
+])
+def test_matmul_transposed_argmax_ties_nan_and_infinities(special, want):
+    """First index among equal maxima, NaN as +inf; x is e_0, so row n's product is w[n, 0] exactly."""
+    _needs_amx()
+    vocab, inner = 1000, 64
+    w = np.random.default_rng(0).normal(size=(vocab, inner)).astype(np.float32)
+    for row, value in special.items():
+        w[row, 0] = value
+    x = np.zeros((2, inner), np.float32)
+    x[:, 0] = 1.0
+    xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
+    got = np.asarray(matmul_transposed_argmax_cpu(xb, wb))
+    np.testing.assert_array_equal(got, [want, want])
+    np.testing.assert_array_equal(got, _first_argmax_np(np.asarray(matmul_transposed_cpu(xb, wb))))
+
+
+def test_matmul_transposed_argmax_of_minus_infinity_is_the_first_index():
+    _needs_amx()
+    ones, minus_inf = jnp.ones((3, 64), jnp.bfloat16), jnp.full((1000, 64), -jnp.inf, jnp.bfloat16)
+    assert np.all(np.isneginf(np.asarray(matmul_transposed_cpu(ones, minus_inf))))
+    np.testing.assert_array_equal(np.asarray(matmul_transposed_argmax_cpu(ones, minus_inf)), [0, 0, 0])
+
+
+@pytest.mark.parametrize("live", [0, 1, 17, 40])
+def test_matmul_transposed_argmax_live_rows(live):
+    _needs_amx()
+    rng = np.random.default_rng(live + 100)
+    x = rng.normal(size=(40, 64)).astype(np.float32)
+    x[live:] = np.nan
+    x = jnp.asarray(x, jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(300, 64)), jnp.bfloat16)
+    got = np.asarray(jax.jit(matmul_transposed_argmax_cpu)(x, w, jnp.int32(live)))
+    assert not np.any(got[live:])
+    np.testing.assert_array_equal(got[:live], _first_argmax_np(np.asarray(matmul_transposed_cpu(x[:max(live, 1)], w)))[:live])
+
+
+def test_matmul_transposed_argmax_refuses_what_it_cannot_do():
+    _needs_amx()
+    with pytest.raises(ValueError, match="multiple of 32"):
+        matmul_transposed_argmax_cpu(jnp.zeros((4, 48), jnp.bfloat16), jnp.zeros((64, 48), jnp.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 operands"):
+        matmul_transposed_argmax_cpu(jnp.zeros((4, 64)), jnp.zeros((64, 64)))
 
 
 def test_pack_for_amx_places_each_weight_where_the_tiles_read_it():
