@@ -296,10 +296,19 @@ class Embedding(nn.Module):
         of eight (measured in docs/kernels.md).
         """
         table = self.embedding
-        if (self.backend == "cpu" and table.dtype == jnp.bfloat16 and h.ndim == 2 and h.shape[1] % 32 == 0
-                and cpu.matmul_on_amx()):
+        if self.runs_natively(h):
             return cpu.matmul_transposed_cpu(h.astype(jnp.bfloat16), table, live_rows)
         return jnp.einsum("sh,vh->sv", h, table, preferred_element_type=jnp.float32)
+
+    def runs_natively(self, h: jax.Array) -> bool:
+        """Whether `attend` runs on the native transposed matmul for h (the condition `attend_argmax` needs)."""
+        return (self.backend == "cpu" and self.embedding.dtype == jnp.bfloat16 and h.ndim == 2
+                and h.shape[1] % 32 == 0 and cpu.matmul_on_amx())
+
+    def attend_argmax(self, h: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
+        """int32 [S]: the first argmax of `attend(h, live_rows)`'s rows (0 past live_rows), in the same pass
+        over the table and without writing the [S, V] logits. Only where `runs_natively(h)`."""
+        return cpu.matmul_transposed_argmax_cpu(h.astype(jnp.bfloat16), self.embedding, live_rows)
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tiled: bool | None = None) -> jax.Array:

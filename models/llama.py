@@ -22,7 +22,7 @@ unrolled loop that is faster on CPU, `layers` is a list of per-layer trees witho
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -56,11 +56,21 @@ class DecoderLayer(Block):
         return h, k_cache, v_cache
 
 
+class LastHidden(NamedTuple):
+    """What the LM head reads: h [S, H] in the model dtype (final-normed, one row per sequence) and live_rows,
+    int32 []: rows from it on are padded sequences, whose logits nobody reads."""
+
+    h: jax.Array
+    live_rows: jax.Array
+
+
 class LlamaForCausalLM:
     """Functional causal LM over a paged KV cache.
 
     `forward(params, kv_cache, token_ids, meta, logits_indices, attention)` returns logits float32 [S, V] for
-    the tokens picked by `logits_indices` (only those reach the LM head) and the updated cache.
+    the tokens picked by `logits_indices` (only those reach the LM head) and the updated cache. It is
+    `hidden_states` then `logits`; the runner calls the two itself, so that a greedy step can take
+    `greedy_head`'s tokens instead of the logits.
     """
 
     def __init__(self, config: ModelConfig, dtype: Any, linear_backend: str = "xla"):
@@ -181,8 +191,9 @@ class LlamaForCausalLM:
             tables["local"] = rotary_table(max_positions, self.local_inv_freq)
         return {"rotary": tables}
 
-    def forward(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
-        """
+    def hidden_states(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
+        """The step's layers, up to the LM head.
+
         Args:
           params: the tree described in the module docstring; with `precomputed`'s arrays, positions must
             lie below its max_positions.
@@ -192,7 +203,7 @@ class LlamaForCausalLM:
           logits_indices: int32 [S]; which packed token's hidden state feeds each sequence's logits.
           attention: the attention backend.
         Returns:
-          (logits float32 [S, V], kv_cache)
+          (LastHidden: the final-normed hidden states of the tokens logits_indices picks, kv_cache)
         """
         cfg = self.config
         embed = {"params": params["embed_tokens"]}
@@ -227,12 +238,34 @@ class LlamaForCausalLM:
         h = h[logits_indices]
         h = self.final_norm.apply({"params": params["norm"]}, h)
         live_seqs = jnp.sum(meta.seq_lens > 0, dtype=jnp.int32)  # rows of padded sequences may be skipped
+        return LastHidden(h, live_seqs), (k_all, v_all)
+
+    def logits(self, params, last: "LastHidden") -> jax.Array:
+        """float32 logits [S, V] of `hidden_states`' rows."""
+        cfg = self.config
         if cfg.tie_word_embeddings:
-            logits = self.embed.apply(embed, h, live_seqs, method="attend")
+            logits = self.embed.apply({"params": params["embed_tokens"]}, last.h, last.live_rows, method="attend")
         else:
-            logits = self.lm_head.apply({"params": params["lm_head"]}, h, live_seqs)
+            logits = self.lm_head.apply({"params": params["lm_head"]}, last.h, last.live_rows)
         if cfg.padded_vocab_size:
             logits = logits[:, :cfg.vocab_size]  # the padding rows are not tokens
         if cfg.final_soft_cap:
             logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
-        return logits, (k_all, v_all)
+        return logits
+
+    def greedy_head(self, params, last: "LastHidden") -> Callable[[], jax.Array] | None:
+        """A function giving `first_argmax(self.logits(params, last))` without the logits (int32 [S]), or None
+        where no kernel fuses them: the tied table's native transposed matmul (`Embedding.attend_argmax`), with
+        every table row a token and no soft cap (tanh can merge distinct logits into one maximum)."""
+        cfg = self.config
+        if not cfg.tie_word_embeddings or cfg.padded_vocab_size or cfg.final_soft_cap:
+            return None
+        embed = {"params": params["embed_tokens"]}
+        if not self.embed.apply(embed, last.h, method="runs_natively"):
+            return None
+        return lambda: self.embed.apply(embed, last.h, last.live_rows, method="attend_argmax")
+
+    def forward(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
+        """`hidden_states` then `logits`: (logits float32 [S, V], kv_cache)."""
+        last, kv_cache = self.hidden_states(params, kv_cache, token_ids, meta, logits_indices, attention)
+        return self.logits(params, last), kv_cache

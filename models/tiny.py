@@ -50,11 +50,12 @@ def _train_tokenizer(directory: str, vocab_size: int) -> int:
 def create_tiny_llama(directory: str, *, vocab_size: int = 512, hidden_size: int = 64,
                       intermediate_size: int = 128, num_layers: int = 2, num_heads: int = 4,
                       num_kv_heads: int = 2, seed: int = 0, model_vocab_size: int | None = None,
-                      max_position_embeddings: int = 1024) -> str:
+                      max_position_embeddings: int = 1024, tie_word_embeddings: bool = False) -> str:
     """Writes config.json, model.safetensors and a trained byte-level BPE tokenizer into `directory`.
 
     The tokenizer's vocabulary is at most `vocab_size` (the corpus is small); `model_vocab_size` sets a larger
-    embedding table when a benchmark needs realistic LM-head costs (the extra ids have no text).
+    embedding table when a benchmark needs realistic LM-head costs (the extra ids have no text);
+    `tie_word_embeddings` leaves out lm_head.weight (the LM head is the embedding table).
     """
     os.makedirs(directory, exist_ok=True)
     real_vocab = max(_train_tokenizer(directory, vocab_size), model_vocab_size or 0)
@@ -64,7 +65,7 @@ def create_tiny_llama(directory: str, *, vocab_size: int = 512, hidden_size: int
         "hidden_size": hidden_size, "intermediate_size": intermediate_size, "num_hidden_layers": num_layers,
         "num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": head_dim,
         "max_position_embeddings": max_position_embeddings, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-        "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
+        "tie_word_embeddings": tie_word_embeddings, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
         "torch_dtype": "float32", "paged_random_weights": True,  # models/builtin.py reads it
     }
     with open(os.path.join(directory, "config.json"), "w") as f:
@@ -73,8 +74,9 @@ def create_tiny_llama(directory: str, *, vocab_size: int = 512, hidden_size: int
     rng = np.random.default_rng(seed)
     normal = lambda *shape: (rng.standard_normal(shape) * 0.2).astype(np.float32)  # HF layout [out, in]
     tensors = {"model.embed_tokens.weight": normal(real_vocab, hidden_size),
-               "model.norm.weight": np.ones(hidden_size, np.float32),
-               "lm_head.weight": normal(real_vocab, hidden_size)}
+               "model.norm.weight": np.ones(hidden_size, np.float32)}
+    if not tie_word_embeddings:
+        tensors["lm_head.weight"] = normal(real_vocab, hidden_size)
     for i in range(num_layers):
         p = f"model.layers.{i}."
         tensors.update({

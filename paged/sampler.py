@@ -171,22 +171,33 @@ def apply_token_mask(logits: jax.Array, allowed_tokens: jax.Array) -> jax.Array:
     return jnp.where(allowed[:, :vocab], logits, -jnp.inf)
 
 
-def sample(logits: jax.Array, meta: SamplingMetadata, argmax: Callable[[jax.Array], jax.Array] | None = None
-           ) -> SamplerOutput:
+def sample(logits: jax.Array | Callable[[], jax.Array], meta: SamplingMetadata,
+           argmax: Callable[[jax.Array], jax.Array] | None = None,
+           greedy: Callable[[], jax.Array] | None = None) -> SamplerOutput:
     """Picks one token per row from float32 logits [S, V].
 
     A step where every row is plain greedy (no penalties, biases or logprobs) only takes the argmax:
     the full path's first change to the logits copies them (the raw ones stay live for logprobs), and on CPU
     that copy and the passes over it were 1.5-6% of a decode step. `argmax`: `first_argmax` (the default) or
     a kernel with its semantics (the runner passes the native CPU one on a single CPU device).
+
+    `logits` may be a function computing them, and `greedy` a function giving the plain-greedy tokens without
+    them (the LM head's fused argmax, `LlamaForCausalLM.greedy_head`): then a plain-greedy step never computes
+    the logits. A step with a constrained row (its mask applies before the argmax) always does.
     """
     argmax = argmax or first_argmax
+    compute = logits if callable(logits) else (lambda: logits)
     if meta.allowed_tokens.shape[1]:  # static: some row of this step is constrained
-        logits = apply_token_mask(logits, meta.allowed_tokens)
+        unmasked, greedy = compute, None
+        compute = lambda: apply_token_mask(unmasked(), meta.allowed_tokens)
     plain_greedy = ~(jnp.any(meta.temperature > 0) | _needs_penalty(meta) | jnp.any(meta.bias_ids >= 0)
                      | jnp.any(meta.wants_logprobs))
-    return jax.lax.cond(plain_greedy, functools.partial(_greedy, argmax=argmax),
-                        functools.partial(_sample_full, argmax=argmax), logits, meta)
+    if greedy is None:
+        return jax.lax.cond(plain_greedy, functools.partial(_greedy, argmax=argmax),
+                            functools.partial(_sample_full, argmax=argmax), compute(), meta)
+    rows = meta.temperature.shape[0]
+    return jax.lax.cond(plain_greedy, lambda m: SamplerOutput(greedy(), *_no_logprobs(rows)),
+                        lambda m: _sample_full(compute(), m, argmax), meta)
 
 
 def _needs_penalty(meta: SamplingMetadata) -> jax.Array:

@@ -1,0 +1,57 @@
+"""The runner's step: the LM head inside the sampler's branches, and the fused greedy head where it applies."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models.llama import LastHidden, LlamaForCausalLM
+from models.tiny import create_tiny_llama
+from pallas_kernels import cpu
+from paged import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def tied_bf16_llm(tmp_path_factory):
+    if not cpu.matmul_on_amx():
+        pytest.skip("no AMX on this CPU: the tied LM head keeps XLA's einsum, and no kernel fuses the argmax")
+    directory = create_tiny_llama(str(tmp_path_factory.mktemp("tied")), tie_word_embeddings=True)
+    return LLM(directory, dtype="bfloat16", linear_backend="cpu", block_size=8, max_num_seqs=8,
+               max_model_len=256, show_progress=False)
+
+
+def _prompts(n: int, seed: int):
+    rng = np.random.default_rng(seed)
+    return [{"prompt_token_ids": rng.integers(2, 400, size=int(length)).tolist()}
+            for length in rng.integers(3, 40, size=n)]
+
+
+def test_greedy_head_is_offered_only_where_a_kernel_fuses_it(tied_bf16_llm):
+    model = tied_bf16_llm.engine.runner.model
+    params = tied_bf16_llm.engine.runner.params
+    last = LastHidden(jnp.zeros((4, model.config.hidden_size), jnp.bfloat16), jnp.int32(4))
+    assert callable(model.greedy_head(params, last))
+    for change in (dict(final_soft_cap=30.0), dict(padded_vocab_size=model.config.vocab_size + 64)):
+        other = LlamaForCausalLM(dataclasses.replace(model.config, **change), jnp.bfloat16, "cpu")
+        assert other.greedy_head(params, last) is None, change
+    assert LlamaForCausalLM(model.config, jnp.bfloat16, "xla").greedy_head(params, last) is None
+    untied = LlamaForCausalLM(dataclasses.replace(model.config, tie_word_embeddings=False), jnp.bfloat16, "cpu")
+    assert untied.greedy_head(params, last) is None
+
+
+def test_fused_greedy_tokens_equal_the_argmax_of_the_logits(tied_bf16_llm):
+    """Plain greedy steps take the fused head; asking for logprobs sends the same steps through the logits and
+    the sampler's argmax, which see the same float32 sums: the tokens must match exactly, alone and when one
+    request of the batch wants logprobs (the whole batch then takes the logits)."""
+    prompts = _prompts(6, 0)
+    fused = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with_logits = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
+    fused_out = [o.outputs[0].token_ids for o in tied_bf16_llm.generate(prompts, fused, use_tqdm=False)]
+    logits_out = [o.outputs[0].token_ids for o in tied_bf16_llm.generate(prompts, with_logits, use_tqdm=False)]
+    mixed_out = [o.outputs[0].token_ids for o in tied_bf16_llm.generate(
+        prompts, [with_logits] + [fused] * (len(prompts) - 1), use_tqdm=False)]
+    assert fused_out == logits_out == mixed_out
+    assert len({tuple(t) for t in fused_out}) > 1  # the prompts lead to different continuations
