@@ -505,37 +505,49 @@ bool MatmulTransposedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const
                             int64_t M, int64_t K, int64_t N) {
   if (K % kDepth) return false;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // Each thread's best value and its first index per row of x, over the thread's run of w; a NaN counts as
-  // +inf (first_argmax's semantics), and a row's first index holds while nothing beats -inf.
-  std::vector<float> best(threads * M, -INFINITY);
-  std::vector<int32_t> index(threads * M, 0);
+  // Per thread, row of x and lane (w rows n0 + 16 half + lane of each block): the lane's best value over the
+  // thread's run of w (a NaN counting as +inf, as first_argmax) and the first w row that reached it. Lanes
+  // compare vertically, block after block; the rows' horizontal reductions wait for the end.
+  struct Lanes {
+    TileVector<float> best;
+    TileVector<int32_t> index;
+  };
+  std::vector<Lanes> lanes(threads);
   const int64_t parts = split_table(pool, N, [&](int64_t part, int64_t n_begin, int64_t n_end) {
-    float* part_best = best.data() + part * M;
-    int32_t* part_index = index.data() + part * M;
-    for (int64_t m = 0; m < M; ++m) part_index[m] = static_cast<int32_t>(n_begin);
+    Lanes& own = lanes[part];
+    own.best.assign(M * 32, -INFINITY);
+    own.index.assign(M * 32, static_cast<int32_t>(n_begin));
+    const __m512i lane_ids = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     transposed_rows(x, w, M, K, n_begin, n_end,
                     [&](const TransposedBlock& block, int64_t n0, int64_t rows, int64_t m0, int64_t rows_m) {
                       for (int64_t m = 0; m < rows_m; ++m)
                         for (int64_t half = 0; half < 2 && 16 * half < rows; ++half) {
-                          const __mmask16 lanes = block_lanes(rows, half);
+                          float* best = own.best.data() + (m0 + m) * 32 + 16 * half;
+                          int32_t* index = own.index.data() + (m0 + m) * 32 + 16 * half;
                           __m512 v = block_column(block, m, half);
                           v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v,
                                                    _mm512_set1_ps(INFINITY));
-                          const float top = _mm512_mask_reduce_max_ps(lanes, v);
-                          if (top > part_best[m0 + m]) {
-                            const __mmask16 at = _mm512_mask_cmp_ps_mask(lanes, v, _mm512_set1_ps(top), _CMP_EQ_OQ);
-                            part_best[m0 + m] = top;
-                            part_index[m0 + m] = static_cast<int32_t>(n0 + 16 * half + __builtin_ctz(at));
-                          }
+                          const __m512 old = _mm512_load_ps(best);
+                          const __mmask16 better = _mm512_mask_cmp_ps_mask(block_lanes(rows, half), v, old, _CMP_GT_OQ);
+                          _mm512_store_ps(best, _mm512_mask_blend_ps(better, old, v));
+                          _mm512_store_si512(index, _mm512_mask_blend_epi32(
+                              better, _mm512_load_si512(index),
+                              _mm512_add_epi32(lane_ids, _mm512_set1_epi32(static_cast<int32_t>(n0 + 16 * half)))));
                         }
                     });
   });
-  // Runs in increasing order: a later one wins only with a strictly greater value.
+  // The first maximum of each row: the greatest value over all threads' lanes, then the least index with it.
+  // (A lane that never beat -inf keeps its thread's first row; that matters only when the row's maximum is
+  // -inf, and then row 0, thread 0's, is the first.)
   for (int64_t m = 0; m < M; ++m) {
-    float top = best[m];
-    tokens[m] = index[m];
-    for (int64_t part = 1; part < parts; ++part)
-      if (best[part * M + m] > top) top = best[part * M + m], tokens[m] = index[part * M + m];
+    float top = -INFINITY;
+    for (int64_t part = 0; part < parts; ++part)
+      for (int64_t l = 0; l < 32; ++l) top = std::max(top, lanes[part].best[m * 32 + l]);
+    int32_t first = INT32_MAX;
+    for (int64_t part = 0; part < parts; ++part)
+      for (int64_t l = 0; l < 32; ++l)
+        if (lanes[part].best[m * 32 + l] == top) first = std::min(first, lanes[part].index[m * 32 + l]);
+    tokens[m] = first;
   }
   return true;
 }
