@@ -353,6 +353,11 @@ def _needs_amx():
         pytest.skip("no AMX on this CPU: the tied LM head keeps XLA's dot (tests/models/test_linear.py)")
 
 
+def _first_argmax_np(logits: np.ndarray) -> np.ndarray:
+    """numpy's argmax with a NaN counting as +inf (`paged.sampler.first_argmax`)."""
+    return np.argmax(np.where(np.isnan(logits), np.inf, logits), axis=-1).astype(np.int32)
+
+
 @pytest.mark.parametrize("rows", [1, 16, 17, 33, 70])
 @pytest.mark.parametrize("inner, vocab", [(32, 32), (96, 100), (896, 1000)])
 def test_matmul_transposed_matches_float64(rows, inner, vocab):
@@ -368,6 +373,7 @@ def test_matmul_transposed_matches_float64(rows, inner, vocab):
 
 @pytest.mark.parametrize("live", [0, 1, 17, 40])
 def test_matmul_transposed_live_rows(live):
+    """Rows from live on are zeros (logits) and 0 (the fused greedy head's tokens) though their input is NaN."""
     _needs_amx()
     rng = np.random.default_rng(live)
     x = rng.normal(size=(40, 64)).astype(np.float32)
@@ -378,6 +384,10 @@ def test_matmul_transposed_live_rows(live):
     assert not np.any(got[live:])
     np.testing.assert_allclose(got[:live].astype(np.float64),
                                np.asarray(x[:live], np.float64) @ np.asarray(w, np.float64).T, atol=2e-4, rtol=2e-5)
+    # The fused greedy head over the same rows: their logits' first argmax, zeros past live.
+    tokens = np.asarray(jax.jit(matmul_transposed_argmax_cpu)(x, w, jnp.int32(live)))
+    assert not np.any(tokens[live:])
+    np.testing.assert_array_equal(tokens[:live], _first_argmax_np(got[:live]))
 
 
 def test_matmul_transposed_refuses_what_it_cannot_do():
@@ -386,11 +396,6 @@ def test_matmul_transposed_refuses_what_it_cannot_do():
         matmul_transposed_cpu(jnp.zeros((4, 48), jnp.bfloat16), jnp.zeros((64, 48), jnp.bfloat16))
     with pytest.raises(ValueError, match="bfloat16 operands"):
         matmul_transposed_cpu(jnp.zeros((4, 64)), jnp.zeros((64, 64)))
-
-
-def _first_argmax_np(logits: np.ndarray) -> np.ndarray:
-    """numpy's argmax with a NaN counting as +inf (`paged.sampler.first_argmax`)."""
-    return np.argmax(np.where(np.isnan(logits), np.inf, logits), axis=-1).astype(np.int32)
 
 
 @pytest.mark.parametrize("rows", [1, 17, 33, 70])
@@ -433,19 +438,6 @@ def test_matmul_transposed_argmax_of_minus_infinity_is_the_first_index():
     ones, minus_inf = jnp.ones((3, 64), jnp.bfloat16), jnp.full((1000, 64), -jnp.inf, jnp.bfloat16)
     assert np.all(np.isneginf(np.asarray(matmul_transposed_cpu(ones, minus_inf))))
     np.testing.assert_array_equal(np.asarray(matmul_transposed_argmax_cpu(ones, minus_inf)), [0, 0, 0])
-
-
-@pytest.mark.parametrize("live", [0, 1, 17, 40])
-def test_matmul_transposed_argmax_live_rows(live):
-    _needs_amx()
-    rng = np.random.default_rng(live + 100)
-    x = rng.normal(size=(40, 64)).astype(np.float32)
-    x[live:] = np.nan
-    x = jnp.asarray(x, jnp.bfloat16)
-    w = jnp.asarray(rng.normal(size=(300, 64)), jnp.bfloat16)
-    got = np.asarray(jax.jit(matmul_transposed_argmax_cpu)(x, w, jnp.int32(live)))
-    assert not np.any(got[live:])
-    np.testing.assert_array_equal(got[:live], _first_argmax_np(np.asarray(matmul_transposed_cpu(x[:max(live, 1)], w)))[:live])
 
 
 def test_matmul_transposed_argmax_refuses_what_it_cannot_do():
