@@ -11,7 +11,7 @@ Parameter tree (layers stacked on a leading axis, as for the Llama family):
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from models.attention import AttentionMetadata, ReferenceAttention
 from models.config import ModelConfig
 from models.layers import Block, activation, run_layers
-from models.linear import Embedding, Linear
+from models.linear import Embedding, LastHidden, Linear, tied_greedy_head
 
 
 class GPT2Block(Block):
@@ -116,9 +116,8 @@ class GPT2LMHeadModel:
         del max_positions
         return {}
 
-    def forward(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
-        """See LlamaForCausalLM.forward."""
-        wte = {"params": params["wte"]}
+    def hidden_states(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
+        """See LlamaForCausalLM.hidden_states."""
         h = (params["wte"]["embedding"][token_ids] + params["wpe"]["embedding"][meta.positions]).astype(self.dtype)
         live_tokens = meta.query_start[-1]  # rows from it on are padding (see LlamaForCausalLM.forward)
 
@@ -130,7 +129,20 @@ class GPT2LMHeadModel:
         layer_ids = jnp.arange(self.config.num_layers, dtype=jnp.int32)
         h, k_all, v_all = run_layers(one_layer, (h, *kv_cache), params["layers"], (layer_ids,))
         h = self.final_norm.apply({"params": params["ln_f"]}, h[logits_indices])
-        logits = self.wte.apply(wte, h, jnp.sum(meta.seq_lens > 0, dtype=jnp.int32), method="attend")
+        return LastHidden(h, jnp.sum(meta.seq_lens > 0, dtype=jnp.int32)), (k_all, v_all)
+
+    def logits(self, params, last: LastHidden) -> jax.Array:
+        """float32 logits [S, V] against the tied token table."""
+        logits = self.wte.apply({"params": params["wte"]}, last.h, last.live_rows, method="attend")
         if self.config.padded_vocab_size:
             logits = logits[:, :self.config.vocab_size]  # the padding rows are not tokens
-        return logits, (k_all, v_all)
+        return logits
+
+    def greedy_head(self, params, last: LastHidden) -> Callable[[], jax.Array] | None:
+        """See LlamaForCausalLM.greedy_head (GPT-2's LM head is always the token table)."""
+        return tied_greedy_head(self.wte, params["wte"], last, self.config)
+
+    def forward(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
+        """See LlamaForCausalLM.forward."""
+        last, kv_cache = self.hidden_states(params, kv_cache, token_ids, meta, logits_indices, attention)
+        return self.logits(params, last), kv_cache

@@ -19,7 +19,7 @@ zeros); XLA's dot computes them.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -309,6 +309,27 @@ class Embedding(nn.Module):
         """int32 [S]: the first argmax of `attend(h, live_rows)`'s rows (0 past live_rows), in the same pass
         over the table and without writing the [S, V] logits. Only where `runs_natively(h)`."""
         return cpu.matmul_transposed_argmax_cpu(h.astype(jnp.bfloat16), self.embedding, live_rows)
+
+
+class LastHidden(NamedTuple):
+    """What the LM head reads: h [S, H] in the model dtype (final-normed, one row per sequence) and live_rows,
+    int32 []: rows from it on are padded sequences, whose logits nobody reads."""
+
+    h: jax.Array
+    live_rows: jax.Array
+
+
+def tied_greedy_head(table: Embedding, table_params: dict, last: LastHidden, config) -> Callable[[], jax.Array] | None:
+    """For a model whose LM head is `table` (tied embeddings): a function giving the first argmax of its logits
+    without them (int32 [S], `Embedding.attend_argmax`), or None where no kernel fuses them. Also None when some
+    table rows are not tokens (a padded vocabulary) or a final soft cap applies (tanh can merge distinct
+    logits into one maximum)."""
+    if config.padded_vocab_size or config.final_soft_cap:
+        return None
+    variables = {"params": table_params}
+    if not table.apply(variables, last.h, method="runs_natively"):
+        return None
+    return lambda: table.apply(variables, last.h, last.live_rows, method="attend_argmax")
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tiled: bool | None = None) -> jax.Array:

@@ -22,7 +22,7 @@ unrolled loop that is faster on CPU, `layers` is a list of per-layer trees witho
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
@@ -32,7 +32,7 @@ from models.attention import AttentionMetadata, ReferenceAttention
 from models.config import ModelConfig
 from models.layers import (Block, GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin, rotary_table,
                            run_layers)
-from models.linear import Embedding, Linear
+from models.linear import Embedding, LastHidden, Linear, tied_greedy_head
 from models.moe import SparseMoE
 
 
@@ -54,14 +54,6 @@ class DecoderLayer(Block):
         x = norm("post_attention_layernorm")(h)
         h = h + mlp(x, live_rows)
         return h, k_cache, v_cache
-
-
-class LastHidden(NamedTuple):
-    """What the LM head reads: h [S, H] in the model dtype (final-normed, one row per sequence) and live_rows,
-    int32 []: rows from it on are padded sequences, whose logits nobody reads."""
-
-    h: jax.Array
-    live_rows: jax.Array
 
 
 class LlamaForCausalLM:
@@ -240,7 +232,7 @@ class LlamaForCausalLM:
         live_seqs = jnp.sum(meta.seq_lens > 0, dtype=jnp.int32)  # rows of padded sequences may be skipped
         return LastHidden(h, live_seqs), (k_all, v_all)
 
-    def logits(self, params, last: "LastHidden") -> jax.Array:
+    def logits(self, params, last: LastHidden) -> jax.Array:
         """float32 logits [S, V] of `hidden_states`' rows."""
         cfg = self.config
         if cfg.tie_word_embeddings:
@@ -253,17 +245,12 @@ class LlamaForCausalLM:
             logits = cfg.final_soft_cap * jnp.tanh(logits / cfg.final_soft_cap)
         return logits
 
-    def greedy_head(self, params, last: "LastHidden") -> Callable[[], jax.Array] | None:
+    def greedy_head(self, params, last: LastHidden) -> Callable[[], jax.Array] | None:
         """A function giving `first_argmax(self.logits(params, last))` without the logits (int32 [S]), or None
-        where no kernel fuses them: the tied table's native transposed matmul (`Embedding.attend_argmax`), with
-        every table row a token and no soft cap (tanh can merge distinct logits into one maximum)."""
-        cfg = self.config
-        if not cfg.tie_word_embeddings or cfg.padded_vocab_size or cfg.final_soft_cap:
+        where no kernel fuses them (`models.linear.tied_greedy_head`: a tied table on the native path)."""
+        if not self.config.tie_word_embeddings:
             return None
-        embed = {"params": params["embed_tokens"]}
-        if not self.embed.apply(embed, last.h, method="runs_natively"):
-            return None
-        return lambda: self.embed.apply(embed, last.h, last.live_rows, method="attend_argmax")
+        return tied_greedy_head(self.embed, params["embed_tokens"], last, self.config)
 
     def forward(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
         """`hidden_states` then `logits`: (logits float32 [S, V], kv_cache)."""

@@ -69,15 +69,11 @@ class ModelRunner:
         self.num_compilations += 1  # runs only while tracing, i.e. once per new input shape
         source = inputs.token_source
         token_ids = jnp.where(source >= 0, previous_tokens[jnp.maximum(source, 0)], inputs.token_ids)
-        if hasattr(self.model, "hidden_states"):  # the LM head inside the sampler's branches (greedy_head)
-            last, kv_cache = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention,
-                                                      inputs.logits_indices, self.attention)
-            out = sample(lambda: self.model.logits(params, last), inputs.sampling, self.argmax,
-                         self.model.greedy_head(params, last))
-        else:
-            logits, kv_cache = self.model.forward(params, kv_cache, token_ids, inputs.attention,
+        # The LM head runs inside the sampler's branches: a plain-greedy step may take greedy_head's tokens.
+        last, kv_cache = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention,
                                                   inputs.logits_indices, self.attention)
-            out = sample(logits, inputs.sampling, self.argmax)
+        out = sample(lambda: self.model.logits(params, last), inputs.sampling, self.argmax,
+                     self.model.greedy_head(params, last))
         return kv_cache, out, self.no_tokens.at[:out.tokens.shape[0]].set(out.tokens)
 
     def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None = None
