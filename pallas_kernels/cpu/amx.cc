@@ -119,11 +119,23 @@ struct XTiles {
   }
 };
 
+// Streaming weights from memory, the L2 hardware prefetcher stops at the end of each 4 KB page and starts on
+// the next only when a read there misses. Requesting a page's first lines a little before the tile loads
+// reach it starts that early (a step is 4 KB, so a new page every step). Four lines at the first page
+// boundary at or after `p`, into L2. Measured in a C++ loop over the 0.5B shape's 24 layers, 32 rows, two
+// threads, median of 7: gate/up 790 -> 745 us a layer, down 402 -> 375. The whole of the step ahead (64
+// lines) was no faster than none, and the gain held only with the page boundary found from the address:
+// the step's own start, 1 or 2 KB into a page, lost it.
+inline void start_page_stream(const void* p) {
+  const char* page = reinterpret_cast<const char*>((reinterpret_cast<uintptr_t>(p) + 4095) & ~uintptr_t(4095));
+  for (int line = 0; line < 4; ++line) _mm_prefetch(page + 64 * line, _MM_HINT_T1);
+}
+
 // y[32, 32] (+)= a's rows x b's two column tiles over `steps` tile steps. b: a panel's
 // [steps][4 tiles][16][32], offset to the first of the two column tiles. other_half: the panel's other two
 // column tiles, requested into L2 step by step while this pass reads its half from memory, so the weights
 // stream a whole 4 KB step at a time instead of every other 2 KB (decode steps, 17-32 rows, 80 products of
-// 8.7 MB streamed from memory: 17.1-18.7 -> 19.8-20.0 GB/s).
+// 8.7 MB streamed from memory: 17.1-18.7 -> 19.8-20.0 GB/s); the page two steps ahead is started too.
 inline void tile_32x32(const RowTiles& a, const uint16_t* b, float* y, int64_t ldy, int64_t steps, bool first,
                        const uint16_t* other_half = nullptr) {
   const int64_t stride = ldy * sizeof(float);
@@ -134,9 +146,11 @@ inline void tile_32x32(const RowTiles& a, const uint16_t* b, float* y, int64_t l
     _tile_loadd(2, y + 16 * ldy, stride); _tile_loadd(3, y + 16 * ldy + 16, stride);
   }
   for (int64_t s = 0; s < steps; ++s) {
-    if (other_half)
+    if (other_half) {
       for (int line = 0; line < 32; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(other_half + s * 4 * kTileWords) + 64 * line, _MM_HINT_T1);
+      start_page_stream(b + (s + 2) * 4 * kTileWords);
+    }
     _tile_loadd(4, a.data + s * a.step, a.stride);
     _tile_loadd(5, a.data + s * a.step + a.half, a.stride);
     _tile_loadd(6, b + s * 4 * kTileWords, 64);
