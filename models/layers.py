@@ -5,6 +5,7 @@ Every projection is a `models.linear.Linear`; `live_rows` (the step's real token
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -14,6 +15,7 @@ import numpy as np
 
 from models.config import ModelConfig
 from models.linear import Linear, silu_gated
+from pallas_kernels import cpu
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,
@@ -41,11 +43,28 @@ class RMSNorm(nn.Module):
     eps: float
     dtype: Any
     plus_one: bool = False
+    backend: str = "xla"  # "cpu": with a residual, bfloat16, the add and the norm are one native call
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, residual: jax.Array | None = None):
+        """The norm of x; with `residual`, (x + residual, the norm of that): the residual add that comes before
+        every norm of a decoder layer. On the native path (bfloat16) one pass over the rows
+        (`pallas_kernels.cpu.add_rms_norm_cpu`), whose norm reads the float32 sum before its rounding, as XLA's
+        fusion of the jnp path here does (and vLLM's fused_add_rms_norm)."""
         init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
         scale = self.param("scale", init, (x.shape[-1],), self.dtype)
+        if residual is None:
+            return self._normalize(x, scale)
+        if (self.backend == "cpu" and not self.plus_one and
+                all(a.dtype == jnp.bfloat16 for a in (x, residual, scale)) and cpu.available()[0]):
+            rows = math.prod(x.shape[:-1])
+            total, normed = cpu.add_rms_norm_cpu(x.reshape(rows, x.shape[-1]), residual.reshape(rows, x.shape[-1]),
+                                                 scale, self.eps)
+            return total.reshape(x.shape), normed.reshape(x.shape)
+        x = x + residual
+        return x, self._normalize(x, scale)
+
+    def _normalize(self, x: jax.Array, scale: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         variance = jnp.mean(x32 * x32, axis=-1, keepdims=True)
         normed = x32 * jax.lax.rsqrt(variance + self.eps)

@@ -37,23 +37,27 @@ from models.moe import SparseMoE
 
 
 class DecoderLayer(Block):
+    """One layer: (h, delta) -> (h + delta + attention's output, the MLP's output, k_cache, v_cache).
+
+    The residual stream arrives with the previous layer's last block output not yet added (`delta`): each add is
+    made where a norm reads its result, so the two are one pass on the native path (`RMSNorm` with a residual).
+    """
+
     @nn.compact
-    def __call__(self, h, cos, sin, k_cache, v_cache, layer, window, meta, attention, live_rows=None):
+    def __call__(self, h, delta, cos, sin, k_cache, v_cache, layer, window, meta, attention, live_rows=None):
         cfg = self.config
-        norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one, name=name)
-        x = norm("input_layernorm")(h)
+        norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one, self.linear_backend, name=name)
+        h, x = norm("input_layernorm")(h, delta)
         x, k_cache, v_cache = PagedSelfAttention(cfg, self.dtype, self.linear_backend, name="self_attn")(
             x, cos, sin, k_cache, v_cache, layer, window, meta, attention, live_rows)
         mlp_cls = SparseMoE if cfg.num_experts else GatedMLP
         mlp = mlp_cls(cfg, self.dtype, linear_backend=self.linear_backend, name="mlp")
         if cfg.sandwich_norms:  # Gemma 2: normalise each block's output before the residual add
             h = h + norm("post_attention_layernorm")(x)
-            h = h + norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(h), live_rows))
-            return h, k_cache, v_cache
-        h = h + x
-        x = norm("post_attention_layernorm")(h)
-        h = h + mlp(x, live_rows)
-        return h, k_cache, v_cache
+            return h, norm("post_feedforward_layernorm")(mlp(norm("pre_feedforward_layernorm")(h), live_rows)), \
+                k_cache, v_cache
+        h, x = norm("post_attention_layernorm")(h, x)
+        return h, mlp(x, live_rows), k_cache, v_cache
 
 
 class LlamaForCausalLM:
@@ -72,7 +76,7 @@ class LlamaForCausalLM:
         self.dtype = jnp.dtype(dtype)
         self.linear_backend = linear_backend
         self.layer = DecoderLayer(config, self.dtype, linear_backend)
-        self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype, config.norm_plus_one)
+        self.final_norm = RMSNorm(config.rms_norm_eps, self.dtype, config.norm_plus_one, linear_backend)
         self.embed = Embedding(config.vocab_rows, config.hidden_size, self.dtype, backend=linear_backend)
         self.lm_head = Linear(config.vocab_rows, self.dtype, parallel="column", backend=linear_backend,
                               out_dtype=jnp.float32)
@@ -171,7 +175,7 @@ class LlamaForCausalLM:
         cos = jnp.zeros((1, cfg.head_dim), jnp.float32)
         kv = jnp.zeros((1, cfg.num_kv_heads, 2, 1, cfg.head_dim), self.dtype)
         meta = AttentionMetadata.placeholder()
-        shapes = jax.eval_shape(lambda: self.layer.init(jax.random.key(0), h, cos, cos, kv, kv, 0, 0, meta,
+        shapes = jax.eval_shape(lambda: self.layer.init(jax.random.key(0), h, h, cos, cos, kv, kv, 0, 0, meta,
                                                         ReferenceAttention()))
         return shapes["params"]
 
@@ -213,7 +217,7 @@ class LlamaForCausalLM:
         live_tokens = meta.query_start[-1]
 
         def one_layer(carry, xs):
-            h, k_all, v_all = carry
+            h, delta, k_all, v_all = carry
             layer_params, index, window = xs
             layer_cos, layer_sin = cos, sin
             if self.local_inv_freq is not None:  # Gemma 3: sliding layers rotate with their own base
@@ -221,14 +225,15 @@ class LlamaForCausalLM:
                 layer_sin = jnp.where(window > 0, local_sin, sin)
             # The whole pool rides in the scan carry and each layer scatters into it, so with the pool
             # donated the update happens in place (no per-layer copies).
-            return self.layer.apply({"params": layer_params}, h, layer_cos, layer_sin, k_all, v_all,
+            return self.layer.apply({"params": layer_params}, h, delta, layer_cos, layer_sin, k_all, v_all,
                                     index, window, meta, attention, live_tokens)
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         windows = jnp.asarray(cfg.layer_windows or (0,) * cfg.num_layers, jnp.int32)
-        h, k_all, v_all = run_layers(one_layer, (h, k_all, v_all), params["layers"], (layer_ids, windows))
-        h = h[logits_indices]
-        h = self.final_norm.apply({"params": params["norm"]}, h)
+        # The first layer adds zeros: bf16(h + 0) is h.
+        h, delta, k_all, v_all = run_layers(one_layer, (h, jnp.zeros_like(h), k_all, v_all), params["layers"],
+                                            (layer_ids, windows))
+        _, h = self.final_norm.apply({"params": params["norm"]}, h[logits_indices], delta[logits_indices])
         live_seqs = jnp.sum(meta.seq_lens > 0, dtype=jnp.int32)  # rows of padded sequences may be skipped
         return LastHidden(h, live_seqs), (k_all, v_all)
 

@@ -33,7 +33,8 @@ from pallas_kernels.reference import to_pool_dtype
 
 _SOURCE_DIR = Path(__file__).parent
 _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc",
-            _SOURCE_DIR / "amx.cc", _SOURCE_DIR / "amx_attention.cc", _SOURCE_DIR / "argmax.cc")
+            _SOURCE_DIR / "amx.cc", _SOURCE_DIR / "amx_attention.cc", _SOURCE_DIR / "argmax.cc",
+            _SOURCE_DIR / "norm.cc")
 _HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h", _SOURCE_DIR / "amx_tiles.h",
             _SOURCE_DIR / "vector_math.h")
 _TARGET = "paged_attention_cpu"
@@ -44,6 +45,7 @@ _MATMUL_TRANSPOSED_ARGMAX_TARGET = "matmul_transposed_argmax_cpu"
 _MATMUL_PACKED_TARGET = "matmul_packed_cpu"
 _GATED_MATMUL_PACKED_TARGET = "gated_matmul_packed_cpu"
 _ARGMAX_ROWS_TARGET = "argmax_rows_cpu"
+_ADD_RMS_NORM_TARGET = "add_rms_norm_cpu"
 _KV_WRITE_TARGET = "write_kv_cpu"
 _COPY_BLOCKS_TARGET = "copy_blocks_cpu"
 _SCATTER_BLOCKS_TARGET = "scatter_blocks_cpu"
@@ -118,7 +120,8 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                              (_MATMUL_TRANSPOSED_ARGMAX_TARGET, library.MatmulTransposedArgmaxCpu),
                              (_MATMUL_PACKED_TARGET, library.MatmulPackedCpu),
                              (_GATED_MATMUL_PACKED_TARGET, library.GatedMatmulPackedCpu),
-                             (_ARGMAX_ROWS_TARGET, library.ArgmaxRowsCpu)):
+                             (_ARGMAX_ROWS_TARGET, library.ArgmaxRowsCpu),
+                             (_ADD_RMS_NORM_TARGET, library.AddRmsNormCpu)):
             jax.ffi.register_ffi_target(f"{name}{target[len(_TARGET):]}", jax.ffi.pycapsule(symbol), platform="cpu")
         if target == _TARGET:
             _VECTORIZED_MATMUL.update(float32=bool(library.MatmulCpuIsVectorized()),
@@ -392,6 +395,23 @@ def argmax_rows_cpu(x: jax.Array, *, _target: str = _ARGMAX_ROWS_TARGET) -> jax.
     if x.ndim != 2 or x.dtype != jnp.float32 or x.shape[1] < 1:
         raise ValueError(f"argmax_rows_cpu takes float32 x [S, V] with V >= 1; got {x.dtype}{list(x.shape)}")
     return jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))(x)
+
+
+def add_rms_norm_cpu(h: jax.Array, delta: jax.Array, scale: jax.Array, eps: float, *,
+                     _target: str = _ADD_RMS_NORM_TARGET) -> tuple[jax.Array, jax.Array]:
+    """The residual add and RMSNorm between a decoder layer's blocks in one pass (norm.cc): bfloat16 h and delta
+    [T, D], scale [D] -> (bf16(h + delta), bf16(scale * bf16(sum * rsqrt(mean(sum^2) + eps)))), float32
+    inside: Llama's order of roundings (models.layers.RMSNorm)."""
+    _require_kernels()
+    if h.ndim != 2 or h.shape != delta.shape or scale.shape != (h.shape[1],):
+        raise ValueError(f"add_rms_norm_cpu: expected h and delta [T, D] and scale [D]; got {h.shape}, {delta.shape} "
+                         f"and {scale.shape}")
+    if any(a.dtype != jnp.bfloat16 for a in (h, delta, scale)):
+        raise ValueError(f"add_rms_norm_cpu takes bfloat16 operands; got {h.dtype}, {delta.dtype}, {scale.dtype}")
+    if not float(eps) >= 0:
+        raise ValueError(f"add_rms_norm_cpu: eps must be a number >= 0; got {eps}")
+    out = jax.ShapeDtypeStruct(h.shape, jnp.bfloat16)
+    return tuple(jax.ffi.ffi_call(_target, (out, out))(h, delta, scale, eps=np.float32(eps)))
 
 
 def quant_matmul_cpu(x: jax.Array, w: jax.Array, scales: jax.Array, live_rows: jax.Array | int | None = None, *,

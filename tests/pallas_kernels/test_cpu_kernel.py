@@ -612,6 +612,70 @@ def test_matmul_bfloat16_portable_build_matches_float64(portable_target):
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=2e-5)
 
 
+def _add_rms_norm_case(rows, width, seed):
+    """bfloat16 h, delta and scale, the sum as bfloat16 rounds it, and float64 of the norm of the float32 sum."""
+    rng = np.random.default_rng(seed)
+    h, delta = (jnp.asarray(rng.normal(size=(rows, width)) * sd, jnp.bfloat16) for sd in (4.0, 1.0))
+    scale = jnp.asarray(rng.normal(size=(width,)), jnp.bfloat16)
+    s = np.asarray(h, np.float64) + np.asarray(delta, np.float64)  # exact in float32 too at these magnitudes
+    normed = np.asarray(scale, np.float64) * s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + 1e-6)
+    return h, delta, scale, np.asarray(jnp.asarray(s, jnp.bfloat16)), normed
+
+
+@pytest.mark.parametrize("rows, width", [(1, 896), (32, 896), (130, 896), (5, 70), (3, 7)])
+def test_add_rms_norm_matches_float64(rows, width):
+    """The residual add and RMSNorm in one pass: the sum exactly as bfloat16 rounds it; the norm of the
+    float32 sum rounded twice to bfloat16 (the normalised value, then times the scale), so within two
+    bfloat16 steps (2^-7) of float64. Widths with a scalar tail, and more than 64 rows (split over threads)."""
+    from pallas_kernels import cpu as cpu_kernel
+    h, delta, scale, want_sum, want_normed = _add_rms_norm_case(rows, width, rows + width)
+    total, normed = jax.jit(lambda *a: cpu_kernel.add_rms_norm_cpu(*a, 1e-6))(h, delta, scale)
+    assert total.dtype == normed.dtype == jnp.bfloat16 and total.shape == normed.shape == (rows, width)
+    np.testing.assert_array_equal(np.asarray(total), want_sum)
+    np.testing.assert_allclose(np.asarray(normed, np.float64), want_normed, rtol=2 ** -7, atol=1e-6)
+
+
+def test_add_rms_norm_matches_the_jnp_norm():
+    """Against models.layers.RMSNorm's own formula on the float32 sum, as XLA computes it: equal but for
+    products within a float32 ulp of a bfloat16 rounding boundary (the mean square sums in another order)."""
+    from pallas_kernels import cpu as cpu_kernel
+    h, delta, scale, _, _ = _add_rms_norm_case(200, 896, 3)
+
+    def jnp_norm(h, delta, scale):
+        s = h.astype(jnp.float32) + delta.astype(jnp.float32)
+        variance = jnp.mean(s * s, axis=-1, keepdims=True)
+        return s.astype(jnp.bfloat16), scale * (s * jax.lax.rsqrt(variance + 1e-6)).astype(jnp.bfloat16)
+
+    got = [np.asarray(a, np.float32) for a in cpu_kernel.add_rms_norm_cpu(h, delta, scale, 1e-6)]
+    want = [np.asarray(a, np.float32) for a in jax.jit(jnp_norm)(h, delta, scale)]
+    np.testing.assert_array_equal(got[0], want[0])
+    differ = got[1] != want[1]
+    assert differ.mean() < 1e-4, f"{differ.sum()} of {differ.size} differ"
+    np.testing.assert_allclose(got[1], want[1], rtol=2 ** -7)
+
+
+def test_add_rms_norm_portable_build(portable_target):
+    from pallas_kernels import cpu as cpu_kernel
+    h, delta, scale, want_sum, want_normed = _add_rms_norm_case(9, 70, 1)
+    total, normed = cpu_kernel.add_rms_norm_cpu(h, delta, scale, 1e-6, _target=portable_target.replace(
+        "paged_attention_cpu", "add_rms_norm_cpu"))
+    np.testing.assert_array_equal(np.asarray(total), want_sum)
+    np.testing.assert_allclose(np.asarray(normed, np.float64), want_normed, rtol=2 ** -7, atol=1e-6)
+
+
+def test_add_rms_norm_refuses_what_it_cannot_do():
+    from pallas_kernels import cpu as cpu_kernel
+    h = jnp.zeros((4, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="scale \\[D\\]"):
+        cpu_kernel.add_rms_norm_cpu(h, h, jnp.zeros((32,), jnp.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="h and delta"):
+        cpu_kernel.add_rms_norm_cpu(h, jnp.zeros((4, 32), jnp.bfloat16), jnp.zeros((64,), jnp.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="bfloat16 operands"):
+        cpu_kernel.add_rms_norm_cpu(h, h.astype(jnp.float32), jnp.zeros((64,), jnp.bfloat16), 1e-6)
+    with pytest.raises(ValueError, match="eps"):
+        cpu_kernel.add_rms_norm_cpu(h, h, jnp.zeros((64,), jnp.bfloat16), float("nan"))
+
+
 def _quant_case(rows, inner, cols, bits, groups, seed):
     """Codes, per-group scales and the float64 product of x with codes * scales."""
     rng = np.random.default_rng(seed)
