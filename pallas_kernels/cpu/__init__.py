@@ -400,8 +400,8 @@ def argmax_rows_cpu(x: jax.Array, *, _target: str = _ARGMAX_ROWS_TARGET) -> jax.
 def add_rms_norm_cpu(h: jax.Array, delta: jax.Array, scale: jax.Array, eps: float, *,
                      _target: str = _ADD_RMS_NORM_TARGET) -> tuple[jax.Array, jax.Array]:
     """The residual add and RMSNorm between a decoder layer's blocks in one pass (norm.cc): bfloat16 h and delta
-    [T, D], scale [D] -> (bf16(h + delta), bf16(scale * bf16(sum * rsqrt(mean(sum^2) + eps)))), float32
-    inside: Llama's order of roundings (models.layers.RMSNorm)."""
+    [T, D], scale [D] -> (bf16(s), bf16(scale * bf16(s * rsqrt(mean(s^2) + eps)))) with s = h + delta in
+    float32. The norm reads s before its rounding, as XLA's fusion of `models.layers.RMSNorm` does."""
     _require_kernels()
     if h.ndim != 2 or h.shape != delta.shape or scale.shape != (h.shape[1],):
         raise ValueError(f"add_rms_norm_cpu: expected h and delta [T, D] and scale [D]; got {h.shape}, {delta.shape} "

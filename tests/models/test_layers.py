@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from models import model_config_from_hf
-from models.layers import apply_rotary, rotary_cos_sin, rotary_table
+from models.layers import RMSNorm, apply_rotary, rotary_cos_sin, rotary_table
+from pallas_kernels import cpu as cpu_kernel
 from models.llama import LlamaForCausalLM
 
 INV_FREQ = (1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)  # rotary_dim 16
@@ -63,3 +65,30 @@ def test_precomputed_tables_cover_both_rotary_bases():
         want_cos, want_sin = _float64_cos_sin(np.arange(300), rope.inv_freq(16))
         np.testing.assert_allclose(np.asarray(tables[name][:, 0]), want_cos, atol=1e-6)
         np.testing.assert_allclose(np.asarray(tables[name][:, 1]), want_sin, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype, plus_one, native", [(jnp.bfloat16, False, True), (jnp.bfloat16, True, False),
+                                                     (jnp.float32, False, False)], ids=["bf16", "gemma", "f32"])
+def test_rms_norm_with_a_residual_on_the_native_path(dtype, plus_one, native):
+    """The add before a norm and the norm: one native call for a bfloat16 Llama-style norm on the "cpu" backend,
+    the jnp path for Gemma's (1 + weight) scale and for float32. Either way the sum is bit for bit the jnp
+    add's, and the norm within two bfloat16 roundings (2^-7) of float64 of the norm of the exact sum, as the
+    "xla" backend's is; without a residual both backends are the same jnp code."""
+    if not cpu_kernel.available()[0]:
+        pytest.skip("the native CPU kernels did not build")
+    rng = np.random.default_rng(4)
+    h, delta = (jnp.asarray(rng.normal(size=(3, 5, 96)) * sd, dtype) for sd in (3.0, 1.0))
+    scale = jnp.asarray(rng.normal(size=96), dtype)
+    on_cpu, on_xla = RMSNorm(1e-6, dtype, plus_one, "cpu"), RMSNorm(1e-6, dtype, plus_one, "xla")
+    params = {"params": {"scale": scale}}
+    program = str(jax.make_jaxpr(lambda: on_cpu.apply(params, h, delta))())
+    assert ("add_rms_norm_cpu" in program) == native
+    s = np.asarray(h, np.float64) + np.asarray(delta, np.float64)
+    weight = np.asarray(scale, np.float64) + (1.0 if plus_one else 0.0)
+    want = weight * s / np.sqrt(np.mean(s * s, axis=-1, keepdims=True) + 1e-6)
+    for module in (on_cpu, on_xla):
+        total, normed = jax.jit(lambda h, d: module.apply(params, h, d))(h, delta)
+        assert total.shape == normed.shape == h.shape and normed.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(total), np.asarray(h + delta))
+        np.testing.assert_allclose(np.asarray(normed, np.float64), want, rtol=2 ** -7, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(on_cpu.apply(params, h)), np.asarray(on_xla.apply(params, h)))
