@@ -277,9 +277,7 @@ void silu_times(const float* g, const float* u, int64_t rows, uint16_t* y, int64
 #if defined(__AVX512BF16__)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + c), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out)));
 #else
-      alignas(64) float lanes[16];
-      _mm512_store_ps(lanes, out);
-      for (int i = 0; i < 16; ++i) y[r * ldy + c + i] = float_to_bf16(lanes[i]);
+      store_bf16x16(y + r * ldy + c, out);
 #endif
     }
   }

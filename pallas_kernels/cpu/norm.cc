@@ -17,6 +17,7 @@
 // lanes at a time, then across them: XLA's order differs, so a product within a float32 ulp of a bfloat16
 // rounding boundary may round the other way (one bfloat16 ulp).
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -32,24 +33,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-#if defined(__AVX512F__)
-inline __m512 load_bf16(const uint16_t* p) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-      reinterpret_cast<const __m256i*>(p))), 16));
-}
-
-// Round to nearest even, NaN kept a NaN: paged::float_to_bf16 on 16 lanes.
-inline void store_bf16(uint16_t* p, __m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
-}
-#endif
-
-// One row: sum = bf16(h + delta), normed = bf16(scale * bf16(sum * rsqrt(mean(sum^2) + eps))).
+// One row: s = h + delta in float32, sum = bf16(s), normed = bf16(scale * bf16(s * rsqrt(mean(s^2) + eps))).
 void add_rms_norm_row(const uint16_t* h, const uint16_t* delta, const uint16_t* scale, float eps, int64_t D,
                       uint16_t* sum, uint16_t* normed) {
   int64_t i = 0;
@@ -57,8 +41,8 @@ void add_rms_norm_row(const uint16_t* h, const uint16_t* delta, const uint16_t* 
 #if defined(__AVX512F__)
   __m512 lanes = _mm512_setzero_ps();
   for (; i + 16 <= D; i += 16) {
-    const __m512 s = _mm512_add_ps(load_bf16(h + i), load_bf16(delta + i));
-    store_bf16(sum + i, s);
+    const __m512 s = _mm512_add_ps(paged::load_bf16x16(h + i), paged::load_bf16x16(delta + i));
+    paged::store_bf16x16(sum + i, s);
     lanes = _mm512_fmadd_ps(s, s, lanes);
   }
   squares = _mm512_reduce_add_ps(lanes);
@@ -74,8 +58,8 @@ void add_rms_norm_row(const uint16_t* h, const uint16_t* delta, const uint16_t* 
   const __m512 inv16 = _mm512_set1_ps(inv);
   for (; i + 16 <= D; i += 16) {
     alignas(64) uint16_t rounded[16];
-    store_bf16(rounded, _mm512_mul_ps(_mm512_add_ps(load_bf16(h + i), load_bf16(delta + i)), inv16));
-    store_bf16(normed + i, _mm512_mul_ps(load_bf16(scale + i), load_bf16(rounded)));
+    paged::store_bf16x16(rounded, _mm512_mul_ps(_mm512_add_ps(paged::load_bf16x16(h + i), paged::load_bf16x16(delta + i)), inv16));
+    paged::store_bf16x16(normed + i, _mm512_mul_ps(paged::load_bf16x16(scale + i), paged::load_bf16x16(rounded)));
   }
 #endif
   for (; i < D; ++i) {

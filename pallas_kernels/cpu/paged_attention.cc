@@ -253,10 +253,7 @@ void attend_item(const Problem& pb, const T* q, const T* k_cache, const T* v_cac
 // polynomial with scalef, and the group's accumulators stay in registers.
 
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {  // bf16 -> f32: the 16 bits are the float's high half
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
+inline __m512 load16(const uint16_t* p) { return paged::load_bf16x16(p); }
 
 // Sums each of 16 vectors across its lanes: lane j of the result is the sum of v[j]. Four rounds of
 // pairwise merges (each halves the vectors and doubles the keys per vector): 15 adds, 30 permutes.
