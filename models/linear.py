@@ -138,6 +138,8 @@ class Linear(nn.Module):
             return self._packed_param(x.shape[-1], axes)
         if self.held_packed:
             y = self._amx_packed(x, live_rows, axes)
+            if y.dtype == jnp.bfloat16:  # the bias, if any, was added in the kernel before its one rounding
+                return y
         elif self.quant is None:
             kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(), axes),
                                 (x.shape[-1], self.features), self.dtype)
@@ -151,12 +153,14 @@ class Linear(nn.Module):
             y = quantized_matmul(self.backend, x.astype(self.dtype), params, self.quant.bits, live_rows,
                                  self.out_dtype)
         if self.use_bias:
-            # A row-parallel layer adds its bias once, after the partial sums are reduced: replicated.
-            bias_axes = (axes[-1],) if self.parallel == "column" else (None,)
-            bias = self.param("bias", nn.with_partitioning(nn.initializers.zeros, bias_axes), (self.features,),
-                              self.dtype)
-            y = y + bias.astype(y.dtype)
+            y = y + self._bias(axes).astype(y.dtype)
         return y
+
+    def _bias(self, axes) -> jax.Array:
+        # A row-parallel layer adds its bias once, after the partial sums are reduced: replicated.
+        bias_axes = (axes[-1],) if self.parallel == "column" else (None,)
+        return self.param("bias", nn.with_partitioning(nn.initializers.zeros, bias_axes), (self.features,),
+                          self.dtype)
 
     def _packed_param(self, in_features: int, axes) -> jax.Array:
         """The kernel held packed for AMX ([out / 64, ceil(in / 32), 2048]; initialised as the [in, out] kernel
@@ -167,12 +171,20 @@ class Linear(nn.Module):
                           cpu.amx_packed_shape(in_features, self.features), self.dtype)
 
     def _amx_packed(self, x: jax.Array, live_rows: jax.Array | None, axes) -> jax.Array:
-        """x @ the kernel held packed for AMX, on the native packed matmul."""
+        """x @ the kernel held packed for AMX, on the native packed matmul. A bfloat16 result comes from the
+        kernel with the bias added and rounded once (no float32 product in memory, no pass to add and round);
+        a float32 one (e.g. logits) gets its bias from __call__."""
         in_features = x.shape[-1]
         kernel = self._packed_param(in_features, axes)
         rows = math.prod(x.shape[:-1])
-        y = cpu.matmul_packed_cpu(x.reshape(rows, in_features).astype(jnp.bfloat16), kernel, live_rows)
-        return y.reshape(*x.shape[:-1], self.features).astype(self.out_dtype or self.dtype)
+        x2 = x.reshape(rows, in_features).astype(jnp.bfloat16)
+        if jnp.dtype(self.out_dtype or self.dtype) == jnp.bfloat16:
+            bias = self._bias(axes) if self.use_bias else None
+            y = cpu.matmul_packed_rounded_cpu(x2, kernel, None if bias is None else bias.astype(jnp.bfloat16),
+                                              live_rows)
+        else:
+            y = cpu.matmul_packed_cpu(x2, kernel, live_rows).astype(self.out_dtype or self.dtype)
+        return y.reshape(*x.shape[:-1], self.features)
 
 
 def silu_gated(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | None = None) -> jax.Array:

@@ -43,6 +43,7 @@ _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
 _MATMUL_TRANSPOSED_TARGET = "matmul_transposed_cpu"
 _MATMUL_TRANSPOSED_ARGMAX_TARGET = "matmul_transposed_argmax_cpu"
 _MATMUL_PACKED_TARGET = "matmul_packed_cpu"
+_MATMUL_PACKED_ROUNDED_TARGET = "matmul_packed_rounded_cpu"
 _GATED_MATMUL_PACKED_TARGET = "gated_matmul_packed_cpu"
 _ARGMAX_ROWS_TARGET = "argmax_rows_cpu"
 _ADD_RMS_NORM_TARGET = "add_rms_norm_cpu"
@@ -119,6 +120,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                              (_MATMUL_TRANSPOSED_TARGET, library.MatmulTransposedCpu),
                              (_MATMUL_TRANSPOSED_ARGMAX_TARGET, library.MatmulTransposedArgmaxCpu),
                              (_MATMUL_PACKED_TARGET, library.MatmulPackedCpu),
+                             (_MATMUL_PACKED_ROUNDED_TARGET, library.MatmulPackedRoundedCpu),
                              (_GATED_MATMUL_PACKED_TARGET, library.GatedMatmulPackedCpu),
                              (_ARGMAX_ROWS_TARGET, library.ArgmaxRowsCpu),
                              (_ADD_RMS_NORM_TARGET, library.AddRmsNormCpu)):
@@ -359,6 +361,24 @@ def matmul_packed_cpu(x: jax.Array, packed: jax.Array, live_rows: jax.Array | in
     call = jax.ffi.ffi_call(_MATMUL_PACKED_TARGET,
                             jax.ShapeDtypeStruct((x.shape[0], packed.shape[0] * AMX_PANEL), jnp.float32))
     return call(x, packed, live)
+
+
+def matmul_packed_rounded_cpu(x: jax.Array, packed: jax.Array, bias: jax.Array | None = None,
+                              live_rows: jax.Array | int | None = None) -> jax.Array:
+    """bfloat16 [M, N]: x [M, K] @ w (+ bias) on AMX tiles, rounded to bfloat16 once from the float32 sums, as
+    `matmul_packed_cpu(x, packed) + bias` rounded would be, without the float32 product reaching memory (where
+    the whole of K fits one block of the kernel's walk) or a separate pass to add and round. bias: bfloat16 [N]
+    or None. Only where `matmul_on_amx()`. live_rows: as for `matmul_cpu`."""
+    live = _check_packed("matmul_packed_rounded_cpu", x, packed, live_rows=live_rows)
+    n = packed.shape[0] * AMX_PANEL
+    if bias is None:
+        bias = jnp.zeros((0,), jnp.bfloat16)
+    elif bias.shape != (n,) or bias.dtype != jnp.bfloat16:
+        raise ValueError(f"matmul_packed_rounded_cpu: expected a bfloat16 bias [{n}]; got {bias.dtype} {bias.shape}")
+    call = jax.ffi.ffi_call(_MATMUL_PACKED_ROUNDED_TARGET,
+                            (jax.ShapeDtypeStruct((x.shape[0], n), jnp.bfloat16),
+                             jax.ShapeDtypeStruct((x.shape[0], n), jnp.float32)))
+    return call(x, packed, bias, live)[0]
 
 
 def _check_packed(name: str, x: jax.Array, *packed: jax.Array, live_rows) -> jax.Array:

@@ -209,14 +209,32 @@ Plan plan_for(int64_t M, int64_t K, bool prepacked) {
   return prepacked ? Plan{(K + kDepth - 1) / kDepth * kDepth, 1} : kSmallPlan;
 }
 
-// Panels [p_begin, p_end) of y from x's tiles, a pass of the plan's panels at a time.
+// A product's bfloat16 result: out[M, N] = bf16(x @ w + bias), bias bf16 [N] or none. Each 32 x 64 block is
+// rounded as soon as its last sums are in (from L1), so no separate pass reads the float32 sums back.
+struct Rounded {
+  uint16_t* out = nullptr;
+  const uint16_t* bias = nullptr;
+};
+
+// out's rows [0, rows) and 64 columns from float32 sums s (row stride lds) plus bias's 64 columns.
+void round_block(const float* s, int64_t lds, int64_t rows, const uint16_t* bias, uint16_t* out, int64_t ldo) {
+  __m512 b[4];
+  for (int c = 0; c < 4; ++c) b[c] = bias ? load_bf16x16(bias + 16 * c) : _mm512_setzero_ps();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int c = 0; c < 4; ++c) store_bf16x16(out + r * ldo + 16 * c, _mm512_add_ps(_mm512_loadu_ps(s + r * lds + 16 * c), b[c]));
+}
+
+// Panels [p_begin, p_end) of y from x's tiles, a pass of the plan's panels at a time. With `rounded.out`, the
+// result goes there instead, and y (float32 [M, N]) holds only partial sums between blocks of weight rows:
+// a product whose plan takes the whole of K in one block never touches it.
 void panels(const XTiles& xt, Weights w, float* y, int64_t M, int64_t K, int64_t N, int64_t p_begin,
-            int64_t p_end) {
+            int64_t p_end, Rounded rounded = {}) {
   configure_tiles();
   const Plan plan = plan_for(M, K, w.prepacked);
   const int64_t block_k = plan.block_k, panels_per_pass = plan.panels_per_pass;
   last_rows_buffer.resize(kRows * panels_per_pass * kPanel);
   float* last_rows = last_rows_buffer.data();
+  alignas(64) float block_sums[kRows * kPanel];
   const int64_t k_steps = (K + kDepth - 1) / kDepth;
   const int64_t row_blocks = (M + kRows - 1) / kRows;
   const int64_t last_block_rows = M - (row_blocks - 1) * kRows;
@@ -233,25 +251,33 @@ void panels(const XTiles& xt, Weights w, float* y, int64_t M, int64_t K, int64_t
       } else {
         pack_weights(w.data, N, k0, kc, p0, np, packed_weights);
       }
-      const bool first = k0 == 0;
+      const bool first = k0 == 0, last = k0 + block_k >= K;
       // Row block by row block: its A tiles stay in L1 across the pass's panels.
       for (int64_t mb = 0; mb < row_blocks; ++mb) {
         const RowTiles a = xt.block(mb).from_step(k0 / kDepth);
         const bool partial = mb == row_blocks - 1 && last_block_rows < kRows;
-        const int64_t ldy = partial ? panels_per_pass * kPanel : N;
+        const bool in_block = rounded.out && first && last;  // the sums need not outlive the block
+        const int64_t ldy = in_block ? kPanel : partial ? panels_per_pass * kPanel : N;
         for (int64_t p = 0; p < np; ++p) {
           const uint16_t* b = b_block + p * panel_words;
-          float* yb = partial ? last_rows + p * kPanel : y + mb * kRows * N + (p0 + p) * kPanel;
+          float* yb = in_block  ? block_sums
+                      : partial ? last_rows + p * kPanel
+                                : y + mb * kRows * N + (p0 + p) * kPanel;
           if (partial && last_block_rows <= 16) {
             tile_16x64(a, b, yb, ldy, steps, first);
           } else {
             tile_32x32(a, b, yb, ldy, steps, first, w.prepacked && mb == 0 ? b + 2 * kTileWords : nullptr);
             tile_32x32(a, b + 2 * kTileWords, yb + 32, ldy, steps, first);
           }
+          if (rounded.out && last) {
+            const int64_t col = (p0 + p) * kPanel;
+            round_block(yb, ldy, partial ? last_block_rows : kRows, rounded.bias ? rounded.bias + col : nullptr,
+                        rounded.out + mb * kRows * N + col, N);
+          }
         }
       }
     }
-    if (last_block_rows < kRows)
+    if (last_block_rows < kRows && !rounded.out)
       for (int64_t r = 0; r < last_block_rows; ++r)
         std::memcpy(y + ((row_blocks - 1) * kRows + r) * N + p0 * kPanel, last_rows + r * panels_per_pass * kPanel,
                     np * kPanel * sizeof(float));
@@ -471,10 +497,10 @@ void split_panels(xla::ffi::ThreadPool& pool, int64_t N, const Fn& fn) {
 
 // x's tiles, then each thread's range of panels.
 bool run_matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, Weights w, float* y, int64_t M, int64_t K,
-                int64_t N) {
+                int64_t N, Rounded rounded = {}) {
   XTiles xt;
   if (!x_tiles(pool, x, M, K, xt)) return false;
-  split_panels(pool, N, [&](int64_t begin, int64_t end) { panels(xt, w, y, M, K, N, begin, end); });
+  split_panels(pool, N, [&](int64_t begin, int64_t end) { panels(xt, w, y, M, K, N, begin, end, rounded); });
   return true;
 }
 
@@ -488,6 +514,11 @@ bool Matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, fl
 bool MatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* packed, float* y, int64_t M,
                   int64_t K, int64_t N) {
   return run_matmul(pool, x, Weights{packed, true}, y, M, K, N);
+}
+
+bool MatmulPackedRounded(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* packed,
+                         const uint16_t* bias, uint16_t* y, float* sums, int64_t M, int64_t K, int64_t N) {
+  return run_matmul(pool, x, Weights{packed, true}, sums, M, K, N, Rounded{y, bias});
 }
 
 bool GatedMatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* gate, const uint16_t* up,
@@ -587,6 +618,11 @@ bool MatmulPacked(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, float
 
 bool GatedMatmulPacked(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, int64_t,
                        int64_t, int64_t) {
+  return false;
+}
+
+bool MatmulPackedRounded(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, const uint16_t*, uint16_t*, float*,
+                         int64_t, int64_t, int64_t) {
   return false;
 }
 

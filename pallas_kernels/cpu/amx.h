@@ -24,6 +24,12 @@ bool Matmul(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, fl
 bool MatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* packed, float* y, int64_t M,
                   int64_t K, int64_t N);
 
+// As MatmulPacked, with the result in bfloat16: y[M, N] = bf16(x @ w + bias), rounded once from the float32
+// sums; bias bf16 [N], or null for none. sums: float32 [M, N] for partial sums where the product is walked in
+// blocks of K (over 64 rows; otherwise untouched).
+bool MatmulPackedRounded(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* packed,
+                         const uint16_t* bias, uint16_t* y, float* sums, int64_t M, int64_t K, int64_t N);
+
 // y[M, N] = silu(x @ gate) * (x @ up) in bfloat16 (the gated MLP's first half), gate and up [K, N] packed as
 // MatmulPacked's w; float32 sums and activation, rounded once. False: x's packed copy could not be allocated.
 bool GatedMatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* gate, const uint16_t* up,

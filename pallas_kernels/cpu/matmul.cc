@@ -390,6 +390,41 @@ ffi::Error MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// y[M, N] = bf16(x @ w + bias) on AMX tiles (amx.h: MatmulPackedRounded), w as matmul_packed_cpu's, bias
+// bfloat16 [N] or [0] for none; sums: float32 [M, N] scratch for the partial sums of long products. Rows
+// [live, M) of y zeros.
+ffi::Error MatmulPackedRoundedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer bias,
+                                   ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::BF16> y,
+                                   ffi::ResultBuffer<ffi::F32> sums) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != (xd[1] + 31) / 32 || wd[2] != 4 * 16 * 32)
+    return ffi::Error::InvalidArgument(
+        "matmul_packed_rounded_cpu: expected x [M, K] and w [N / 64, ceil(K / 32), 2048]");
+  const int64_t K = xd[1], N = wd[0] * kPanel;
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16 ||
+      bias.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("matmul_packed_rounded_cpu: x, w and bias must be bfloat16");
+  if (bias.dimensions().size() != 1 || (bias.element_count() != N && bias.element_count() != 0))
+    return ffi::Error::InvalidArgument("matmul_packed_rounded_cpu: expected bias [N] or [0]");
+  if (live.element_count() != 1)
+    return ffi::Error::InvalidArgument("matmul_packed_rounded_cpu: expected a scalar live row count");
+  if (sums->element_count() != xd[0] * N)
+    return ffi::Error::InvalidArgument("matmul_packed_rounded_cpu: expected float32 sums [M, N]");
+  uint16_t* yp = reinterpret_cast<uint16_t*>(y->untyped_data());
+  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
+  std::fill(yp + M * N, yp + xd[0] * N, uint16_t{0});
+  if (M == 0) return ffi::Error::Success();
+  const auto* bp = bias.element_count() ? static_cast<const uint16_t*>(bias.untyped_data()) : nullptr;
+  if (!paged::amx::Available() ||
+      !paged::amx::MatmulPackedRounded(pool, static_cast<const uint16_t*>(x.untyped_data()),
+                                       static_cast<const uint16_t*>(w.untyped_data()), bp, yp,
+                                       sums->typed_data(), M, K, N))
+    return ffi::Error::Internal(
+        "matmul_packed_rounded_cpu: no AMX tiles, or x's packed copy could not be allocated");
+  return ffi::Error::Success();
+}
+
 // y[M, N] = silu(x @ gate) * (x @ up), bfloat16, on AMX tiles (amx.h: GatedMatmulPacked), gate and up packed at
 // load as matmul_packed_cpu's w; rows [live, M) zeros.
 ffi::Error GatedMatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer gate, ffi::AnyBuffer up,
@@ -566,6 +601,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulTransposedArgmaxCpu, MatmulTransposedArgmaxI
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulPackedRoundedCpu, MatmulPackedRoundedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(GatedMatmulPackedCpu, GatedMatmulPackedImpl,
                               ffi::Ffi::Bind()

@@ -515,6 +515,76 @@ def test_matmul_packed_refuses_what_it_cannot_do():
         cpu_kernel.pack_for_amx(np.zeros((64, 100), np.float32))
 
 
+@pytest.mark.parametrize("rows", [1, 16, 17, 33, 65, 100])
+@pytest.mark.parametrize("inner, cols", [(96, 64), (302, 320), (600, 1216)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matmul_packed_rounded_matches_float64(rows, inner, cols, with_bias):
+    """The bfloat16 product with its bias added before the one rounding: against float64 of the same bfloat16
+    operands, within half a bfloat16 step (at most 2^-8 of the value) plus the float32 sums' error (2e-4, as
+    for the float32 product); and bit-equal to the float32 kernel's sums plus the bias, rounded by XLA. Decode-sized
+    products (64 rows or fewer) round each block from registers; larger ones keep partial sums between blocks
+    of 512 weight rows (600 inner: two blocks) and round after the last."""
+    _needs_amx()
+    from pallas_kernels import cpu as cpu_kernel
+    x, w, want = _bf16_case(rows, inner, cols, rows * 5 + inner + cols)
+    bias = jnp.asarray(np.random.default_rng(rows).normal(size=cols), jnp.bfloat16) if with_bias else None
+    if with_bias:
+        want = want + np.asarray(bias, np.float64)
+    packed = cpu_kernel.pack_for_amx(w)
+    got = cpu_kernel.matmul_packed_rounded_cpu(x, packed, bias)
+    assert got.dtype == jnp.bfloat16 and got.shape == (rows, cols)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-4, rtol=2 ** -8)
+    sums = cpu_kernel.matmul_packed_cpu(x, packed)
+    rounded = (sums + (0 if bias is None else bias.astype(jnp.float32))).astype(jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(rounded))
+
+
+@pytest.mark.parametrize("live", [0, 1, 17, 40, 70])
+def test_matmul_packed_rounded_live_rows_ignore_the_padding(live):
+    """Rows from live_rows on are zeros (not the bias) whatever x holds there (NaN); the live rows equal the
+    whole call's."""
+    _needs_amx()
+    from pallas_kernels import cpu as cpu_kernel
+    x, w, _ = _bf16_case(70, 302, 192, live + 11)
+    packed = cpu_kernel.pack_for_amx(w)
+    bias = jnp.full((192,), 0.5, jnp.bfloat16)
+    whole = np.asarray(cpu_kernel.matmul_packed_rounded_cpu(x, packed, bias))
+    x = np.asarray(x, np.float32)
+    x[live:] = np.nan
+    got = np.asarray(jax.jit(cpu_kernel.matmul_packed_rounded_cpu)(jnp.asarray(x, jnp.bfloat16), packed, bias,
+                                                                    jnp.int32(live)))
+    assert not np.any(got[live:].astype(np.float32))
+    np.testing.assert_array_equal(got[:live], whole[:live])
+
+
+def test_concurrent_native_calls_share_the_helpers():
+    """Independent native calls in one jitted function: XLA may run them at once on its pool threads, each
+    offering its work to the helper threads (pallas_kernels/cpu/parallel.h: one job at a time, the other
+    caller working alone). Every result equals the same call made alone, over repeated runs."""
+    _needs_amx()
+    from pallas_kernels import cpu as cpu_kernel
+    cases = [_bf16_case(rows, 302, 640, rows) for rows in (3, 40, 130, 7)]
+    packed = [cpu_kernel.pack_for_amx(w) for _, w, _ in cases]
+    alone = [np.asarray(cpu_kernel.matmul_packed_rounded_cpu(x, p)) for (x, _, _), p in zip(cases, packed)]
+    together = jax.jit(lambda xs, ps: [cpu_kernel.matmul_packed_rounded_cpu(x, p) for x, p in zip(xs, ps)])
+    xs = [x for x, _, _ in cases]
+    for _ in range(20):
+        for got, want in zip(together(xs, packed), alone):
+            np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_matmul_packed_rounded_refuses_what_it_cannot_do():
+    _needs_amx()
+    from pallas_kernels import cpu as cpu_kernel
+    packed = cpu_kernel.pack_for_amx(jnp.zeros((64, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 bias \\[128\\]"):
+        cpu_kernel.matmul_packed_rounded_cpu(jnp.zeros((4, 64), jnp.bfloat16), packed, jnp.zeros(64, jnp.bfloat16))
+    with pytest.raises(ValueError, match="bfloat16 bias"):
+        cpu_kernel.matmul_packed_rounded_cpu(jnp.zeros((4, 64), jnp.bfloat16), packed, jnp.zeros(128))
+    with pytest.raises(ValueError, match="packed weights"):
+        cpu_kernel.matmul_packed_rounded_cpu(jnp.zeros((4, 96), jnp.bfloat16), packed)
+
+
 @pytest.mark.parametrize("rows", [1, 16, 17, 33, 100])
 @pytest.mark.parametrize("inner, cols", [(96, 64), (302, 320), (896, 1216)])
 def test_gated_matmul_packed_matches_float64(rows, inner, cols):
