@@ -40,8 +40,8 @@ class EngineConfig:
     gpu_memory_utilization: float = _option(0.9, "fraction of device memory (host memory on CPU) for weights "
                                                  "and the KV cache")
     max_num_seqs: int = _option(64, "most sequences per step")
-    max_num_batched_tokens: int | None = _option(None, "most tokens per step (default: 512 with chunked "
-                                                       "prefill, else max(512, max_model_len))")
+    max_num_batched_tokens: int | None = _option(None, "most tokens per step (default: 2048 with chunked "
+                                                       "prefill, else max(2048, max_model_len))")
     max_model_len: int | None = _option(None, "longest prompt + output (default: the model's)")
     enable_chunked_prefill: bool = _option(True, "split long prompts over steps", aliases=("--no-chunked-prefill",))
     enable_prefix_caching: bool = _option(True, "reuse the KV blocks of shared prompt prefixes",
@@ -167,7 +167,10 @@ class EngineConfig:
                              f"({model_max_len})")
         tokens = self.max_num_batched_tokens
         if tokens is None:
-            tokens = 512 if self.enable_chunked_prefill else max(512, max_model_len)
+            # vLLM's default for its server (its offline LLM takes 4096 on CPU, 8192 on large GPUs). On the
+            # 0.5B shape's benchmark (CPU, bf16) 2048 ran 3.5% faster than 512, 4096 no faster than 2048:
+            # longer prompt chunks stream the weights fewer times and fill the AMX tiles better.
+            tokens = 2048 if self.enable_chunked_prefill else max(2048, max_model_len)
         if not self.enable_chunked_prefill and tokens < max_model_len:
             raise ValueError(f"max_num_batched_tokens={tokens} is smaller than max_model_len={max_model_len}; "
                              "without chunked prefill a long prompt could never be scheduled. Raise it, lower "
