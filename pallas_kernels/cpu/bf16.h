@@ -32,14 +32,22 @@ inline __m512 load_bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
-// float_to_bf16 on 16 lanes (round to nearest even, a NaN kept a NaN).
-inline void store_bf16x16(uint16_t* p, __m512 v) {
+// float_to_bf16 on 16 lanes (round to nearest even, a NaN kept a NaN), each in the high half of a 32-bit lane.
+inline __m512i round_bf16x16_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd)), 16);
+  __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  rounded = _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(bits, _mm512_set1_epi32(0x400000)));
+  return _mm512_and_si512(rounded, _mm512_set1_epi32(static_cast<int>(0xffff0000u)));
+}
+
+// v rounded to bfloat16 and back: float_to_bf16 then bf16_to_float, on 16 lanes in registers.
+inline __m512 round_bf16x16(__m512 v) { return _mm512_castsi512_ps(round_bf16x16_bits(v)); }
+
+// float_to_bf16 on 16 lanes, stored.
+inline void store_bf16x16(uint16_t* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(round_bf16x16_bits(v), 16)));
 }
 #endif
 

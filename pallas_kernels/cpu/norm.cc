@@ -57,9 +57,9 @@ void add_rms_norm_row(const uint16_t* h, const uint16_t* delta, const uint16_t* 
 #if defined(__AVX512F__)
   const __m512 inv16 = _mm512_set1_ps(inv);
   for (; i + 16 <= D; i += 16) {
-    alignas(64) uint16_t rounded[16];
-    paged::store_bf16x16(rounded, _mm512_mul_ps(_mm512_add_ps(paged::load_bf16x16(h + i), paged::load_bf16x16(delta + i)), inv16));
-    paged::store_bf16x16(normed + i, _mm512_mul_ps(paged::load_bf16x16(scale + i), paged::load_bf16x16(rounded)));
+    const __m512 n = paged::round_bf16x16(
+        _mm512_mul_ps(_mm512_add_ps(paged::load_bf16x16(h + i), paged::load_bf16x16(delta + i)), inv16));
+    paged::store_bf16x16(normed + i, _mm512_mul_ps(paged::load_bf16x16(scale + i), n));
   }
 #endif
   for (; i < D; ++i) {
