@@ -557,10 +557,11 @@ def test_matmul_packed_rounded_live_rows_ignore_the_padding(live):
     np.testing.assert_array_equal(got[:live], whole[:live])
 
 
-def test_concurrent_native_calls_share_the_helpers():
-    """Independent native calls in one jitted function: XLA may run them at once on its pool threads, each
-    offering its work to the helper threads (pallas_kernels/cpu/parallel.h: one job at a time, the other
-    caller working alone). Every result equals the same call made alone, over repeated runs."""
+def test_concurrent_native_calls_share_the_pool():
+    """Independent native calls in one jitted function: XLA may run them at once on both of its pool threads,
+    each also asking the pool for a helper (pallas_kernels/cpu/parallel.h: a helper that starts after the
+    work is gone returns at once, so neither waits on the other). Every result equals the same call made
+    alone, over repeated runs."""
     _needs_amx()
     from pallas_kernels import cpu as cpu_kernel
     cases = [_bf16_case(rows, 302, 640, rows) for rows in (3, 40, 130, 7)]
