@@ -137,10 +137,8 @@ class Linear(nn.Module):
                 raise ValueError(f"{self.name}: packed_kernel needs a kernel held packed for AMX and no bias")
             return self._packed_param(x.shape[-1], axes)
         if self.held_packed:
-            y = self._amx_packed(x, live_rows, axes)
-            if y.dtype == jnp.bfloat16:  # the bias, if any, was added in the kernel before its one rounding
-                return y
-        elif self.quant is None:
+            return self._amx_packed(x, live_rows, axes)
+        if self.quant is None:
             kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(), axes),
                                 (x.shape[-1], self.features), self.dtype)
             y = linear_backend(self.backend)(x.astype(self.dtype), kernel, live_rows, self.out_dtype)
@@ -171,20 +169,23 @@ class Linear(nn.Module):
                           cpu.amx_packed_shape(in_features, self.features), self.dtype)
 
     def _amx_packed(self, x: jax.Array, live_rows: jax.Array | None, axes) -> jax.Array:
-        """x @ the kernel held packed for AMX, on the native packed matmul. A bfloat16 result comes from the
-        kernel with the bias added and rounded once (no float32 product in memory, no pass to add and round);
-        a float32 one (e.g. logits) gets its bias from __call__."""
+        """x @ the kernel held packed for AMX (+ bias), on the native packed matmul. A bfloat16 result comes
+        from the kernel with the bias added and rounded once (no float32 product in memory, no pass to add
+        and round); any other (e.g. float32 logits) from the float32 product."""
         in_features = x.shape[-1]
         kernel = self._packed_param(in_features, axes)
-        rows = math.prod(x.shape[:-1])
-        x2 = x.reshape(rows, in_features).astype(jnp.bfloat16)
-        if jnp.dtype(self.out_dtype or self.dtype) == jnp.bfloat16:
-            bias = self._bias(axes) if self.use_bias else None
-            y = cpu.matmul_packed_rounded_cpu(x2, kernel, None if bias is None else bias.astype(jnp.bfloat16),
+        bias = self._bias(axes) if self.use_bias else None
+        lead = x.shape[:-1]
+        x = x.reshape(math.prod(lead), in_features).astype(jnp.bfloat16)
+        out_dtype = jnp.dtype(self.out_dtype or self.dtype)
+        if out_dtype == jnp.bfloat16:
+            y = cpu.matmul_packed_rounded_cpu(x, kernel, None if bias is None else bias.astype(jnp.bfloat16),
                                               live_rows)
         else:
-            y = cpu.matmul_packed_cpu(x2, kernel, live_rows).astype(self.out_dtype or self.dtype)
-        return y.reshape(*x.shape[:-1], self.features)
+            y = cpu.matmul_packed_cpu(x, kernel, live_rows).astype(out_dtype)
+            if bias is not None:
+                y = y + bias.astype(out_dtype)
+        return y.reshape(*lead, self.features)
 
 
 def silu_gated(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | None = None) -> jax.Array:
