@@ -328,9 +328,10 @@ void matmul(ffi::ThreadPool& pool, const X* xp, const T* wp, float* yp, int64_t 
 
 // The rows to compute, `live` clamped to [0, rows]; y's rows [live, rows) (of N columns) are zeroed: the step's
 // padding, which nobody reads.
-int64_t zero_rows_past_live(ffi::Buffer<ffi::S32> live, int64_t rows, int64_t N, float* y) {
+template <typename T>
+int64_t zero_rows_past_live(ffi::Buffer<ffi::S32> live, int64_t rows, int64_t N, T* y) {
   const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, rows);
-  std::fill(y + M * N, y + rows * N, 0.0f);
+  std::fill(y + M * N, y + rows * N, T{0});
   return M;
 }
 
@@ -412,8 +413,7 @@ ffi::Error MatmulPackedRoundedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::
   if (sums->element_count() != xd[0] * N)
     return ffi::Error::InvalidArgument("matmul_packed_rounded_cpu: expected float32 sums [M, N]");
   uint16_t* yp = reinterpret_cast<uint16_t*>(y->untyped_data());
-  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
-  std::fill(yp + M * N, yp + xd[0] * N, uint16_t{0});
+  const int64_t M = zero_rows_past_live(live, xd[0], N, yp);
   if (M == 0) return ffi::Error::Success();
   const auto* bp = bias.element_count() ? static_cast<const uint16_t*>(bias.untyped_data()) : nullptr;
   if (!paged::amx::Available() ||
@@ -442,8 +442,7 @@ ffi::Error GatedMatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::An
     return ffi::Error::InvalidArgument("gated_matmul_packed_cpu: expected a scalar live row count");
   const int64_t K = xd[1], N = gd[0] * kPanel;
   uint16_t* yp = reinterpret_cast<uint16_t*>(y->untyped_data());
-  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
-  std::fill(yp + M * N, yp + xd[0] * N, uint16_t{0});
+  const int64_t M = zero_rows_past_live(live, xd[0], N, yp);
   if (M == 0) return ffi::Error::Success();
   if (!paged::amx::Available() ||
       !paged::amx::GatedMatmulPacked(pool, static_cast<const uint16_t*>(x.untyped_data()),
