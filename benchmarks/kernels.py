@@ -27,10 +27,12 @@ Implementations, each where it runs:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -40,10 +42,12 @@ PRESETS = {
     # Tiny shapes: a CPU smoke run of every code path in well under a minute.
     "smoke": dict(batch=[1, 4], context=[64, 256], page_size=[16], gqa=[1, 4], dtype=["float32"], head_dim=64,
                   num_kv_heads=2, prefill_chunk=[32], prefill_batch=2),
-    # The issue's GPU goal: batch >= 32, context >= 2048, bf16; plus small batches where split-KV matters.
-    # Sized to finish in a few minutes of a lent GPU (each point compiles each kernel once).
-    "gpu": dict(batch=[1, 32, 64], context=[2048, 8192], page_size=[16], gqa=[1, 8], dtype=["bfloat16"],
-                head_dim=128, num_kv_heads=8, prefill_chunk=[512], prefill_batch=4),
+    # GPU shapes: batch 8-128, context 512-8192, pages of 16 and 32, GQA 1/4/8, bf16, head_dim 128, 8 KV heads.
+    # Each list is in priority order (the decode goal's shapes, batch >= 32 and context >= 2048, first): a
+    # lent GPU's minutes run out before the whole product (54 points, each compiling each kernel once), and
+    # --budget-s stops the sweep with the most important points measured.
+    "gpu": dict(batch=[32, 128, 8], context=[2048, 8192, 512], page_size=[16, 32], gqa=[8, 4, 1],
+                dtype=["bfloat16"], head_dim=128, num_kv_heads=8, prefill_chunk=[512], prefill_batch=4),
     # Qwen2.5-0.5B's attention (14 query heads, 2 KV heads, head_dim 64) in bfloat16 on CPU: 32 decodes, and
     # a 512-token prompt (no cached context) and one 512-token chunk after 1,536 cached tokens.
     "cpu-bf16": dict(batch=[32], context=[512, 2048], page_size=[16], gqa=[7], dtype=["bfloat16"], head_dim=64,
@@ -51,14 +55,26 @@ PRESETS = {
 }
 
 
-def time_call(fn, *args, repeats: int) -> float:
-    """Median seconds of `fn(*args)` after one warm-up (compilation) call."""
-    fn(*args).block_until_ready()
+# On a GPU, decode inputs are rotated over at least this many bytes, 4x an H200's 60 MB L2: a point whose K/V
+# fit in the cache would otherwise be timed from it on every call after the first.
+GPU_ROTATION_BYTES = 256 * 2**20
+
+
+def time_call(fn, arg_sets: list[tuple], repeats: int, calls_per_sample: int = 1) -> float:
+    """Median seconds of one `fn` call over `repeats` samples, after a warm-up (compiling) call.
+
+    Each sample dispatches `calls_per_sample` calls back to back, cycling through `arg_sets`, and waits for
+    them all: on a GPU the host dispatches call i+1 while the device runs call i, so a sample measures the
+    device's time rather than a dispatch and a synchronization per call (tens of microseconds, as much as a
+    whole decode kernel at small shapes).
+    """
+    import jax
+    jax.block_until_ready(fn(*arg_sets[0]))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
+        jax.block_until_ready([fn(*arg_sets[i % len(arg_sets)]) for i in range(calls_per_sample)])
+        times.append((time.perf_counter() - start) / calls_per_sample)
     return float(np.median(times))
 
 
@@ -253,20 +269,43 @@ def _native_cpu(on_gpu: bool, fn):
     return fn if ok else f"unavailable: {reason}"
 
 
-def run_decode(cfg: dict, rng, repeats: int, copy_bw: float, on_gpu: bool, max_reference_bytes: float,
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    """How a sweep times its points and when it stops."""
+
+    repeats: int  # samples per implementation and point (the median is reported)
+    calls_per_sample: int = 1  # back-to-back calls a sample times (time_call)
+    rotation_bytes: int = 0  # decode: K/V copies enough to read this many distinct bytes in turn
+    deadline: float = float("inf")  # time.monotonic() after which no new point starts
+    on_row: Any = None  # called with the rows so far after every point (the JSON is rewritten as it goes)
+
+    def out_of_time(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def done(self, rows: list, row: dict) -> None:
+        rows.append(row)
+        if self.on_row is not None:
+            self.on_row(rows)
+
+
+def run_decode(cfg: dict, rng, sweep: Sweep, copy_bw: float, on_gpu: bool, max_reference_bytes: float,
                backends: list[str] = ()) -> list:
     import jax.numpy as jnp
     rows = []
     for batch, context, page_size, group, dtype in itertools.product(
             cfg["batch"], cfg["context"], cfg["page_size"], cfg["gqa"], cfg["dtype"]):
+        if sweep.out_of_time():
+            break
         num_kv_heads, head_dim = cfg["num_kv_heads"], cfg["head_dim"]
         pages_per_seq = -(-context // page_size)
-        k, v, tables = _pool(rng, batch, pages_per_seq, num_kv_heads, page_size, head_dim, dtype)
+        kv_bytes = 2 * batch * context * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+        copies = min(16, max(1, -(-sweep.rotation_bytes // kv_bytes)))
+        pools = [_pool(rng, batch, pages_per_seq, num_kv_heads, page_size, head_dim, dtype) for _ in range(copies)]
         q = jnp.asarray(rng.standard_normal((batch, num_kv_heads * group, head_dim), np.float32), dtype)
         lengths = jnp.full((batch,), context, jnp.int32)
-        kv_bytes = 2 * batch * context * num_kv_heads * head_dim * jnp.dtype(dtype).itemsize
+        arg_sets = [(q, k, v, tables, lengths, head_dim ** -0.5) for k, v, tables in pools]
         row = dict(kind="decode", batch=batch, context=context, page_size=page_size, gqa=group, dtype=dtype,
-                   num_kv_heads=num_kv_heads, head_dim=head_dim, kv_bytes=kv_bytes, results={})
+                   num_kv_heads=num_kv_heads, head_dim=head_dim, kv_bytes=kv_bytes, kv_copies=copies, results={})
         expected = None
         impls = {**decode_implementations(on_gpu, group, head_dim, dtype),
                  **registered_implementations(list(backends), "decode")}
@@ -277,17 +316,18 @@ def run_decode(cfg: dict, rng, repeats: int, copy_bw: float, on_gpu: bool, max_r
             if name == "jnp-reference" and kv_bytes * 4 > max_reference_bytes:
                 row["results"][name] = {"skipped": "its gathered copy of every context would not fit the budget"}
                 continue
-            result, expected = _measure(fn, (q, k, v, tables, lengths, head_dim ** -0.5), repeats, expected)
+            result, expected = _measure(fn, arg_sets, sweep, expected)
             if "seconds" in result:
                 result.update(bytes_per_s=kv_bytes / result["seconds"],
                               fraction_of_copy=kv_bytes / result["seconds"] / copy_bw)
             row["results"][name] = result
-        rows.append(row)
+        del pools, arg_sets
+        sweep.done(rows, row)
         _print_row(row, "fraction_of_copy")
     return rows
 
 
-def run_prefill(cfg: dict, rng, repeats: int, matmul: float, max_reference_bytes: float,
+def run_prefill(cfg: dict, rng, sweep: Sweep, matmul: float, max_reference_bytes: float,
                 backends: list[str] = ()) -> list:
     import jax.numpy as jnp
     rows = []
@@ -296,6 +336,8 @@ def run_prefill(cfg: dict, rng, repeats: int, matmul: float, max_reference_bytes
             cfg["prefill_chunk"], cfg["context"], cfg["page_size"], cfg["gqa"], cfg["dtype"]):
         if chunk > context:
             continue
+        if sweep.out_of_time():
+            break
         num_kv_heads, head_dim = cfg["num_kv_heads"], cfg["head_dim"]
         num_q_heads = num_kv_heads * group
         pages_per_seq = -(-context // page_size)
@@ -316,23 +358,24 @@ def run_prefill(cfg: dict, rng, repeats: int, matmul: float, max_reference_bytes
                 row["results"][name] = {"skipped": f"gathers each token's context ({gathered / 1e9:.1f} GB)"}
                 continue
             args = (q, k, v, tables, query_start, seq_lens, head_dim ** -0.5)
-            result, expected = _measure(fn, args, repeats, expected)
+            result, expected = _measure(fn, [args], sweep, expected)
             if "seconds" in result:
                 result.update(flops_per_s=flops / result["seconds"],
                               fraction_of_matmul=flops / result["seconds"] / matmul)
             row["results"][name] = result
-        rows.append(row)
+        sweep.done(rows, row)
         _print_row(row, "fraction_of_matmul")
     return rows
 
 
-def _measure(fn, args, repeats: int, expected):
-    """Times fn(*args); returns its result entry and the output later implementations are compared with
-    (the first one's). A baseline that cannot run a shape is reported as an error, not fatal."""
+def _measure(fn, arg_sets: list[tuple], sweep: Sweep, expected):
+    """Times fn over `arg_sets`; returns its result entry and the output later implementations are compared
+    with (the first one's, on the first argument set). A baseline that cannot run a shape is reported as an
+    error, not fatal."""
     import jax.numpy as jnp
     try:
-        out = fn(*args)
-        seconds = time_call(fn, *args, repeats=repeats)
+        out = fn(*arg_sets[0])
+        seconds = time_call(fn, arg_sets, sweep.repeats, sweep.calls_per_sample)
     except Exception as error:
         return {"error": f"{type(error).__name__}: {str(error)[:300]}"}, expected
     out = np.asarray(out.astype(jnp.float32))
@@ -394,6 +437,9 @@ def main(argv=None) -> int:
                         help="a registered attention backend to run beside the built-in ones (repeatable)")
     parser.add_argument("--plugin", action="append", default=[],
                         help="a module to import first (it calls paged.register_attention_backend)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="stop starting new points after this many seconds (decode gets 70%%, prefill the "
+                             "rest); the JSON holds every finished point as the sweep goes")
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
     args = parser.parse_args(argv)
@@ -407,33 +453,47 @@ def main(argv=None) -> int:
 
     from benchmarks.common import copy_bandwidth, matmul_rate
 
+    start = time.monotonic()
     on_gpu = jax.default_backend() == "gpu"
     cfg = dict(PRESETS[args.preset or ("gpu" if on_gpu else "smoke")])
     for key in ("batch", "context", "page_size", "gqa", "dtype", "head_dim", "num_kv_heads", "prefill_chunk"):
         if getattr(args, key) is not None:
             cfg[key] = getattr(args, key)
     repeats = args.repeats or (20 if on_gpu else 3)
-    copy_bw = copy_bandwidth(megabytes=1024 if on_gpu else 256)
+    calls_per_sample = 10 if on_gpu else 1
+    copy_bw = copy_bandwidth(megabytes=2048 if on_gpu else 256, calls_per_sample=calls_per_sample)
     dtype = "bfloat16" if "bfloat16" in cfg["dtype"] else cfg["dtype"][0]
-    matmul = matmul_rate(dtype, size=8192 if on_gpu else 1024)
+    matmul = matmul_rate(dtype, size=8192 if on_gpu else 1024, calls_per_sample=calls_per_sample)
     device = jax.devices()[0].device_kind
     print(f"{device}: copy bandwidth {copy_bw / 1e9:.1f} GB/s (read + write); {dtype} matmul "
           f"{matmul / 1e12:.2f} TFLOP/s", file=sys.stderr)
     rng = np.random.default_rng(0)
     budget = args.reference_budget_gb * 1e9
-    rows = run_decode(cfg, rng, repeats, copy_bw, on_gpu, budget, args.backend)
-    if not args.no_prefill:
-        rows += run_prefill(cfg, rng, repeats, matmul, budget, args.backend)
     report = dict(device=device, jax_version=jax.__version__, platform=jax.default_backend(), config=cfg,
                   copy_bytes_per_s=copy_bw, matmul_flops_per_s=matmul, matmul_dtype=dtype, repeats=repeats,
+                  calls_per_sample=calls_per_sample,
                   conventions=dict(decode="KV bytes = 2 x sum(lengths) x Hkv x D x itemsize; fraction of the copy "
                                           "bandwidth (bytes read + written by a large in-place update)",
                                    prefill="FLOPs = 4 x causal query-key pairs x Hq x D; fraction of a square "
-                                           "matmul's rate"),
-                  rows=rows)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
+                                           "matmul's rate",
+                                   timing="median of `repeats` samples, each `calls_per_sample` calls dispatched "
+                                          "back to back; decode K/V rotated over `kv_copies` pools"),
+                  rows=[])
+
+    def write(rows, done_rows=()):
+        report["rows"] = [*done_rows, *rows]
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=2)
+
+    total = float("inf") if args.budget_s is None else args.budget_s
+    sweep = Sweep(repeats, calls_per_sample, GPU_ROTATION_BYTES if on_gpu else 0,
+                  deadline=start + 0.7 * total, on_row=write)
+    rows = run_decode(cfg, rng, sweep, copy_bw, on_gpu, budget, args.backend)
+    if not args.no_prefill:
+        sweep = dataclasses.replace(sweep, deadline=start + total, on_row=lambda more: write(more, rows))
+        rows = rows + run_prefill(cfg, rng, sweep, matmul, budget, args.backend)
+    write(rows)
     if args.png:
         plot(report, args.png)
     return 0
