@@ -229,7 +229,7 @@ class PallasAttention(ReferenceAttention):
 class MosaicPallasAttention(PallasAttention):
     """"pallas" with the Hopper decode kernel (Mosaic GPU: TMA + wgmma) for decode steps.
 
-    bfloat16/float16 models only. Off a GPU it runs under the Mosaic GPU interpreter (jax >= 0.12), which
+    bfloat16/float16 models only. Off a GPU it runs under the Mosaic GPU interpreter (jax >= 0.11), which
     is for tests at tiny sizes.
     """
 

@@ -1,11 +1,13 @@
 """Which kernels run where: the one place `attention_backend="auto"` and `linear_backend="auto"` resolve.
 
-GPU: the Pallas kernels (Triton lowering) and XLA's dot. CPU: the native kernels when this machine builds them
-(attention and the decode-sized matmul together), else XLA's chunked attention and dot. TPU: the Mosaic TPU
-ragged kernel (`tpu/ragged.py`) and XLA's dot. An explicit "xla" attention keeps XLA's dot too, so it stays
-the pure-XLA baseline that kernel comparisons measure against. Off its platform a Pallas kernel runs in
-interpret mode on CPU (for tests), and is refused elsewhere: the GPU kernels' Triton parameters mean nothing
-to the TPU compiler, nor the TPU kernel's to a GPU.
+GPU: the Pallas kernels (Triton lowering) and XLA's dot. Which of "pallas", "pallas-mosaic" and "xla" "auto"
+takes there is to come from a measurement (`benchmarks/gpu_check.py` prints the kernel fastest at the decode
+goal's shapes); until one has run on a GPU it is the portable "pallas". CPU: the native kernels when this
+machine builds them (attention and the decode-sized matmul together), else XLA's chunked attention and dot.
+TPU: the Mosaic TPU ragged kernel (`tpu/ragged.py`) and XLA's dot. An explicit "xla" attention keeps XLA's
+dot too, so it stays the pure-XLA baseline that kernel comparisons measure against. Off its platform a Pallas
+kernel runs in interpret mode on CPU (for tests), and is refused elsewhere: the GPU kernels' Triton
+parameters mean nothing to the TPU compiler, nor the TPU kernel's to a GPU.
 """
 
 from __future__ import annotations
