@@ -101,6 +101,14 @@ class LLMEngine:
         if self.kv_dtype.itemsize == 1 and attention_name == "pallas-mosaic":
             raise NotImplementedError("kv_cache_dtype='fp8' does not run on the pallas-mosaic decode kernel yet; use "
                                       "attention_backend='pallas'")
+        if attention_name == "pallas-mosaic":  # refused here, not when the first step is traced
+            from pallas_kernels.gpu.decode_mgpu import hopper_unsupported
+            c = self.model_config
+            reason = hopper_unsupported(self.dtype, self.kv_dtype, c.head_dim, config.block_size,
+                                        c.num_heads // c.num_kv_heads)
+            if reason is not None:
+                raise ValueError(f"attention_backend='pallas-mosaic' cannot run this model: {reason}; use "
+                                 "attention_backend='pallas'")
         # Bytes of the weights by dtype (int8, uint8 for packed int4, the float dtype for the rest) and total.
         self.weight_bytes = weight_bytes(params)
         self.config = config = config.resolved(self.model_config.max_position_embeddings)

@@ -51,22 +51,33 @@ def _transposed(ref):
     return plgpu.transpose_ref(ref, (1, 0))
 
 
+def hopper_unsupported(dtype, kv_dtype, head_dim: int, page_size: int, group: int,
+                       pages_per_step: int | None = None) -> str | None:
+    """Why this kernel cannot take these shapes (beyond the portable kernel's contract), or None if it can.
+    The engine asks at start-up, before a step is traced."""
+    pages_per_step = max(1, 64 // page_size) if pages_per_step is None else pages_per_step
+    if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or jnp.dtype(kv_dtype) != jnp.dtype(dtype):
+        return (f"the Mosaic GPU kernel takes bfloat16 or float16 q and pool of one dtype; got {jnp.dtype(dtype)} "
+                f"and {jnp.dtype(kv_dtype)}")
+    if head_dim % 64:
+        return f"head_dim must be a multiple of 64 for the Mosaic GPU kernel; got {head_dim}"
+    if page_size % 8:
+        return f"page_size must be a multiple of 8 for the Mosaic GPU kernel; got {page_size}"
+    if group > WGMMA_ROWS:
+        return f"at most {WGMMA_ROWS} query heads per KV head for the Mosaic GPU kernel; got {group}"
+    if (pages_per_step * page_size) % 64:
+        return f"pages_per_step * page_size must be a multiple of 64 keys; got {pages_per_step} x {page_size}"
+    return None
+
+
 def _validate_hopper(q, k_pages, pages_per_step):
     """What this kernel needs beyond the portable kernel's contract (checked there)."""
     num_q_heads, head_dim = q.shape[1:]
     num_kv_heads, page_size = k_pages.shape[1], k_pages.shape[3]
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
-        raise ValueError(f"the Mosaic GPU kernel takes bfloat16 or float16 q and pool of one dtype; got {q.dtype} "
-                         f"and {k_pages.dtype}")
-    if head_dim % 64:
-        raise ValueError(f"head_dim must be a multiple of 64 for the Mosaic GPU kernel; got {head_dim}")
-    if page_size % 8:
-        raise ValueError(f"page_size must be a multiple of 8 for the Mosaic GPU kernel; got {page_size}")
-    if num_q_heads // num_kv_heads > WGMMA_ROWS:
-        raise ValueError(f"at most {WGMMA_ROWS} query heads per KV head; got {num_q_heads} and {num_kv_heads}")
-    if (pages_per_step * page_size) % 64:
-        raise ValueError(f"pages_per_step * page_size must be a multiple of 64 keys; got {pages_per_step} x "
-                         f"{page_size}")
+    reason = hopper_unsupported(q.dtype, k_pages.dtype, head_dim, page_size, num_q_heads // num_kv_heads,
+                                pages_per_step)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def _kernel(scalars_ref, lengths_ref, page_tables_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref,

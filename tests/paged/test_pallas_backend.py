@@ -48,8 +48,8 @@ def test_auto_backend_is_the_native_kernel_on_cpu_and_pallas_on_gpu():
         get_attention_backend("cpu", "gpu")
 
 
-@pytest.mark.skipif(tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 12),
-                    reason="the Mosaic GPU interpreter of jax < 0.12 lacks layout_cast (the 0.12 CI leg runs this)")
+@pytest.mark.skipif(tuple(int(x) for x in jax.__version__.split(".")[:2]) < (0, 11),
+                    reason="the Mosaic GPU interpreter of jax 0.10 lacks layout_cast (the 0.12 CI leg runs this)")
 def test_mosaic_backend_decode_step_matches_reference():
     """One decode step of the "pallas-mosaic" backend (Mosaic GPU interpreter) against the reference backend,
     with padded rows and a padding token, in bfloat16."""
@@ -73,3 +73,11 @@ def test_mosaic_backend_decode_step_matches_reference():
     np.testing.assert_allclose(np.asarray(got[:2], np.float32), np.asarray(expected[:2], np.float32),
                                atol=2e-2, rtol=2e-2)
     np.testing.assert_array_equal(np.asarray(got[2:], np.float32), 0.0)
+
+
+@pytest.mark.parametrize("dtype, reason", [("float32", "bfloat16 or float16"), ("bfloat16", "multiple of 64")])
+def test_mosaic_backend_refuses_a_model_it_cannot_run_at_start_up(tiny_model_dir, dtype, reason):
+    """The tiny model has head_dim 16: the Mosaic kernel takes bf16/f16 and head_dim a multiple of 64. The
+    engine says so when it is built, not from inside the first step's trace."""
+    with pytest.raises(ValueError, match=f"pallas-mosaic.*{reason}.*attention_backend='pallas'"):
+        LLM(tiny_model_dir, dtype=dtype, attention_backend="pallas-mosaic", max_model_len=64, show_progress=False)
