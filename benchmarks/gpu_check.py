@@ -75,6 +75,11 @@ def versions() -> dict:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             pass
+    # What the engine sizes its KV pool from (paged/runner.py: kv_budget_bytes): on a GPU, XLA's allocator
+    # limit (75% of the memory unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise).
+    stats = jax.devices()[0].memory_stats() or {}
+    found["memory_stats"] = {k: stats[k] for k in ("bytes_limit", "bytes_in_use", "peak_bytes_in_use") if k in stats}
+    found["xla_env"] = {k: v for k, v in os.environ.items() if k.startswith(("XLA_", "JAX_"))}
     try:  # read-only queries: the card's settings are left as found
         found["nvidia-smi"] = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem,clocks.max.sm",
