@@ -44,3 +44,12 @@ def test_auto_should_pick_the_kernel_fastest_at_most_goal_shapes():
     assert goal["fraction_of_copy"]["jax-pallas-ops"]["max"] == 1e-3 / 0.5
     assert goal["fraction_of_copy"]["pallas"] == dict(min=1e-3 / 2.0, median=1e-3 / 2.0, max=1e-3 / 1.0)
     assert fastest_at_goal(dict(rows=[]))["auto_should_pick"] is None
+
+
+def test_the_profile_program_runs_each_named_kernel(monkeypatch, capsys):
+    from benchmarks import gpu_profile
+    monkeypatch.setattr("sys.argv", ["gpu_profile.py", "--batch", "2", "--context", "32", "--calls", "1",
+                                     "--only", "xla", "pallas"])
+    assert gpu_profile.main() == 0
+    err = capsys.readouterr().err
+    assert "pallas: 1 calls" in err and "xla: 1 calls" in err and "cpu" not in err
