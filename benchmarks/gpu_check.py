@@ -272,7 +272,9 @@ def main() -> int:
     on_cpu = jax.default_backend() == "cpu"
     report.set("versions", versions())
     print(json.dumps(report.data["versions"], indent=1), flush=True)
-    rng = np.random.default_rng(int(time.time()))  # fresh inputs every run
+    seed = int(time.time())  # fresh inputs every run, recorded to reproduce one
+    report.set("seed", seed)
+    rng = np.random.default_rng(seed)
     summary = []
     if "correctness" not in args.skip:
         cases = correctness(rng, on_cpu)
