@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -35,7 +34,7 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None, help="implementations to run (default: all that run)")
     args = parser.parse_args()
 
-    from benchmarks.kernels import _pool, decode_implementations
+    from benchmarks.kernels import _pool, decode_implementations, time_call
     on_gpu = jax.default_backend() == "gpu"
     num_kv_heads, head_dim, dtype = 8, 128, "bfloat16"
     rng = np.random.default_rng(0)
@@ -48,14 +47,8 @@ def main() -> int:
     for name, fn in impls.items():
         if not callable(fn) or name == "jnp-reference" or (args.only is not None and name not in args.only):
             continue
-        jax.block_until_ready(fn(q, k, v, tables, lengths, head_dim ** -0.5))  # compile outside the launches
-        times = []
         print(f"{name}: {args.calls} calls", file=sys.stderr, flush=True)
-        for _ in range(args.calls):
-            start = time.perf_counter()
-            jax.block_until_ready(fn(q, k, v, tables, lengths, head_dim ** -0.5))
-            times.append(time.perf_counter() - start)
-        seconds = float(np.median(times))
+        seconds = time_call(fn, [(q, k, v, tables, lengths, head_dim ** -0.5)], repeats=args.calls)
         print(f"  {seconds * 1e6:.1f} us a call with its launch and wait; K/V {kv_bytes / seconds / 1e9:.0f} GB/s",
               file=sys.stderr, flush=True)
     return 0

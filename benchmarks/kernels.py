@@ -32,7 +32,7 @@ import itertools
 import json
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
@@ -277,7 +277,7 @@ class Sweep:
     calls_per_sample: int = 1  # back-to-back calls a sample times (time_call)
     rotation_bytes: int = 0  # decode: K/V copies enough to read this many distinct bytes in turn
     deadline: float = float("inf")  # time.monotonic() after which no new point starts
-    on_row: Any = None  # called with the rows so far after every point (the JSON is rewritten as it goes)
+    on_row: Callable[[list], None] | None = None  # called with the rows so far after every point
 
     def out_of_time(self) -> bool:
         return time.monotonic() > self.deadline
@@ -480,8 +480,8 @@ def main(argv=None) -> int:
                                           "back to back; decode K/V rotated over `kv_copies` pools"),
                   rows=[])
 
-    def write(rows, done_rows=()):
-        report["rows"] = [*done_rows, *rows]
+    def write(rows):  # after every point: a sweep cut short keeps what it measured
+        report["rows"] = rows
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(report, f, indent=2)
@@ -491,7 +491,7 @@ def main(argv=None) -> int:
                   deadline=start + 0.7 * total, on_row=write)
     rows = run_decode(cfg, rng, sweep, copy_bw, on_gpu, budget, args.backend)
     if not args.no_prefill:
-        sweep = dataclasses.replace(sweep, deadline=start + total, on_row=lambda more: write(more, rows))
+        sweep = dataclasses.replace(sweep, deadline=start + total, on_row=lambda more: write(rows + more))
         rows = rows + run_prefill(cfg, rng, sweep, matmul, budget, args.backend)
     write(rows)
     if args.png:

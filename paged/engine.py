@@ -98,10 +98,10 @@ class LLMEngine:
             mesh=self.mesh, quantization=config.quantization, device=self.device,
             kv_cache_scales=config.kv_cache_dtype.startswith("fp8"))
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        if self.kv_dtype.itemsize == 1 and attention_name == "pallas-mosaic":
-            raise NotImplementedError("kv_cache_dtype='fp8' does not run on the pallas-mosaic decode kernel yet; use "
-                                      "attention_backend='pallas'")
         if attention_name == "pallas-mosaic":  # refused here, not when the first step is traced
+            if self.kv_dtype.itemsize == 1:
+                raise NotImplementedError("kv_cache_dtype='fp8' does not run on the pallas-mosaic decode kernel yet; "
+                                          "use attention_backend='pallas'")
             from pallas_kernels.gpu.decode_mgpu import hopper_unsupported
             c = self.model_config
             reason = hopper_unsupported(self.dtype, self.kv_dtype, c.head_dim, config.block_size,

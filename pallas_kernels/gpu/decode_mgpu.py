@@ -51,11 +51,16 @@ def _transposed(ref):
     return plgpu.transpose_ref(ref, (1, 0))
 
 
+def default_pages_per_step(page_size: int) -> int:
+    """Pages per K/V tile: one wgmma's 64 keys where pages are smaller."""
+    return max(1, 64 // page_size)
+
+
 def hopper_unsupported(dtype, kv_dtype, head_dim: int, page_size: int, group: int,
                        pages_per_step: int | None = None) -> str | None:
     """Why this kernel cannot take these shapes (beyond the portable kernel's contract), or None if it can.
     The engine asks at start-up, before a step is traced."""
-    pages_per_step = max(1, 64 // page_size) if pages_per_step is None else pages_per_step
+    pages_per_step = default_pages_per_step(page_size) if pages_per_step is None else pages_per_step
     if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16) or jnp.dtype(kv_dtype) != jnp.dtype(dtype):
         return (f"the Mosaic GPU kernel takes bfloat16 or float16 q and pool of one dtype; got {jnp.dtype(dtype)} "
                 f"and {jnp.dtype(kv_dtype)}")
@@ -202,7 +207,7 @@ def paged_decode_attention_mgpu(
     num_seqs, num_q_heads, head_dim = q.shape
     _, num_kv_heads, _, page_size, _ = k_pages.shape
     if pages_per_step is None:
-        pages_per_step = max(1, 64 // page_size)
+        pages_per_step = default_pages_per_step(page_size)
     validate_decode_inputs(q, k_pages, v_pages, page_tables, lengths)
     _validate_hopper(q, k_pages, pages_per_step)
     group = num_q_heads // num_kv_heads
