@@ -28,8 +28,8 @@ def pyplot():
 
 
 def default_model_dir() -> str:
-    from models.tiny import create_tiny_llama
-    from pallas_kernels.cache import cache_root
+    from paged.models.tiny import create_tiny_llama
+    from paged.kernels.cache import cache_root
     directory = str(cache_root() / "benchmarks" / "bench-llama-30m")
     if not os.path.exists(os.path.join(directory, "model.safetensors")):
         create_tiny_llama(directory, **DEFAULT_MODEL)

@@ -57,7 +57,7 @@ print("RESULT " + json.dumps({
 def build_model(directory: str) -> str:
     """A ~0.6 GB float32 Llama: 8 query heads over 4 KV heads, so tensor parallel 8 must replicate KV heads, and
     a 32,000-token vocabulary (split evenly by every size)."""
-    from models.tiny import create_tiny_llama
+    from paged.models.tiny import create_tiny_llama
     return create_tiny_llama(directory, hidden_size=1024, intermediate_size=2816, num_layers=8, num_heads=8,
                              num_kv_heads=4, model_vocab_size=32000, max_position_embeddings=1024)
 

@@ -1,6 +1,6 @@
 """Writes a GPTQ-format checkpoint of a float checkpoint by round-to-nearest, for speed and memory benchmarks.
 
-    python -m benchmarks.gptq_checkpoint SRC DST [--bits 4] [--group-size 128]
+    python -m paged.benchmarks.gptq_checkpoint SRC DST [--bits 4] [--group-size 128]
     paged bench throughput --model DST ...
 
 No calibration: each group of input rows gets its min/max scale and zero point (asymmetric). The file layout is

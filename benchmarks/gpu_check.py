@@ -110,9 +110,9 @@ def correctness(rng, on_cpu: bool) -> list[dict]:
     """Every kernel against the jnp reference on random paged inputs: lengths 0, 1, a page, a partial page, the
     maximum; random page permutations; float32 and bfloat16 where the kernel takes it; then one goal-sized
     point (grids of thousands of programs, which the small cases do not reach)."""
-    from pallas_kernels import (paged_decode_attention, paged_decode_reference, ragged_paged_attention,
-                                ragged_paged_attention_reference)
-    from pallas_kernels.gpu.decode_mgpu import paged_decode_attention_mgpu
+    from paged.kernels import (paged_decode_attention, paged_decode_reference, ragged_paged_attention,
+                               ragged_paged_attention_reference)
+    from paged.kernels.gpu.decode_mgpu import paged_decode_attention_mgpu
     cases = []
     for dtype, tol in ((jnp.float32, 2e-3), (jnp.bfloat16, 3e-2)):  # f32 dots may use TF32 on GPU
         for page_size, group, head_dim in ((16, 1, 128), (16, 8, 128), (32, 4, 64), (8, 2, 64)):
@@ -182,7 +182,7 @@ def engine_end_to_end(rng, on_cpu: bool) -> list[dict]:
     rounds the probabilities to bf16 for its second wgmma) move logits by an ulp or two, about 0.03-0.06 at
     this model's logit sizes, which flips near-ties; there a sequence passes if, where it first diverges, each
     run's token is among the other's top 5 (vLLM's check for kernels compared in low precision)."""
-    from models.tiny import create_tiny_llama
+    from paged.models.tiny import create_tiny_llama
     from paged import LLM, SamplingParams
     directory = create_tiny_llama(tempfile.mkdtemp(), hidden_size=256, intermediate_size=512, num_layers=2,
                                   num_heads=4, num_kv_heads=2, model_vocab_size=512)
@@ -287,7 +287,7 @@ def main() -> int:
             f"{'PASS' if e['passed'] else 'FAIL'}, {e['sequences_equal']} sequences equal to xla's"
             if "sequences_equal" in e else "FAIL, raised" if "error" in e else "the baseline") for e in engine]
     if "sweep" not in args.skip:
-        from benchmarks import kernels
+        from paged.benchmarks import kernels
         path = os.path.join(args.out, "kernels_gpu.json")
         left = max(30.0, args.budget_s - (time.monotonic() - start))
         try:  # on CPU the smoke preset: a dry run of this path

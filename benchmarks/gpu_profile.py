@@ -34,7 +34,7 @@ def main() -> int:
     parser.add_argument("--only", nargs="*", default=None, help="implementations to run (default: all that run)")
     args = parser.parse_args()
 
-    from benchmarks.kernels import _pool, decode_implementations, time_call
+    from paged.benchmarks.kernels import _pool, decode_implementations, time_call
     on_gpu = jax.default_backend() == "gpu"
     num_kv_heads, head_dim, dtype = 8, 128, "bfloat16"
     rng = np.random.default_rng(0)

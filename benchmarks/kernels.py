@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from benchmarks.common import pyplot
+from paged.benchmarks.common import pyplot
 
 PRESETS = {
     # Tiny shapes: a CPU smoke run of every code path in well under a minute.
@@ -95,7 +95,7 @@ def decode_implementations(on_gpu: bool, group: int, head_dim: int, dtype: str) 
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import paged_attention_chunked, paged_decode_attention, paged_decode_reference
+    from paged.kernels import paged_attention_chunked, paged_decode_attention, paged_decode_reference
 
     impls = {
         "pallas": lambda q, k, v, t, n, s: paged_decode_attention(q, k, v, t, n, scale=s),
@@ -117,7 +117,7 @@ def decode_implementations(on_gpu: bool, group: int, head_dim: int, dtype: str) 
     impls["pallas-tpu"] = _tpu_kernel(on_gpu, lambda q, k, v, t, n, s: _tpu_ragged()(
         q, k, v, t, jnp.arange(q.shape[0] + 1, dtype=jnp.int32), n, scale=s, tokens_per_block=_decode_block(q, k)))
     if on_gpu:
-        from pallas_kernels.gpu.decode_mgpu import paged_decode_attention_mgpu
+        from paged.kernels.gpu.decode_mgpu import paged_decode_attention_mgpu
         if dtype in ("bfloat16", "float16") and head_dim % 64 == 0:
             impls["pallas-mosaic"] = lambda q, k, v, t, n, s: paged_decode_attention_mgpu(q, k, v, t, n, scale=s)
         else:
@@ -144,7 +144,7 @@ def prefill_implementations(dtype: str = "float32") -> dict:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import paged_attention_chunked, ragged_paged_attention, ragged_paged_attention_reference
+    from paged.kernels import paged_attention_chunked, ragged_paged_attention, ragged_paged_attention_reference
 
     def token_rows(qs, n, num_tokens):
         """Each packed token's sequence and position, from the ragged offsets (what the engine passes)."""
@@ -181,7 +181,7 @@ def prefill_implementations(dtype: str = "float32") -> dict:
 
 def _engine_metadata(tables, lengths, query_start, token_seq_ids, positions, num_prefill_rows):
     """The step metadata the engine would build for these rows (host numpy), for registered backends."""
-    from models.attention import AttentionMetadata
+    from paged.models.attention import AttentionMetadata
     rows = len(lengths)
     return AttentionMetadata(
         slot_mapping=np.zeros(len(positions), np.int32), positions=np.asarray(positions, np.int32),
@@ -198,7 +198,7 @@ def registered_implementations(names: list[str], kind: str) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from models.attention import get_attention_backend, registered_attention_backends
+    from paged.models.attention import get_attention_backend, registered_attention_backends
 
     impls = {}
     for name in names:
@@ -241,18 +241,18 @@ def registered_implementations(names: list[str], kind: str) -> dict:
 
 
 def _cpu_kernel():
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     return cpu_kernel
 
 
 def _tpu_ragged():
-    from pallas_kernels.tpu.ragged import ragged_paged_attention_tpu  # Mosaic TPU: imported only when used
+    from paged.kernels.tpu.ragged import ragged_paged_attention_tpu  # Mosaic TPU: imported only when used
     return ragged_paged_attention_tpu
 
 
 def _decode_block(q, k):
     """The engine's decode-step query block for the TPU kernel (one real token per block)."""
-    from pallas_kernels.tpu.block_sizes import tokens_per_block_for
+    from paged.kernels.tpu.block_sizes import tokens_per_block_for
     return tokens_per_block_for(1, q.shape[1] // k.shape[1], q.dtype)
 
 
@@ -451,7 +451,7 @@ def main(argv=None) -> int:
     for module in args.plugin:
         importlib.import_module(module)
 
-    from benchmarks.common import copy_bandwidth, matmul_rate
+    from paged.benchmarks.common import copy_bandwidth, matmul_rate
 
     start = time.monotonic()
     on_gpu = jax.default_backend() == "gpu"

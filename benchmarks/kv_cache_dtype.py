@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from benchmarks.common import default_model_dir, random_workload
+from paged.benchmarks.common import default_model_dir, random_workload
 
 
 def _generate(model_dir: str, kv_cache_dtype: str, prompts, output_len: int, dtype: str):
@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    from models import load_model_config
+    from paged.models import load_model_config
     model_dir = args.model or default_model_dir()
     vocab = load_model_config(model_dir).vocab_size
     workload = random_workload(args.num_requests, tuple(args.input_len), (args.output_len, args.output_len), vocab,

@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 
-from benchmarks.shapes import MODEL_SHAPES
+from paged.benchmarks.shapes import MODEL_SHAPES
 
 
 def layer_products(shape: str) -> list[tuple[int, int]]:
@@ -39,8 +39,8 @@ def _implementations(dtype) -> dict:
     """name -> (matmul(x, w as prepared), prepare(w [K, N]) run once before timing, or None)."""
     import jax.numpy as jnp
 
-    from models.linear import xla_matmul
-    from pallas_kernels import cpu
+    from paged.models.linear import xla_matmul
+    from paged.kernels import cpu
 
     impls = {"xla": (lambda x, w: xla_matmul(x, w, None, jnp.float32), None)}
     if cpu.matmul_max_rows(dtype) > 0:
@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.rows) < 1 or args.layers < 1 or args.repeats < 1:
         parser.error("--rows, --layers and --repeats must be positive")
     import jax
-    from pallas_kernels import cpu
+    from paged.kernels import cpu
     print(f"{args.model_shape} layer products x {args.layers}, {args.dtype}, GFLOP/s (median of {args.repeats}); "
           f"{jax.devices()[0].device_kind}, AMX {'on' if cpu.matmul_on_amx() else 'off'}", file=sys.stderr)
     results = run(args.model_shape, args.dtype, args.rows, args.layers, args.repeats)

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from models.tiny import create_tiny_llama  # noqa: E402
+from paged.models.tiny import create_tiny_llama  # noqa: E402
 from paged import LLM, SamplingParams  # noqa: E402
 
 

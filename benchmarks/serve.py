@@ -1,6 +1,6 @@
 """Online serving benchmark against any OpenAI-compatible server (this one or another engine).
 
-    python -m benchmarks.serve --base-url http://127.0.0.1:8000 [--num-prompts 200] [--request-rate 4 | inf]
+    python -m paged.benchmarks.serve --base-url http://127.0.0.1:8000 [--num-prompts 200] [--request-rate 4 | inf]
         [--max-concurrency 32] [--input-len 16 256] [--output-len 16 256] [--json out.json] [--png out.png]
 
 Sends prompts to /v1/completions with streaming, arrivals at a Poisson rate (or all at once with `inf`),
@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from benchmarks.common import pyplot, read_jsonl_requests
+from paged.benchmarks.common import pyplot, read_jsonl_requests
 
 
 async def _one(client, url: str, headers: dict, payload: dict) -> dict:

@@ -60,9 +60,9 @@ def _tensors(config: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 def model_shape_dir(name: str, seed: int = 0) -> str:
     """The checkpoint directory for shape `name` under the cache root, written on first use (~1 GB for 0.5B)."""
-    from models.builtin import RANDOM_WEIGHTS_KEY
-    from models.tiny import _train_tokenizer
-    from pallas_kernels.cache import cache_root
+    from paged.models.builtin import RANDOM_WEIGHTS_KEY
+    from paged.models.tiny import _train_tokenizer
+    from paged.kernels.cache import cache_root
     if name not in MODEL_SHAPES:
         raise ValueError(f"unknown model shape {name!r}; choose one of {sorted(MODEL_SHAPES)}")
     directory = str(cache_root() / "benchmarks" / f"{name}-random-seed{seed}")

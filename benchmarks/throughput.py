@@ -1,6 +1,6 @@
 """Offline throughput: this engine against Hugging Face transformers on the same model and requests.
 
-    python -m benchmarks.throughput [--num-requests 48] [--input-len 16 256] [--output-len 16 256]
+    python -m paged.benchmarks.throughput [--num-requests 48] [--input-len 16 256] [--output-len 16 256]
         [--model PATH] [--hf-batch-sizes 16 all] [--no-hf-continuous] [--json out.json] [--png out.png]
         [--json-fractions 0.5 1]
 
@@ -25,9 +25,9 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from benchmarks.common import (copy_bandwidth, default_model_dir, jsonl_workload, matmul_rate, pyplot,
-                               random_workload, warmup_twin, workload_flops)
-from benchmarks.shapes import MODEL_SHAPES, model_shape_dir
+from paged.benchmarks.common import (copy_bandwidth, default_model_dir, jsonl_workload, matmul_rate, pyplot,
+                                     random_workload, warmup_twin, workload_flops)
+from paged.benchmarks.shapes import MODEL_SHAPES, model_shape_dir
 from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
 
 
@@ -298,7 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
 
-    from models import load_model_config
+    from paged.models import load_model_config
     if args.model and args.model_shape:
         raise SystemExit("give --model or --model-shape, not both")
     model_dir = model_shape_dir(args.model_shape) if args.model_shape else args.model or default_model_dir()

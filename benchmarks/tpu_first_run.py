@@ -47,9 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from pallas_kernels import paged_attention_chunked, ragged_paged_attention_reference
-    from pallas_kernels.tpu.block_sizes import tokens_per_block_for
-    from pallas_kernels.tpu.ragged import ragged_paged_attention_tpu
+    from paged.kernels import paged_attention_chunked, ragged_paged_attention_reference
+    from paged.kernels.tpu.block_sizes import tokens_per_block_for
+    from paged.kernels.tpu.ragged import ragged_paged_attention_tpu
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--interpret", action="store_true", help="the TPU interpreter at small shapes (any machine)")

@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu, select_backends
-from pallas_kernels import (packed_causal_attention, paged_attention_chunked, paged_attention_reference,
-                            paged_decode_attention, ragged_paged_attention, to_pool_dtype, write_kv_to_cache)
+from paged.kernels import cpu, select_backends
+from paged.kernels import (packed_causal_attention, paged_attention_chunked, paged_attention_reference,
+                           paged_decode_attention, ragged_paged_attention, to_pool_dtype, write_kv_to_cache)
 
 
 @jax.tree_util.register_dataclass
@@ -236,7 +236,7 @@ class MosaicPallasAttention(PallasAttention):
     name = "pallas-mosaic"
 
     def decode_kernel(self, q, k_cache, v_cache, page_tables, lengths, layer, sliding_window, scale, soft_cap):
-        from pallas_kernels.gpu.decode_mgpu import paged_decode_attention_mgpu  # Mosaic GPU: imported only when used
+        from paged.kernels.gpu.decode_mgpu import paged_decode_attention_mgpu  # Mosaic GPU: imported only when used
         interpret = jax.default_backend() == "cpu" if self.interpret is None else self.interpret
         return paged_decode_attention_mgpu(q, k_cache, v_cache, page_tables, lengths, layer, sliding_window,
                                            scale=scale, soft_cap=soft_cap, num_splits=self.decode_splits,
@@ -260,8 +260,8 @@ class PallasTpuAttention(ReferenceAttention):
 
     def attend(self, q, k, v, k_cache, v_cache, layer, meta: AttentionMetadata, *, scale, sliding_window=None,
                soft_cap=None):
-        from pallas_kernels.tpu.block_sizes import tokens_per_block_for
-        from pallas_kernels.tpu.ragged import ragged_paged_attention_tpu  # Mosaic TPU: imported only when used
+        from paged.kernels.tpu.block_sizes import tokens_per_block_for
+        from paged.kernels.tpu.ragged import ragged_paged_attention_tpu  # Mosaic TPU: imported only when used
         group = q.shape[1] // k_cache.shape[1]
         run = lambda tokens_per_block: ragged_paged_attention_tpu(
             q, k_cache, v_cache, meta.page_tables, meta.query_start, meta.seq_lens, layer, sliding_window,

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import os
 
-from models.demo_model import DEMO_MODEL_DESCRIPTION, DEMO_MODEL_NAME, demo_model_dir
-from models.tiny import TINY_MODEL_NAME, default_tiny_model_dir
+from paged.models.demo_model import DEMO_MODEL_DESCRIPTION, DEMO_MODEL_NAME, demo_model_dir
+from paged.models.tiny import TINY_MODEL_NAME, default_tiny_model_dir
 
 DEFAULT_MODEL = DEMO_MODEL_NAME  # what `paged generate` and `paged serve` run without a model argument
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 if TYPE_CHECKING:
-    from models.quantization import WeightQuant
+    from paged.models.quantization import WeightQuant
 
 
 @dataclasses.dataclass(frozen=True)

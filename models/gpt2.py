@@ -17,10 +17,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.attention import AttentionMetadata, ReferenceAttention
-from models.config import ModelConfig
-from models.layers import Block, activation, run_layers
-from models.linear import Embedding, LastHidden, Linear, tied_greedy_head
+from paged.models.attention import AttentionMetadata, ReferenceAttention
+from paged.models.config import ModelConfig
+from paged.models.layers import Block, activation, run_layers
+from paged.models.linear import Embedding, LastHidden, Linear, tied_greedy_head
 
 
 class GPT2Block(Block):

@@ -13,9 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.config import ModelConfig
-from models.linear import Linear, silu_gated
-from pallas_kernels import cpu
+from paged.models.config import ModelConfig
+from paged.models.linear import Linear, silu_gated
+from paged.kernels import cpu
 
 _ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
     "silu": jax.nn.silu,

@@ -25,8 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.quantization import WeightQuant, dequantize, dequantize_float8, quantize_activations
-from pallas_kernels import cpu
+from paged.models.quantization import WeightQuant, dequantize, dequantize_float8, quantize_activations
+from paged.kernels import cpu
 
 TENSOR_AXIS = "tensor"  # the mesh axis tensor parallelism splits weights over
 PARALLEL_STYLES = ("column", "row", "replicated")

@@ -28,12 +28,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.attention import AttentionMetadata, ReferenceAttention
-from models.config import ModelConfig
-from models.layers import (Block, GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin, rotary_table,
-                           run_layers)
-from models.linear import Embedding, LastHidden, Linear, tied_greedy_head
-from models.moe import SparseMoE
+from paged.models.attention import AttentionMetadata, ReferenceAttention
+from paged.models.config import ModelConfig
+from paged.models.layers import (Block, GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin, rotary_table,
+                                 run_layers)
+from paged.models.linear import Embedding, LastHidden, Linear, tied_greedy_head
+from paged.models.moe import SparseMoE
 
 
 class DecoderLayer(Block):

@@ -20,12 +20,12 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from safetensors import safe_open
-from models.progress import progress
+from paged.models.progress import progress
 
-from models.config import ModelConfig, load_model_config
-from models.linear import to_declared_layout
-from models.quantized_checkpoints import convert, is_online, quantize_online, quantized_suffixes, weight_quant
-from models.registry import model_class
+from paged.models.config import ModelConfig, load_model_config
+from paged.models.linear import to_declared_layout
+from paged.models.quantized_checkpoints import convert, is_online, quantize_online, quantized_suffixes, weight_quant
+from paged.models.registry import model_class
 
 _DTYPES = {
     "float32": np.float32, "float": np.float32, "fp32": np.float32,

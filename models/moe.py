@@ -19,9 +19,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from models.config import ModelConfig
-from models.layers import Block, GatedMLP, activation
-from models.linear import TILE_ROWS, GroupedLinear, Linear, grouped_matmul
+from paged.models.config import ModelConfig
+from paged.models.layers import Block, GatedMLP, activation
+from paged.models.linear import TILE_ROWS, GroupedLinear, Linear, grouped_matmul
 
 __all__ = ["SparseMoE", "TILE_ROWS", "grouped_matmul"]
 

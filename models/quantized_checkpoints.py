@@ -31,8 +31,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.quantization import (QUANT_BITS, WeightQuant, pack, quantize_per_channel_float8,
-                                 quantize_per_channel_int8)
+from paged.models.quantization import (QUANT_BITS, WeightQuant, pack, quantize_per_channel_float8,
+                                       quantize_per_channel_int8)
 
 QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx",  # GPTQ, AWQ
                   "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",  # compressed-tensors

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from models.gpt2 import GPT2LMHeadModel
-from models.llama import LlamaForCausalLM
+from paged.models.gpt2 import GPT2LMHeadModel
+from paged.models.llama import LlamaForCausalLM
 
 _REGISTRY = {
     "LlamaForCausalLM": LlamaForCausalLM,

@@ -13,7 +13,7 @@ import os
 import numpy as np
 from safetensors.numpy import save_file
 
-from pallas_kernels.cache import cache_root
+from paged.kernels.cache import cache_root
 
 TINY_MODEL_NAME = "paged-tiny-llama"
 

@@ -9,12 +9,16 @@ import os as _os
 if _importlib_util.find_spec("torch") is None:
     _os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
-from models.attention import AttentionMetadata, register_attention_backend
+from paged import _source_tree
+
+_source_tree.register()  # a checkout that was never installed: paged.models etc. from their folders
+
+from paged.models.attention import AttentionMetadata, register_attention_backend
 from paged.engine import EngineBrokenError, LLMEngine, StepFailedError
 from paged.config import EngineConfig
 from paged.llm import LLM
 from paged.outputs import CompletionOutput, Logprob, RequestOutput
-from paged.sampling_params import InvalidTokenIds, SamplingParams
+from paged.sampling_params import InvalidParameter, InvalidTokenIds, SamplingParams
 from paged.structured_outputs import InvalidStructuredOutput, StructuredOutputsParams
 from paged.startup import configure_default_logging
 
@@ -23,5 +27,6 @@ configure_default_logging()
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "LLMEngine", "AttentionMetadata", "CompletionOutput", "EngineBrokenError", "EngineConfig",
-           "InvalidStructuredOutput", "InvalidTokenIds", "Logprob", "RequestOutput", "SamplingParams",
-           "StepFailedError", "StructuredOutputsParams", "register_attention_backend", "__version__"]
+           "InvalidParameter", "InvalidStructuredOutput", "InvalidTokenIds", "Logprob", "RequestOutput",
+           "SamplingParams", "StepFailedError", "StructuredOutputsParams", "register_attention_backend",
+           "__version__"]

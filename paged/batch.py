@@ -14,7 +14,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from models.attention import AttentionMetadata
+from paged.models.attention import AttentionMetadata
 from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.request import PLACEHOLDER
 from paged.sampler import SamplingMetadata

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
-from pallas_kernels.cache import cache_root
+from paged.kernels.cache import cache_root
 
 
 def default_dir() -> Path:

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from models import get_attention_backend, load_model, load_model_config, resolve_model_path
-from models.attention import resolve_backends
-from models.builtin import builtin_model, random_weights_note
-from models.loader import weight_bytes
+from paged.models import get_attention_backend, load_model, load_model_config, resolve_model_path
+from paged.models.attention import resolve_backends
+from paged.models.builtin import builtin_model, random_weights_note
+from paged.models.loader import weight_bytes
 from paged import compilation_cache, multihost, startup
 from paged.batch import Buckets, padding_inputs, prepare_inputs
 from paged.block_manager import SINK_BLOCK, BlockManager
@@ -29,7 +29,7 @@ from paged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutp
 from paged.request import PLACEHOLDER, ParentRequest, Request, RequestStatus
 from paged.runner import BlockMover, ModelRunner, kv_block_bytes, kv_budget_bytes
 from paged.sampler import SamplerOutput
-from paged.sampling_params import SamplingParams
+from paged.sampling_params import InvalidParameter, SamplingParams
 from paged.scheduler import ScheduledBatch, Scheduler
 from paged.trace import EngineTrace, StepRecord, record_step
 
@@ -102,7 +102,7 @@ class LLMEngine:
             if self.kv_dtype.itemsize == 1:
                 raise NotImplementedError("kv_cache_dtype='fp8' does not run on the pallas-mosaic decode kernel yet; "
                                           "use attention_backend='pallas'")
-            from pallas_kernels.gpu.decode_mgpu import hopper_unsupported
+            from paged.kernels.gpu.decode_mgpu import hopper_unsupported
             c = self.model_config
             reason = hopper_unsupported(self.dtype, self.kv_dtype, c.head_dim, config.block_size,
                                         c.num_heads // c.num_kv_heads)
@@ -204,7 +204,7 @@ class LLMEngine:
                              f"within max_model_len={self.config.max_model_len}")
         params.check_vocab(vocab)
         if params.n > self.config.max_num_seqs:
-            raise ValueError(f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+            raise InvalidParameter("n", f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
         constraint = params.structured_outputs  # compiled (or found cached) by the first sample's matcher below
         if constraint is not None and self.grammars is None:
             raise ValueError("structured_outputs needs a tokenizer; this engine has none")
@@ -448,7 +448,7 @@ class LLMEngine:
 
     def precompile(self, show_progress: bool = False) -> None:
         """Compiles every (tokens, seqs) bucket ahead of traffic by running all-padding steps."""
-        from models.progress import progress
+        from paged.models.progress import progress
         shapes = self.buckets.all_shapes()
         started, (hits, misses) = time.perf_counter(), startup.compilation_cache_counts()
         for t_pad, _ in progress(shapes, desc="Compiling", disable=not show_progress):

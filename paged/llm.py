@@ -7,7 +7,7 @@ import dataclasses
 import inspect
 from typing import Sequence
 
-from models.progress import progress
+from paged.models.progress import progress
 
 from paged.chat import chat_prompt_token_ids
 from paged.config import EngineConfig

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from models.linear import TENSOR_AXIS
+from paged.models.linear import TENSOR_AXIS
 
 
 def replica_devices(tensor_parallel_size: int, data_parallel_size: int = 1, rank: int = 0) -> list:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from pallas_kernels import cpu
+from paged.kernels import cpu
 from paged.batch import StepInputs
 from paged.parallel import kv_pool_sharding, placement
 from paged.sampler import SamplerOutput, first_argmax, sample

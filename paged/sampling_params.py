@@ -19,12 +19,16 @@ MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_ENTRIES = 1024
 
 
-class InvalidTokenIds(ValueError):
-    """Token ids outside the model's vocabulary; `field` names the parameter that holds them."""
+class InvalidParameter(ValueError):
+    """A request parameter this engine cannot take; `field` names it (the server's 400 names it too)."""
 
     def __init__(self, field: str, message: str):
         super().__init__(message)
         self.field = field
+
+
+class InvalidTokenIds(InvalidParameter):
+    """Token ids outside the model's vocabulary; `field` names the parameter that holds them."""
 
 
 INT32_MAX = 2**31 - 1

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.attention import AttentionMetadata, UserAttention, get_attention_backend
+from paged.models.attention import AttentionMetadata, UserAttention, get_attention_backend
 
 LAYER, NUM_LAYERS = 1, 2
 PAGES_PER_SEQ = 4

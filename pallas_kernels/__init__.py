@@ -15,17 +15,17 @@ This package imports nothing from the rest of the project: kernels are usable on
 - `cache.py`: `cache_root()`, where builds and caches are kept (`$PAGED_CACHE_DIR`).
 """
 
-from pallas_kernels.gpu.decode import paged_decode_attention
-from pallas_kernels.gpu.ragged import ragged_paged_attention
-from pallas_kernels.platform import select_backends
-from pallas_kernels.reference import (
-    paged_attention_reference,
-    paged_decode_reference,
-    ragged_paged_attention_reference,
-    to_pool_dtype,
-    write_kv_to_cache,
-)
-from pallas_kernels.xla import packed_causal_attention, paged_attention_chunked
+from paged.kernels.gpu.decode import paged_decode_attention
+from paged.kernels.gpu.ragged import ragged_paged_attention
+from paged.kernels.platform import select_backends
+from paged.kernels.reference import (
+                                     paged_attention_reference,
+                                     paged_decode_reference,
+                                     ragged_paged_attention_reference,
+                                     to_pool_dtype,
+                                     write_kv_to_cache,
+                                     )
+from paged.kernels.xla import packed_causal_attention, paged_attention_chunked
 
 __all__ = ["packed_causal_attention", "paged_attention_chunked", "paged_attention_reference",
            "paged_decode_attention", "paged_decode_reference", "ragged_paged_attention",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 
-from pallas_kernels import cpu
+from paged.kernels import cpu
 
 logger = logging.getLogger(__name__)
 

@@ -88,7 +88,29 @@ def _resolve(future: asyncio.Future, result=None, error: BaseException | None = 
 
 
 class Generating:
-    """`generate`, an async iterator over a request's outputs, on top of a class's `submit`."""
+    """`generate`, an async iterator over a request's outputs, on top of a class's `submit`; and what the
+    server reads of the engine (its tokenizer and configs, the same on every replica), without reaching into
+    it. `engine` is the LLMEngine behind (the first replica's, with several)."""
+
+    engine: LLMEngine
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def config(self):
+        """The engine's resolved EngineConfig (max_model_len, max_num_seqs, ...)."""
+        return self.engine.config
+
+    @property
+    def model_config(self):
+        return self.engine.model_config
+
+    @property
+    def grammars(self):
+        """The structured-output compiler (paged/grammar.py); None without a tokenizer."""
+        return self.engine.grammars
 
     async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                      params: SamplingParams) -> RequestStream:

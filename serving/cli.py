@@ -10,11 +10,11 @@ import os
 import sys
 import time
 
-from models.builtin import DEFAULT_MODEL
+from paged.models.builtin import DEFAULT_MODEL
 from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
-from serving.api_keys import parse_api_keys
-from serving.tool_calls import TOOL_CALL_PARSERS
-from serving.vllm_flags import add_vllm_flags, check_vllm_flags
+from paged.serving.api_keys import parse_api_keys
+from paged.serving.tool_calls import TOOL_CALL_PARSERS
+from paged.serving.vllm_flags import add_vllm_flags, check_vllm_flags
 
 
 def _add_model_and_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -97,11 +97,12 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from paged import LLMEngine
-    from serving.async_engine import AsyncEngine
-    from serving.metrics import EngineMetrics
-    from serving.openai_server import ServerLimits, build_app
+    from paged.serving.async_engine import AsyncEngine
+    from paged.serving.metrics import EngineMetrics
+    from paged.serving.app import build_app
+    from paged.serving.state import ServerLimits
     from paged import multihost
-    from serving.replicas import ReplicatedEngine
+    from paged.serving.replicas import ReplicatedEngine
 
     _configure_logging(args.log_level if args.log_level in ("debug", "info", "warning", "error") else "info")
     check_vllm_flags(args)
@@ -167,7 +168,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _bench(args: argparse.Namespace) -> int:
     import importlib
-    module = importlib.import_module(f"benchmarks.{args.kind}")
+    module = importlib.import_module(f"paged.benchmarks.{args.kind}")
     return module.main(args.rest)
 
 
@@ -235,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     """The `paged` command (argv None: the process's own arguments, and tcmalloc preloaded on CPU hosts:
     serving/allocator.py) or, given argv, the same in this process as it is."""
     if argv is None:
-        from serving.allocator import preload_tcmalloc
+        from paged.serving.allocator import preload_tcmalloc
         preload_tcmalloc()
     args = build_parser().parse_args(argv)
     try:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from paged import SamplingParams
 from paged.block_manager import prefix_chain
-from serving.async_engine import AsyncEngine, EngineDeadError, Generating, RequestStream
+from paged.serving.async_engine import AsyncEngine, EngineDeadError, Generating, RequestStream
 
 
 class ReplicatedEngine(Generating):

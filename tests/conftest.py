@@ -8,7 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import pytest  # noqa: E402
 
-from models.tiny import create_tiny_llama  # noqa: E402
+from paged.models.tiny import create_tiny_llama  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="torch is a test-only dependency, installed on Python 3.11 only")
 transformers = pytest.importorskip("transformers")
 
-from models.tiny import _train_tokenizer  # noqa: E402
+from paged.models.tiny import _train_tokenizer  # noqa: E402
 
 COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               max_position_embeddings=256, rms_norm_eps=1e-6,

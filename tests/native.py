@@ -7,7 +7,7 @@ them fail: a broken kernel never hides behind a skip.
 
 import pytest
 
-from pallas_kernels import cpu
+from paged.kernels import cpu
 
 needs_compiler = pytest.mark.skipif(
     cpu.compiler() is None, reason="no C++ compiler on PATH (g++ or $CXX): the native CPU kernels cannot be built here")

@@ -1,11 +1,21 @@
-"""What `pip install -e .` brings: the runtime only. The accelerator extras' resolution needs the registry and
-runs in CI (`make check-packaging`); this reads the installed distributions' own requirements."""
+"""What `pip install -e .` brings: the runtime only, under one package. The accelerator extras' resolution needs
+the registry and runs in CI (`make check-packaging`); this reads the installed distributions' own requirements,
+builds the wheel, and runs paged from a folder whose own modules share our subpackages' names."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
 import tomllib
+import zipfile
 from pathlib import Path
+
+import httpx
+
+from tests.serving.server_fixture import Server
 
 REPO = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("check_packaging", REPO / "requirements" / "check_packaging.py")
@@ -31,7 +41,48 @@ def test_every_accelerator_extra_names_jax_with_its_plugin():
         assert any(req.startswith("jax[") for req in extras[name]), (name, extras[name])
 
 
-def test_the_demo_model_ships_with_the_package():
-    package_data = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    assert "demo_model/checkpoint/*" in package_data["models"]
-    assert (REPO / "models" / "demo_model" / "checkpoint" / "model.safetensors").is_file()
+def test_the_wheel_holds_one_package_with_the_demo_model_and_the_kernel_sources(tmp_path):
+    """What `pip install .` puts into site-packages is the wheel's content: `paged` and its metadata, nothing
+    else at the top level (no `models`, `serving`, ... to collide with other packages)."""
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
+                    str(tmp_path), str(REPO)], check=True, capture_output=True)
+    (wheel,) = tmp_path.glob("paged-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert {name.split("/")[0] for name in names} == {"paged", wheel.name.split("-py")[0] + ".dist-info"}, \
+        sorted({name.split("/")[0] for name in names})
+    assert "paged/models/demo_model/checkpoint/model.safetensors" in names
+    assert {"paged/kernels/cpu/matmul.cc", "paged/kernels/cpu/bf16.h", "paged/serving/app.py",
+            "paged/benchmarks/throughput.py"} <= set(names)
+    assert "paged/_source_tree.py" in names and "pyproject.toml" not in names  # the finder stays idle there
+
+
+def _shadowing_folder(path: Path) -> Path:
+    """A notebook's folder with its own modules named like the repository's folders: importing any of them
+    instead of paged's own fails loudly."""
+    for name in ("models", "serving", "pallas_kernels"):
+        (path / f"{name}.py").write_text(f"raise ImportError('the folder\\'s own {name}.py was imported')\n")
+    (path / "benchmarks").mkdir()
+    (path / "benchmarks" / "__init__.py").write_text("raise ImportError('the folder\\'s own benchmarks/')\n")
+    return path
+
+
+def test_paged_runs_from_a_folder_that_shadows_its_subpackage_names(tmp_path, tiny_model_dir):
+    folder = _shadowing_folder(tmp_path)
+    script = textwrap.dedent(f"""
+        import paged
+        llm = paged.LLM({tiny_model_dir!r}, max_model_len=64, num_kv_blocks=16)
+        out = llm.generate(["Hello"], paged.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True),
+                           use_tqdm=False)
+        print(len(out[0].outputs[0].token_ids))
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=folder, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split()[-1] == "4"
+    server = Server(tiny_model_dir, cwd=str(folder))  # `python -m paged.serving.cli serve`: the folder is on sys.path
+    try:
+        reply = httpx.post(server.url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        server.stop()

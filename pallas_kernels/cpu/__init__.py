@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cache import cache_root
-from pallas_kernels.reference import to_pool_dtype
+from paged.kernels.cache import cache_root
+from paged.kernels.reference import to_pool_dtype
 
 _SOURCE_DIR = Path(__file__).parent
 _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc",

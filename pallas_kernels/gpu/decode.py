@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.page_walk import (KEYS_PER_STEP, attend_pages, decode_page_range, layer_window_scalars,
+from paged.kernels.page_walk import (KEYS_PER_STEP, attend_pages, decode_page_range, layer_window_scalars,
                                      merge_splits)
 
 # Triton's dot needs at least 16 rows: small GQA groups are padded to this many query rows on GPU.

@@ -29,8 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.gpu.decode import default_num_splits, validate_decode_inputs
-from pallas_kernels.page_walk import MASK_VALUE, decode_page_range, layer_window_scalars, merge_splits
+from paged.kernels.gpu.decode import default_num_splits, validate_decode_inputs
+from paged.kernels.page_walk import MASK_VALUE, decode_page_range, layer_window_scalars, merge_splits
 
 WGMMA_ROWS = 64
 LOG2E = math.log2(math.e)

@@ -21,9 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from pallas_kernels.gpu.decode import GPU_MIN_ROWS
-from pallas_kernels.page_walk import (KEYS_PER_STEP, attend_pages, layer_window_scalars, query_block_layout,
-                                      validate_ragged_inputs)
+from paged.kernels.gpu.decode import GPU_MIN_ROWS
+from paged.kernels.page_walk import (KEYS_PER_STEP, attend_pages, layer_window_scalars, query_block_layout,
+                                     validate_ragged_inputs)
 
 
 def _ragged_kernel(scalars_ref, block_seq_ref, block_first_pos_ref, block_num_tokens_ref, page_tables_ref, q_ref,

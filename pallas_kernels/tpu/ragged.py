@@ -31,8 +31,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.page_walk import MASK_VALUE, layer_window_scalars, query_block_layout, validate_ragged_inputs
-from pallas_kernels.tpu.block_sizes import block_sizes, sublane_tile, tokens_per_block_for
+from paged.kernels.page_walk import MASK_VALUE, layer_window_scalars, query_block_layout, validate_ragged_inputs
+from paged.kernels.tpu.block_sizes import block_sizes, sublane_tile, tokens_per_block_for
 
 
 def _validate(q, k_pages, v_pages, page_tables, query_start, seq_lens, tokens_per_block):

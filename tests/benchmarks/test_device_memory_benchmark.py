@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from serving.cli import main
+from paged.serving.cli import main
 
 
 def test_device_memory_halves_the_split_weights_and_the_pool(tiny_model_dir, tmp_path):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 from safetensors.numpy import load_file
 
-from benchmarks.gptq_checkpoint import main
-from models.quantization import dequantize
+from paged.benchmarks.gptq_checkpoint import main
+from paged.models.quantization import dequantize
 
 
 def test_round_to_nearest_gptq_checkpoint_loads_close_to_the_float_weights(tiny_model_dir, tmp_path):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import types
 
-from benchmarks.gpu_check import _compare, fastest_at_goal
+from paged.benchmarks.gpu_check import _compare, fastest_at_goal
 
 
 def completion(tokens, top5):
@@ -47,7 +47,7 @@ def test_auto_should_pick_the_kernel_fastest_at_most_goal_shapes():
 
 
 def test_the_profile_program_runs_each_named_kernel(monkeypatch, capsys):
-    from benchmarks import gpu_profile
+    from paged.benchmarks import gpu_profile
     monkeypatch.setattr("sys.argv", ["gpu_profile.py", "--batch", "2", "--context", "32", "--calls", "1",
                                      "--only", "xla", "pallas"])
     assert gpu_profile.main() == 0

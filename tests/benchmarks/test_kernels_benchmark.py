@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from serving.cli import main
+from paged.serving.cli import main
 
 
 def test_kernel_benchmark_reports_every_implementation(tmp_path):
@@ -29,7 +29,7 @@ def test_kernel_benchmark_reports_every_implementation(tmp_path):
 
 
 def test_time_call_cycles_through_the_argument_sets():
-    from benchmarks.kernels import time_call
+    from paged.benchmarks.kernels import time_call
     calls = []
 
     def fn(x):
@@ -45,7 +45,7 @@ def test_time_call_cycles_through_the_argument_sets():
 def test_a_sweep_reports_every_finished_point_and_stops_at_its_deadline(tmp_path):
     import time
 
-    from benchmarks.kernels import PRESETS, Sweep, run_decode
+    from paged.benchmarks.kernels import PRESETS, Sweep, run_decode
     seen = []
     cfg = dict(PRESETS["smoke"], batch=[1], context=[16, 32, 64], gqa=[1])
     rows = run_decode(cfg, np.random.default_rng(0), Sweep(repeats=1, on_row=lambda rows: seen.append(len(rows))),

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 
-from pallas_kernels import cpu
-from serving.cli import main
+from paged.kernels import cpu
+from paged.serving.cli import main
 
 
 def test_matmul_benchmark_times_every_backend_on_the_same_products(tmp_path):

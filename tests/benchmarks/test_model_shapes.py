@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import shapes
+from paged.benchmarks import shapes
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ import os
 import subprocess
 import sys
 
-from serving.cli import main
+from paged.serving.cli import main
 
 
 def test_throughput_benchmark_reports_every_system(tiny_model_dir, tmp_path):
@@ -66,7 +66,7 @@ def test_throughput_benchmark_runs_data_and_tensor_parallel(tiny_model_dir, tmp_
     the same cores, so its speed means nothing)."""
     out = tmp_path / "throughput.json"
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
-    subprocess.run([sys.executable, "-m", "serving.cli", "bench", "throughput", "--model", tiny_model_dir,
+    subprocess.run([sys.executable, "-m", "paged.serving.cli", "bench", "throughput", "--model", tiny_model_dir,
                     "--num-requests", "5", "--input-len", "4", "12", "--output-len", "4", "8", "--hf-batch-sizes",
                     "--no-hf-continuous", "--data-parallel-size", "2", "--tensor-parallel-size", "2",
                     "--json", str(out)], check=True, env=env, timeout=600)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from benchmarks.tpu_first_run import main
+from paged.benchmarks.tpu_first_run import main
 
 
 def test_interpreted_first_run_agrees_with_the_twin(capsys):

@@ -8,8 +8,8 @@ import json
 import sys
 import textwrap
 
-from benchmarks.common import random_workload
-from benchmarks.throughput import run_vllm
+from paged.benchmarks.common import random_workload
+from paged.benchmarks.throughput import run_vllm
 
 _FAKE_VLLM = '''
 import json, os

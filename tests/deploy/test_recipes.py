@@ -14,8 +14,8 @@ import yaml
 from dockerfile_parse import DockerfileParser
 from kubernetes.client import ApiClient
 
-from serving.api_keys import parse_api_keys
-from serving.cli import build_parser
+from paged.serving.api_keys import parse_api_keys
+from paged.serving.cli import build_parser
 from tests.deploy.components import DEPLOY, binary
 
 ROOT = DEPLOY.parent
@@ -91,7 +91,7 @@ def test_the_autoscaler_metric_is_the_adapter_rule_of_a_real_series():
     docs = [d for d in documents() if d["kind"] == "ConfigMap" and d["metadata"]["name"] == "prometheus-adapter-paged"]
     (rule,) = yaml.safe_load(docs[0]["data"]["config.yaml"])["rules"]
     series = re.match(r"^([a-z_:]+)\{", rule["seriesQuery"]).group(1)
-    from serving.metrics import EngineMetrics
+    from paged.serving.metrics import EngineMetrics
     assert series in {m.name for m in EngineMetrics("x").registry.collect()}
     renamed = re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), series)
     (metric,) = _by_kind()["HorizontalPodAutoscaler"]["spec"]["metrics"]

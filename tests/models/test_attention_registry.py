@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from models import attention
-from pallas_kernels import paged_attention_reference
+from paged.models import attention
+from paged.kernels import paged_attention_reference
 from paged import LLM, SamplingParams, register_attention_backend
 
 CALLS = []
@@ -47,7 +47,7 @@ def test_a_registered_kernel_runs_in_the_kernel_benchmark(tmp_path, monkeypatch)
                       "from tests.models.test_attention_registry import counted_reference\n"
                       "register_attention_backend('plugin-reference', counted_reference)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    from serving.cli import main
+    from paged.serving.cli import main
     out = tmp_path / "kernels.json"
     try:
         assert main(["bench", "kernels", "--batch", "2", "--context", "48", "--page-size", "8", "--gqa", "2",

@@ -9,8 +9,8 @@ import re
 import numpy as np
 import pytest
 
-from models.demo_model import DEMO_MODEL_NAME, demo_model_dir
-from models.demo_model.train import SHAPE, stdlib_docstrings
+from paged.models.demo_model import DEMO_MODEL_NAME, demo_model_dir
+from paged.models.demo_model.train import SHAPE, stdlib_docstrings
 from paged import LLM, SamplingParams
 
 PROMPTS = ["Return the number of", "This module provides", "Raise an exception if the", "The default value is"]

@@ -22,7 +22,7 @@ def _prompts(vocab: int) -> list[list[int]]:
 @pytest.fixture(scope="module", params=sorted(SPECS))
 def checkpoint(request, tmp_path_factory):
     directory = build_checkpoint(request.param, str(tmp_path_factory.mktemp(request.param)))
-    from models import load_model_config
+    from paged.models import load_model_config
     prompts = _prompts(load_model_config(directory).vocab_size)
     return request.param, directory, prompts, hf_greedy(directory, prompts, MAX_NEW)
 

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import model_config_from_hf
-from models.layers import RMSNorm, apply_rotary, rotary_cos_sin, rotary_table
-from pallas_kernels import cpu as cpu_kernel
-from models.llama import LlamaForCausalLM
+from paged.models import model_config_from_hf
+from paged.models.layers import RMSNorm, apply_rotary, rotary_cos_sin, rotary_table
+from paged.kernels import cpu as cpu_kernel
+from paged.models.llama import LlamaForCausalLM
 
 INV_FREQ = (1.0 / 10000.0 ** (np.arange(0, 16, 2) / 16)).astype(np.float32)  # rotary_dim 16
 

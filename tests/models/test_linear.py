@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from models import model_config_from_hf
-from models.linear import Linear, native_cpu_matmul, silu_gated, xla_matmul
-from models.loader import partition_specs
-from models.registry import model_class
-from pallas_kernels import cpu as cpu_kernel
+from paged.models import model_config_from_hf
+from paged.models.linear import Linear, native_cpu_matmul, silu_gated, xla_matmul
+from paged.models.loader import partition_specs
+from paged.models.registry import model_class
+from paged.kernels import cpu as cpu_kernel
 
 
 @pytest.mark.parametrize("backend", ["xla", "cpu"])
@@ -100,7 +100,7 @@ def test_loader_packs_bfloat16_kernels_for_amx(tiny_model_dir):
 
     from safetensors.numpy import load_file
 
-    from models import load_model
+    from paged.models import load_model
     *_, params, _ = load_model(tiny_model_dir, dtype="bfloat16", linear_backend="cpu", show_progress=False)
     stored = load_file(os.path.join(tiny_model_dir, "model.safetensors"))
     q = params["layers"]["self_attn"]["q_proj"]["kernel"]
@@ -185,7 +185,7 @@ def test_native_matmul_routes_and_matches_xla(monkeypatch, lhs_shape, rhs_shape,
 def test_quantized_linear_matches_float64_of_the_decoded_weights(monkeypatch, bits, group_size, rows, dtype,
                                                                    native):
     """Against float64 numpy of W = q * scale - zero_offset, decoded here from the layout's description."""
-    from models.quantization import WeightQuant
+    from paged.models.quantization import WeightQuant
     calls = []
     real = cpu_kernel.quant_matmul_cpu
     monkeypatch.setattr(cpu_kernel, "quant_matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -250,7 +250,7 @@ def test_moe_experts_are_grouped_and_split():
 def test_tied_lm_head_routes_and_matches_xla(monkeypatch, dtype, hidden):
     """`Embedding.attend` with the "cpu" backend: bfloat16 tables with a hidden size that is a multiple of 32
     run the native transposed matmul on AMX (rows past live_rows zeros); others keep XLA's einsum."""
-    from models.linear import Embedding
+    from paged.models.linear import Embedding
     calls = []
     real = cpu_kernel.matmul_transposed_cpu
     monkeypatch.setattr(cpu_kernel, "matmul_transposed_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))

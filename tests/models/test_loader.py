@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from models import load_model, model_config_from_hf, resolve_dtype
+from paged.models import load_model, model_config_from_hf, resolve_dtype
 from paged import LLM, SamplingParams
 
 BASE = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=100, hidden_size=64,

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.moe import TILE_ROWS, grouped_matmul
+from paged.models.moe import TILE_ROWS, grouped_matmul
 
 
 @pytest.mark.parametrize("tiled", [True, False], ids=["tiles", "ragged_dot"])

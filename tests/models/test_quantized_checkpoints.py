@@ -177,7 +177,7 @@ def test_awq_matches_transformers_and_its_nibble_order_matters(float_dir, tmp_pa
                                             lambda w, rng: _awq_layer(w, 32, rng), config)
     want = hf_greedy(str(reference), PROMPTS, 12)
     assert _greedy(str(quantized))[0] == want
-    import models.quantized_checkpoints as formats
+    import paged.models.quantized_checkpoints as formats
     monkeypatch.setattr(formats, "_AWQ_REORDER", np.arange(8))  # columns read in storage order
     assert _greedy(str(quantized))[0] != want
 
@@ -206,7 +206,7 @@ def test_online_int8_matches_per_channel_round_to_nearest(float_dir, tmp_path):
 def test_quantized_weights_take_a_fraction_of_the_bfloat16_bytes(tmp_path):
     """Layers of realistic width (group 128): int4 at most 0.3x and int8 at most 0.55x of bf16, scales and zero
     points included (the embeddings and norms stay bf16 and are left out of the ratio)."""
-    from models.tiny import create_tiny_llama
+    from paged.models.tiny import create_tiny_llama
     float_dir = create_tiny_llama(str(tmp_path / "wide"), hidden_size=512, intermediate_size=1024, num_layers=1,
                                   num_heads=8, num_kv_heads=8)
     quantized, _ = _write_quantized(float_dir, tmp_path / "q", tmp_path / "ref",
@@ -470,7 +470,7 @@ def test_activation_quantization_is_the_libraries_bit_for_bit(kind):
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import forward_quantize
 
-    from models.quantization import quantize_activations
+    from paged.models.quantization import quantize_activations
     x = (np.random.default_rng(3).normal(size=(1, 300, 64)) * 3).astype(np.float32)
     args = QuantizationArgs(num_bits=8, type="int" if kind == "int8" else "float", strategy="token", dynamic=True,
                             symmetric=True)

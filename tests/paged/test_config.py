@@ -9,7 +9,7 @@ import pytest
 import paged.llm
 from paged import LLM
 from paged.config import EngineConfig, engine_kwargs_from_cli_args
-from serving.cli import build_parser
+from paged.serving.cli import build_parser
 
 
 def _other_value(field: dataclasses.Field):
@@ -82,7 +82,7 @@ def test_legacy_negative_flags_still_work():
 
 
 def test_serve_takes_the_model_as_a_positional_argument():
-    from serving.cli import _model
+    from paged.serving.cli import _model
     assert _model(build_parser().parse_args(["serve", "org/some-model", "--port", "9"])) == "org/some-model"
     assert _model(build_parser().parse_args(["serve", "--model", "org/other"])) == "org/other"
     with pytest.raises(ValueError, match="two models"):
@@ -97,7 +97,7 @@ def test_unknown_option_is_a_clear_error():
 def test_bench_throughput_takes_every_engine_option():
     """`paged bench throughput` takes the same flags; its --seed seeds the workload and the engine alike, and
     it runs every data-parallel replica, as `paged serve` does."""
-    from benchmarks.throughput import build_parser as bench_parser
+    from paged.benchmarks.throughput import build_parser as bench_parser
     options = engine_kwargs_from_cli_args(bench_parser().parse_args(["--max-num-seqs", "8"]))
     assert set(options) == {f.name for f in FIELDS} - NOT_FLAGS["serve"]
     assert options["max_num_seqs"] == 8 and options["enable_prefix_caching"] is False

@@ -163,7 +163,7 @@ def test_bfloat16_pool_writes_match_xla_through_swap_and_copy_on_write(tiny_mode
     """A bf16 pool on CPU is written by the native calls (tokens, copy-on-write blocks, swapped-in blocks);
     the same run with XLA's scatter everywhere gives the same tokens. (Against a run without preemption the
     tokens may differ: bf16 matmuls round differently in other batch shapes, and sampling can follow.)"""
-    from pallas_kernels import cpu
+    from paged.kernels import cpu
     prompts = [{"prompt_token_ids": _ids(n, seed=n)} for n in (5, 17, 30, 9, 24, 12)]
     params = [SamplingParams(temperature=1.0, n=2, max_tokens=30, ignore_eos=True, seed=i) for i in range(6)]
 

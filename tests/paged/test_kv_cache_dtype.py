@@ -104,7 +104,7 @@ def test_kv_scales_divide_what_the_pool_holds_and_nothing_else(tiny_model_dir):
 
     import jax
 
-    from models.llama import LlamaForCausalLM
+    from paged.models.llama import LlamaForCausalLM
     from paged.batch import prepare_inputs
     engine = LLM(tiny_model_dir, attention_backend="xla", **ENGINE).engine
     engine.add_request(engine.make_request("r", None, list(range(5, 30)), SamplingParams(max_tokens=1)))

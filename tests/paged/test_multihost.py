@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from models.tiny import create_tiny_llama
+from paged.models.tiny import create_tiny_llama
 from paged import LLM, SamplingParams
 from tests.serving.server_fixture import free_port
 

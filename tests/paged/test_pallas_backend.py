@@ -40,7 +40,7 @@ def test_backend_matches_reference_for_prefill_chunks_prefix_hits_and_decode(tin
 
 @needs_compiler
 def test_auto_backend_is_the_native_kernel_on_cpu_and_pallas_on_gpu():
-    from models import get_attention_backend
+    from paged.models import get_attention_backend
     assert get_attention_backend("auto", "cpu").name == "cpu"  # the kernel builds on every CI machine
     assert get_attention_backend("auto", "gpu").name == "pallas"
     assert get_attention_backend("pallas", "cpu").name == "pallas"
@@ -53,7 +53,7 @@ def test_auto_backend_is_the_native_kernel_on_cpu_and_pallas_on_gpu():
 def test_mosaic_backend_decode_step_matches_reference():
     """One decode step of the "pallas-mosaic" backend (Mosaic GPU interpreter) against the reference backend,
     with padded rows and a padding token, in bfloat16."""
-    from models.attention import AttentionMetadata, get_attention_backend
+    from paged.models.attention import AttentionMetadata, get_attention_backend
     rng = np.random.default_rng(0)
     num_layers, num_kv_heads, num_blocks, block_size, head_dim, group = 2, 2, 24, 16, 64, 4
     shape = (num_layers, num_kv_heads, num_blocks, block_size, head_dim)

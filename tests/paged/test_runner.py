@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.llama import LastHidden, LlamaForCausalLM
-from models.tiny import create_tiny_llama
-from pallas_kernels import cpu
+from paged.models.llama import LastHidden, LlamaForCausalLM
+from paged.models.tiny import create_tiny_llama
+from paged.kernels import cpu
 from paged import LLM, SamplingParams
 
 

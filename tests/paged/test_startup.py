@@ -85,6 +85,6 @@ def test_precompile_says_which_shapes_came_from_the_cache(tiny_model_dir, tmp_pa
 
 
 def test_random_weights_are_named_as_such(tmp_path):
-    from models.builtin import random_weights_note
-    from models.tiny import create_tiny_llama
+    from paged.models.builtin import random_weights_note
+    from paged.models.tiny import create_tiny_llama
     assert random_weights_note(create_tiny_llama(str(tmp_path))) == "random weights: its text is noise"

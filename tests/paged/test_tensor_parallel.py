@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from models.tiny import create_tiny_llama
+from paged.models.tiny import create_tiny_llama
 from tests.native import needs_compiler
 
 SCRIPT = textwrap.dedent("""
@@ -107,7 +107,7 @@ def test_an_fp8_pool_splits_over_its_kv_heads(model_dir):
 def test_a_gptq_checkpoint_splits_too(model_dir, tmp_path):
     """A GPTQ 4-bit checkpoint (two rows a byte, group scales and zero points; row-parallel layers split the
     packed rows) over 2 and 4 devices."""
-    from benchmarks.gptq_checkpoint import main as write_gptq
+    from paged.benchmarks.gptq_checkpoint import main as write_gptq
     quantized = str(tmp_path / "gptq4")
     assert write_gptq([model_dir, quantized, "--bits", "4", "--group-size", "32"]) == 0
     results = _run(quantized, "xla", [1, 2, 4])
@@ -180,7 +180,7 @@ def test_tensor_parallel_across_families(name, tmp_path):
 
 POOL_WRITES_SCRIPT = textwrap.dedent("""
     import json, sys
-    from pallas_kernels import cpu
+    from paged.kernels import cpu
     from paged import LLM, SamplingParams
     model_dir = sys.argv[1]
     prompts = [{"prompt_token_ids": list(range(10 + 7 * i, 10 + 7 * i + n))} for i, n in enumerate((5, 17, 30, 9))]

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pallas_kernels import paged_attention_reference
+from paged.kernels import paged_attention_reference
 from paged.testing import check_attention, default_cases
 from tests.native import needs_compiler
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import benchmarks.common
-import models.tiny
+import paged.benchmarks.common
+import paged.models.tiny
 from paged import compilation_cache
-from pallas_kernels import cpu
-from pallas_kernels.cache import cache_root
+from paged.kernels import cpu
+from paged.kernels.cache import cache_root
 
 
 def test_one_variable_moves_every_cache(monkeypatch, tmp_path):

@@ -11,8 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.cpu import (available, matmul_cpu, matmul_transposed_argmax_cpu, matmul_transposed_cpu,
-                                 paged_attention_cpu, quant_matmul_cpu)
+from paged.kernels.cpu import (available, matmul_cpu, matmul_transposed_argmax_cpu, matmul_transposed_cpu,
+                               paged_attention_cpu, quant_matmul_cpu)
 from tests.native import needs_compiler
 from tests.pallas_kernels.kernel_inputs import LAYER, attention_f64, random_pool, tolerance
 
@@ -176,7 +176,7 @@ def test_long_prompts_bfloat16_match_float64(num_q_heads, num_kv_heads, head_dim
 
 def test_long_prompts_bfloat16_without_amx_match_float64():
     """The same inputs through the float32 FMA tiles (the build without AMX), which AMX machines skip."""
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     target = cpu_kernel.matmul_target_without_amx().replace("matmul_cpu", "paged_attention_cpu")
     _check_long_prompts(np.random.default_rng(3), num_q_heads=14, num_kv_heads=2, head_dim=64, window=40,
                         target=target)
@@ -188,7 +188,7 @@ def portable_target():
     for pages of 16."""
     import platform
 
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     if platform.machine() not in ("x86_64", "AMD64"):
         pytest.skip("-mno-avx512f is an x86 flag; elsewhere the default build is already the portable one")
     target = "paged_attention_cpu_portable"
@@ -293,7 +293,7 @@ def test_matmul_bfloat16_matches_float64(rows, inner, cols):
 def avx512_bf16_target():
     """The kernel built without AMX: the AVX-512 BF16 dot-product path, which AMX machines (like CI's) would
     otherwise never run for bfloat16."""
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     if " amx_bf16 " not in _cpu_flags():
         pytest.skip("no AMX here: the default build already runs the AVX-512 BF16 path (the tests above)")
     return cpu_kernel.matmul_target_without_amx()
@@ -348,7 +348,7 @@ def test_matmul_bfloat16_live_rows_ignore_the_padding(live):
 
 
 def _needs_amx():
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     if not cpu_kernel.matmul_on_amx():
         pytest.skip("no AMX on this CPU: the tied LM head keeps XLA's dot (tests/models/test_linear.py)")
 
@@ -451,7 +451,7 @@ def test_matmul_transposed_argmax_refuses_what_it_cannot_do():
 def test_pack_for_amx_places_each_weight_where_the_tiles_read_it():
     """Against the layout as amx.h describes it, word by word: (p, s, t, i, c, e) holds w[32 s + 2 i + e,
     64 p + 16 t + c]; rows past K (here 70 of 96) are zeros; numpy and jax pack alike, and unpacking inverts."""
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     k, n = 70, 192
     w = np.arange(k * n, dtype=np.float32).reshape(k, n) + 1  # every word distinct and nonzero
     packed = cpu_kernel.pack_for_amx(w)
@@ -473,7 +473,7 @@ def test_matmul_packed_matches_float64(rows, inner, cols):
     read each panel's whole K, larger ones blocks of 512 rows of 8 panels; inner sizes ending mid tile step
     (302, 600) read the packing's zero rows; 19 panels split over two threads."""
     _needs_amx()
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     x, w, want = _bf16_case(rows, inner, cols, rows * 3 + inner + cols)
     got = cpu_kernel.matmul_packed_cpu(x, cpu_kernel.pack_for_amx(w))
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-4, rtol=2e-5)
@@ -482,7 +482,7 @@ def test_matmul_packed_matches_float64(rows, inner, cols):
 @pytest.mark.parametrize("rows", [5, 65])
 def test_matmul_packed_many_panels_match_float64(rows):
     _needs_amx()
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     x, w, want = _bf16_case(rows, 96, 130 * 64, rows + 1)
     got = cpu_kernel.matmul_packed_cpu(x, cpu_kernel.pack_for_amx(w))
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-4, rtol=2e-5)
@@ -493,7 +493,7 @@ def test_matmul_packed_live_rows_ignore_the_padding(live):
     """Rows from live_rows on are zeros whatever they hold (NaN), the live rows bit-equal to the unpacked
     kernel's product (the same tiles in the same order)."""
     _needs_amx()
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     x, w, _ = _bf16_case(40, 302, 192, live + 5)
     x = np.asarray(x, np.float32)
     x[live:] = np.nan
@@ -505,7 +505,7 @@ def test_matmul_packed_live_rows_ignore_the_padding(live):
 
 def test_matmul_packed_refuses_what_it_cannot_do():
     _needs_amx()
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     packed = cpu_kernel.pack_for_amx(jnp.zeros((64, 128), jnp.bfloat16))
     with pytest.raises(ValueError, match="packed weights"):
         cpu_kernel.matmul_packed_cpu(jnp.zeros((4, 96), jnp.bfloat16), packed)  # packed for K = 64
@@ -525,7 +525,7 @@ def test_matmul_packed_rounded_matches_float64(rows, inner, cols, with_bias):
     products (64 rows or fewer) round each block from registers; larger ones keep partial sums between blocks
     of 512 weight rows (600 inner: two blocks) and round after the last."""
     _needs_amx()
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     x, w, want = _bf16_case(rows, inner, cols, rows * 5 + inner + cols)
     bias = jnp.asarray(np.random.default_rng(rows).normal(size=cols), jnp.bfloat16) if with_bias else None
     if with_bias:
@@ -544,7 +544,7 @@ def test_matmul_packed_rounded_live_rows_ignore_the_padding(live):
     """Rows from live_rows on are zeros (not the bias) whatever x holds there (NaN); the live rows equal the
     whole call's."""
     _needs_amx()
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     x, w, _ = _bf16_case(70, 302, 192, live + 11)
     packed = cpu_kernel.pack_for_amx(w)
     bias = jnp.full((192,), 0.5, jnp.bfloat16)
@@ -569,7 +569,7 @@ def test_concurrent_native_calls_share_the_pool():
     work is gone returns at once, so neither waits on the other). Every result equals the same call made
     alone, over repeated runs."""
     _needs_amx()
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     cases = [_bf16_case(rows, 302, 640, rows) for rows in (3, 40, 130, 7)]
     packed = [cpu_kernel.pack_for_amx(w) for _, w, _ in cases]
     alone = [np.asarray(cpu_kernel.matmul_packed_rounded_cpu(x, p)) for (x, _, _), p in zip(cases, packed)]
@@ -582,7 +582,7 @@ def test_concurrent_native_calls_share_the_pool():
 
 def test_matmul_packed_rounded_refuses_what_it_cannot_do():
     _needs_amx()
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     packed = cpu_kernel.pack_for_amx(jnp.zeros((64, 128), jnp.bfloat16))
     with pytest.raises(ValueError, match="bfloat16 bias \\[128\\]"):
         cpu_kernel.matmul_packed_rounded_cpu(jnp.zeros((4, 64), jnp.bfloat16), packed, jnp.zeros(64, jnp.bfloat16))
@@ -600,7 +600,7 @@ def test_gated_matmul_packed_matches_float64(rows, inner, cols):
     the float32 sums' error on values near zero. Gate weights are three times wider so the activation's
     negative half is exercised."""
     _needs_amx()
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     rng = np.random.default_rng(rows * 7 + inner + cols)
     x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
     gate = jnp.asarray(rng.normal(size=(inner, cols)) * 3 / np.sqrt(inner), jnp.bfloat16)
@@ -617,7 +617,7 @@ def test_gated_matmul_packed_matches_float64(rows, inner, cols):
 def test_gated_matmul_packed_live_rows_ignore_the_padding(live):
     """Rows from live_rows on are zeros whatever they hold (NaN); the live rows equal the whole call's."""
     _needs_amx()
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     rng = np.random.default_rng(live)
     x = rng.normal(size=(40, 302)).astype(np.float32)
     gate, up = (cpu_kernel.pack_for_amx(jnp.asarray(rng.normal(size=(302, 192)) / 17, jnp.bfloat16)) for _ in "gu")
@@ -626,7 +626,7 @@ def test_gated_matmul_packed_live_rows_ignore_the_padding(live):
 
 def test_gated_matmul_packed_refuses_what_it_cannot_do():
     _needs_amx()
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     gate = cpu_kernel.pack_for_amx(jnp.zeros((64, 128), jnp.bfloat16))
     up = cpu_kernel.pack_for_amx(jnp.zeros((64, 192), jnp.bfloat16))
     with pytest.raises(ValueError, match="of one N"):
@@ -659,7 +659,7 @@ def _argmax_cases(rng, vocab):
 def test_argmax_rows_matches_first_argmax(vocab):
     """The native argmax against the sampler's jnp one and numpy (NaN as +inf, then np.argmax: the first
     maximum), at widths below, at and past one vector, with a tail, and at Qwen2.5's vocabulary."""
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     from paged.sampler import first_argmax
     x = _argmax_cases(np.random.default_rng(vocab), vocab)
     got = np.asarray(jax.jit(cpu_kernel.argmax_rows_cpu)(jnp.asarray(x)))
@@ -668,7 +668,7 @@ def test_argmax_rows_matches_first_argmax(vocab):
 
 
 def test_argmax_rows_portable_build(portable_target):
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     x = _argmax_cases(np.random.default_rng(0), 1000)
     got = cpu_kernel.argmax_rows_cpu(jnp.asarray(x), _target=portable_target.replace("paged_attention_cpu",
                                                                                     "argmax_rows_cpu"))
@@ -699,7 +699,7 @@ def test_add_rms_norm_matches_float64(rows, width):
     """The residual add and RMSNorm in one pass: the sum exactly as bfloat16 rounds it; the norm of the
     float32 sum rounded twice to bfloat16 (the normalised value, then times the scale), so within two
     bfloat16 steps (2^-7) of float64. Widths with a scalar tail, and more than 64 rows (split over threads)."""
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     h, delta, scale, want_sum, want_normed = _add_rms_norm_case(rows, width, rows + width)
     total, normed = jax.jit(lambda *a: cpu_kernel.add_rms_norm_cpu(*a, 1e-6))(h, delta, scale)
     assert total.dtype == normed.dtype == jnp.bfloat16 and total.shape == normed.shape == (rows, width)
@@ -710,7 +710,7 @@ def test_add_rms_norm_matches_float64(rows, width):
 def test_add_rms_norm_matches_the_jnp_norm():
     """Against models.layers.RMSNorm's own formula on the float32 sum, as XLA computes it: equal but for
     products within a float32 ulp of a bfloat16 rounding boundary (the mean square sums in another order)."""
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     h, delta, scale, _, _ = _add_rms_norm_case(200, 896, 3)
 
     def jnp_norm(h, delta, scale):
@@ -727,7 +727,7 @@ def test_add_rms_norm_matches_the_jnp_norm():
 
 
 def test_add_rms_norm_portable_build(portable_target):
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     h, delta, scale, want_sum, want_normed = _add_rms_norm_case(9, 70, 1)
     total, normed = cpu_kernel.add_rms_norm_cpu(h, delta, scale, 1e-6, _target=portable_target.replace(
         "paged_attention_cpu", "add_rms_norm_cpu"))
@@ -736,7 +736,7 @@ def test_add_rms_norm_portable_build(portable_target):
 
 
 def test_add_rms_norm_refuses_what_it_cannot_do():
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     h = jnp.zeros((4, 64), jnp.bfloat16)
     with pytest.raises(ValueError, match="scale \\[D\\]"):
         cpu_kernel.add_rms_norm_cpu(h, h, jnp.zeros((32,), jnp.bfloat16), 1e-6)
@@ -826,7 +826,7 @@ def test_matmul_fast_path_follows_the_cpu():
     bfloat16 prompt attention runs on AMX tiles exactly when it has both."""
     from pathlib import Path
 
-    from pallas_kernels import cpu as cpu_kernel
+    from paged.kernels import cpu as cpu_kernel
     cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
         pytest.skip("no /proc/cpuinfo to compare with")

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu, write_kv_to_cache
+from paged.kernels import cpu, write_kv_to_cache
 from tests.native import needs_compiler
 
 pytestmark = needs_compiler

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels import paged_decode_attention, paged_decode_reference
+from paged.kernels import paged_decode_attention, paged_decode_reference
 from tests.pallas_kernels.kernel_inputs import (HEAD_CONFIGS, HEAD_IDS, LAYER, attention_f64, random_pool,
                                                 tolerance)
 

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels.gpu.decode_mgpu import paged_decode_attention_mgpu
+from paged.kernels.gpu.decode_mgpu import paged_decode_attention_mgpu
 from tests.pallas_kernels.kernel_inputs import LAYER, random_pool
 from tests.pallas_kernels.test_decode import decode_f64
 from tests.pallas_kernels.test_gpu_lowering import lower_for_cuda

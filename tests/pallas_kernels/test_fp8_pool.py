@@ -8,8 +8,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import (cpu, paged_attention_chunked, paged_attention_reference, paged_decode_attention,
-                            ragged_paged_attention, write_kv_to_cache)
+from paged.kernels import (cpu, paged_attention_chunked, paged_attention_reference, paged_decode_attention,
+                           ragged_paged_attention, write_kv_to_cache)
 from tests.pallas_kernels.kernel_inputs import attention_f64
 
 E4M3 = ml_dtypes.float8_e4m3fn

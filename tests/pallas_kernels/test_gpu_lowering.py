@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels import paged_decode_attention, ragged_paged_attention
+from paged.kernels import paged_decode_attention, ragged_paged_attention
 
 
 def gpu_target():

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pallas_kernels import select_backends
+from paged.kernels import select_backends
 
 REPO = Path(__file__).resolve().parents[2]
 

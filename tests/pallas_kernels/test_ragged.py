@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+from paged.kernels import ragged_paged_attention, ragged_paged_attention_reference
 from tests.pallas_kernels.kernel_inputs import (HEAD_CONFIGS, HEAD_IDS, LAYER, PADDING_TOKENS, PAGES_PER_SEQ,
                                                 random_ragged_args, ragged_batch, ragged_f64, random_pool,
                                                 tolerance)

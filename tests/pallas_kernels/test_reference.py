@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import (packed_causal_attention, paged_attention_chunked, paged_attention_reference,
-                            write_kv_to_cache)
+from paged.kernels import (packed_causal_attention, paged_attention_chunked, paged_attention_reference,
+                           write_kv_to_cache)
 
 IMPLEMENTATIONS = pytest.mark.parametrize("attention", [paged_attention_reference, paged_attention_chunked],
                                           ids=["reference", "chunked"])

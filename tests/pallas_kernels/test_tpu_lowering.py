@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from models.attention import AttentionMetadata, PallasTpuAttention
+from paged.models.attention import AttentionMetadata, PallasTpuAttention
 
 # (name, num_q_heads, num_kv_heads, head_dim, dtype): the tests' tiny Llama, Qwen2.5-0.5B, Llama-3-8B.
 MODELS = [("tiny", 4, 2, 16, jnp.float32), ("qwen2.5-0.5b", 14, 2, 64, jnp.bfloat16),

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 from jax.experimental import pallas as pl
 
-from pallas_kernels import ragged_paged_attention_reference
-from pallas_kernels.tpu.block_sizes import block_sizes, tokens_per_block_for
-from pallas_kernels.tpu.ragged import interpret_params, ragged_paged_attention_tpu
+from paged.kernels import ragged_paged_attention_reference
+from paged.kernels.tpu.block_sizes import block_sizes, tokens_per_block_for
+from paged.kernels.tpu.ragged import interpret_params, ragged_paged_attention_tpu
 from tests.pallas_kernels.kernel_inputs import (HEAD_CONFIGS, HEAD_IDS, LAYER, PADDING_TOKENS, PAGES_PER_SEQ,
                                                 random_ragged_args, ragged_batch, ragged_f64, random_pool,
                                                 tolerance)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from serving.allocator import find_tcmalloc, preload_env
+from paged.serving.allocator import find_tcmalloc, preload_env
 
 LIB = "/usr/lib/libtcmalloc_minimal.so.4"
 
@@ -42,7 +42,7 @@ def test_find_tcmalloc_looks_in_the_library_dirs(tmp_path):
     assert find_tcmalloc((str(tmp_path),)) == str(tmp_path / "libtcmalloc.so.4")
 
 
-_REPORT = ("from serving.allocator import preload_tcmalloc; preload_tcmalloc(); "
+_REPORT = ("from paged.serving.allocator import preload_tcmalloc; preload_tcmalloc(); "
            "print('tcmalloc' in open('/proc/self/maps').read())")
 
 

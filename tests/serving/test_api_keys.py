@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from serving.api_keys import ApiKey, KeyRing, RateLimited, parse_api_keys
+from paged.serving.api_keys import ApiKey, KeyRing, RateLimited, parse_api_keys
 from tests.serving.server_fixture import Server
 
 

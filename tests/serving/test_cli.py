@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from serving.cli import main
+from paged.serving.cli import main
 
 
 def test_generate_prints_json(tiny_model_dir, capsys):

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from paged import LLM, SamplingParams
 from paged.block_manager import BlockManager
 from paged.request import Request
-from serving.replicas import ReplicatedEngine
+from paged.serving.replicas import ReplicatedEngine
 from tests.serving.server_fixture import Server, free_port
 
 PROMPTS = [[5, 9, 13, 200, 17, 4, 8, 90, 11], [7, 7, 30], list(range(40, 70)), [3], [100, 101, 102, 103, 104],
@@ -109,7 +109,7 @@ def test_routing_follows_a_cached_prefix_within_the_slack():
 
 
 def test_routing_refuses_when_no_replica_runs():
-    from serving.async_engine import EngineDeadError
+    from paged.serving.async_engine import EngineDeadError
     router = ReplicatedEngine([_replica(alive=False)])
     with pytest.raises(EngineDeadError):
         router.choose([1, 2])
@@ -133,7 +133,7 @@ def test_two_hosts_serve_through_the_leader_and_stop_together(tiny_model_dir, tm
     run = ["--tensor-parallel-size", "4", "--distributed-coordinator-address", f"127.0.0.1:{free_port()}",
            "--distributed-num-processes", "2", *engine_flags]
     with open(tmp_path / "follower.log", "w") as log:
-        follower = subprocess.Popen([sys.executable, "-m", "serving.cli", "serve", "--model", tiny_model_dir,
+        follower = subprocess.Popen([sys.executable, "-m", "paged.serving.cli", "serve", "--model", tiny_model_dir,
                                      *run, "--distributed-process-id", "1"],
                                     stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "JAX_PLATFORMS": "cpu",
                                                                                **env})

@@ -10,9 +10,9 @@ import pytest
 
 import paged.engine
 from paged import LLMEngine, SamplingParams, StepFailedError
-from serving.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
-from serving.metrics import EngineMetrics
-from serving.openai_server import build_app
+from paged.serving.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from paged.serving.metrics import EngineMetrics
+from paged.serving.app import build_app
 
 MARKER = 7  # a prompt starting with this token id makes the injected fault fire
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -6,21 +6,23 @@ import asyncio
 
 import pytest
 
-from serving.openai_server import APIError, ServerState, chat_completions, detokenize, health, models
-from serving.protocol import ChatCompletionRequest, DetokenizeRequest
+from paged.serving.chat import chat_completions
+from paged.serving.errors import APIError
+from paged.serving.server_info import health, models
+from paged.serving.state import ServerState
+from paged.serving.tokenization import detokenize
+from paged.serving.protocol import ChatCompletionRequest, DetokenizeRequest
 
 
 class _Engine:  # what the handlers read of an AsyncEngine (no model is loaded)
     alive = False
+    tokenizer = None
 
-    class engine:
-        tokenizer = None
+    class config:
+        max_model_len = 64
 
-        class config:
-            max_model_len = 64
-
-        class model_config:
-            vocab_size = 10
+    class model_config:
+        vocab_size = 10
 
 
 def test_handlers_run_without_an_app():
@@ -41,7 +43,7 @@ def test_handlers_run_without_an_app():
 
 
 async def models_named(state, model):
-    from serving.openai_server import check_model
+    from paged.serving.generation import check_model
     check_model(state, model)
 
 
@@ -51,15 +53,15 @@ def test_every_counted_outcome_is_documented():
     import ast
     import inspect
 
-    import serving.openai_server as server
-    from serving.metrics import OUTCOMES
-    from serving.openai_server import outcome_of
+    from paged.serving import app, generation, sse
+    from paged.serving.errors import outcome_of
+    from paged.serving.metrics import OUTCOMES
 
     errors = [APIError(status, "x") for status in range(400, 600)]
     errors += [APIError(503, "x", code="overloaded"), APIError(429, "x", code="rate_limit_exceeded")]
     assert {outcome_of(err) for err in errors} <= set(OUTCOMES)
     literals = set()
-    for node in ast.walk(ast.parse(inspect.getsource(server))):
+    for node in (n for module in (app, generation, sse) for n in ast.walk(ast.parse(inspect.getsource(module)))):
         if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) in (
                 "count", "count_request", "_count_refused"):
             literals |= {arg.value for arg in node.args if isinstance(arg, ast.Constant) and isinstance(arg.value, str)}

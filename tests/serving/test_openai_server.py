@@ -310,7 +310,7 @@ def test_logit_bias_through_the_client(client, tiny_model_dir):
 
 
 def test_serving_benchmark_against_the_server(server, tmp_path):
-    from benchmarks.serve import main
+    from paged.benchmarks.serve import main
     out = tmp_path / "serve.json"
     code = main(["--base-url", server.url, "--api-key", KEY, "--num-prompts", "6", "--request-rate", "20",
                  "--input-len", "4", "16", "--output-len", "4", "12", "--json", str(out)])
@@ -322,7 +322,7 @@ def test_serving_benchmark_against_the_server(server, tmp_path):
 def test_serving_benchmark_reads_a_dataset(server, tmp_path, tiny_model_dir):
     """--dataset sends the file's prompts (text or token ids) with their output lengths; the token counts
     come from the server's usage, so text prompts count what the server's tokenizer made of them."""
-    from benchmarks.serve import main
+    from paged.benchmarks.serve import main
     data = tmp_path / "requests.jsonl"
     lines = [{"prompt": "Hello world", "output_len": 5}, {"prompt_token_ids": [11, 12, 13], "output_len": 3},
              {"prompt": "The quick brown fox", "output_len": 7}]
@@ -339,7 +339,7 @@ def test_serving_benchmark_reads_a_dataset(server, tmp_path, tiny_model_dir):
 
 
 def test_serving_benchmark_refuses_a_bad_dataset(tmp_path, capsys):
-    from benchmarks.serve import main
+    from paged.benchmarks.serve import main
     data = tmp_path / "bad.jsonl"
     data.write_text(json.dumps({"prompt": "hi", "output_len": 2}) + "\n" + json.dumps({"text": "hi"}) + "\n")
     with pytest.raises(SystemExit) as exit_info:
@@ -566,7 +566,7 @@ def test_the_server_exits_non_zero_when_the_engine_loop_dies(tiny_model_dir):
         "def broken(self):\n"
         "    raise e.EngineBrokenError('injected: the KV pool is gone')\n"
         "e.LLMEngine.step = broken\n"
-        "from serving.cli import main\n"
+        "from paged.serving.cli import main\n"
         f"sys.exit(main(['serve', {tiny_model_dir!r}, '--port', '{port}', '--block-size', '8', "
         "'--max-model-len', '256']))\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -9,7 +9,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from serving.tool_calls import HermesParser, Llama3JsonParser, ToolCallStream
+from paged.serving.tool_calls import HermesParser, Llama3JsonParser, ToolCallStream
 from tests.serving.server_fixture import Server
 
 FLAGS = ["--block-size", "8", "--max-model-len", "1024", "--max-num-seqs", "16",

@@ -1,0 +1,149 @@
+"""POST /v1/chat/completions, with tool calls."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import uuid
+
+from fastapi import Request
+
+from paged import SamplingParams
+from paged.serving.errors import APIError
+from paged.serving.generation import (admit, chat_token_ids, check_model, compile_constraint, constraint_field,
+                                      counted, refuse_unimplemented, run_to_completion, sampling_params, submit_all,
+                                      usage)
+from paged.serving.logprobs import chat_logprobs
+from paged.serving.protocol import ChatCompletionRequest, message_dicts
+from paged.serving.sse import EventStream, StreamedChoices, merged, sse
+from paged.serving.state import ServerState, State, key_name
+from paged.serving.tool_calls import (PARSERS, ToolCallStream, constrained_calls, functions_of, tool_choice_mode,
+                                      tool_constraint)
+
+
+def tool_setup(state: ServerState, body: ChatCompletionRequest, params: SamplingParams) -> ToolSetup:
+    """Reads tools and tool_choice; `required` and a named function become the request's constraint."""
+    try:
+        functions = functions_of(body.tools or [])
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tools") from None
+    try:
+        mode, name = tool_choice_mode(body.tool_choice, functions)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from None
+    if mode == "auto" and state.tool_call_parser is None:  # also the default when tools are given (as vLLM)
+        raise APIError(400, 'tool_choice "auto" needs a server started with --enable-auto-tool-choice and '
+                            '--tool-call-parser; or pass tool_choice "required", "none" or a named function',
+                       param="tool_choice")
+    constraint = tool_constraint(mode, name, functions, body.parallel_tool_calls is not False)
+    if constraint is not None:
+        if params.structured_outputs is not None:
+            raise APIError(400, f"tool_choice={body.tool_choice!r} cannot be combined with {constraint_field(body)}",
+                           param="tool_choice")
+        params.structured_outputs = constraint
+    parser = PARSERS[state.tool_call_parser]() if mode == "auto" else None
+    return ToolSetup(mode, name, parser, body.tools if functions else None)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolSetup:
+    mode: str  # none, auto, required or named
+    name: str | None  # the named function
+    parser: object | None  # auto's parser
+    tools: list | None  # for the chat template
+
+    def message(self, completion) -> tuple[dict, str | None]:
+        """The assistant message of a finished choice, and its finish_reason."""
+        if self.mode in ("required", "named"):
+            calls = constrained_calls(self.mode, self.name, completion.text)
+            content = None if calls else completion.text
+        elif self.mode == "auto":
+            content, calls = self.parser.parse(completion.text)
+        else:
+            return {"role": "assistant", "content": completion.text}, completion.finish_reason
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = [call.as_dict() for call in calls]
+            return message, "tool_calls"
+        return message, completion.finish_reason
+
+
+@counted("chat_completions")
+async def chat_completions(body: ChatCompletionRequest, raw: Request, state: State):
+    """POST /v1/chat/completions"""
+    check_model(state, body.model)
+    refuse_unimplemented(body)
+    if body.top_logprobs and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    user_constraint = params.structured_outputs is not None
+    tools = tool_setup(state, body, params)
+    await compile_constraint(state, params, constraint_field(body) if user_constraint else "tools")
+    served_model_name = state.served_model_name
+    ids = await chat_token_ids(state, message_dicts(body.messages), body.chat_template, body.add_generation_prompt,
+                               tools.tools)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    admit(state, raw, len(ids))
+    try:
+        streams = await submit_all(state, [(None, ids)], params, request_id, key_name(raw))
+    except APIError as err:
+        err.param = "messages" if err.param and err.param.startswith("prompt") else err.param
+        raise
+    k = body.top_logprobs or 0
+
+    if not body.stream:
+        (output,) = await run_to_completion(streams, raw)
+        choices = []
+        for c in output.outputs:
+            message, finish_reason = tools.message(c)
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": chat_logprobs(c, 0, len(c.token_ids), k) if body.logprobs else None,
+                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
+        return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                "model": served_model_name, "choices": choices, "usage": usage([output])}
+
+    async def events():
+        tracker = StreamedChoices(params)
+        tool_streams = {i: ToolCallStream(tools.mode, tools.name, tools.parser) for i in range(params.n)}
+        include_usage = body.include_usage_in_stream()
+        base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": served_model_name}
+        extra = {"usage": None} if include_usage else {}
+        for index in range(params.n):
+            yield sse({**base, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                             "logprobs": None, "finish_reason": None}], **extra})
+        final = None
+        done: set[int] = set()
+        async for _, output in merged(streams):
+            for c in output.outputs:
+                if c.index in done:
+                    continue
+                finished = c.finish_reason is not None
+                sent = tracker.sent_text.get(c.index, 0)
+                text, start, end = tracker.delta(c.index, c, finished)
+                finish_reason = c.finish_reason
+                if tools.mode == "none":
+                    if text or start != end:
+                        yield sse({**base, "choices": [{
+                            "index": c.index, "delta": {"content": text},
+                            "logprobs": chat_logprobs(c, start, end, k) if body.logprobs else None,
+                            "finish_reason": None}], **extra})
+                else:
+                    stream = tool_streams[c.index]
+                    for delta in stream.deltas(c.text, sent + len(text), finished):
+                        yield sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
+                                                         "finish_reason": None}], **extra})
+                    if finished and stream.calls:
+                        finish_reason = "tool_calls"
+                if finished:
+                    done.add(c.index)
+                    yield sse({**base, "choices": [{"index": c.index, "delta": {}, "logprobs": None,
+                                                     "finish_reason": finish_reason,
+                                                     "stop_reason": c.stop_reason}], **extra})
+            final = output
+        if include_usage:
+            yield sse({**base, "choices": [], "usage": usage([final])})
+        yield sse("[DONE]")
+
+    return EventStream(events())

@@ -1,0 +1,219 @@
+"""What the generation routes share: model and field checks, sampling parameters, tokenizing off the event
+loop, admission under the key's limits, submitting, waiting, and counting each request once."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+
+from fastapi import Request
+
+from paged import InvalidParameter, InvalidStructuredOutput, RequestOutput, SamplingParams
+from paged.chat import chat_prompt_token_ids, text_token_ids
+from paged.serving.api_keys import ANONYMOUS, RateLimited
+from paged.serving.async_engine import EngineDeadError, QueueFullError, RequestFailedError, RequestStream
+from paged.serving.errors import APIError, api_error_of, outcome_of
+from paged.serving.sse import EventStream
+from paged.serving.state import ServerState, State, key_name
+
+
+def admit(state: ServerState, raw: Request, prompt_tokens: int) -> None:
+    """Charges the request to its key's limits: a 429 in OpenAI's shape, with Retry-After, when it is over."""
+    name = key_name(raw)
+    try:
+        state.keys.admit(name, prompt_tokens)
+    except RateLimited as exc:
+        headers = {f"x-ratelimit-limit-{exc.kind}": str(exc.limit),
+                   f"x-ratelimit-remaining-{exc.kind}": str(exc.remaining)}
+        if exc.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        raise APIError(429, str(exc), code="rate_limit_exceeded", type_=exc.kind, headers=headers) from None
+    if state.metrics is not None:
+        state.metrics.count_prompt_tokens(name, prompt_tokens)
+
+
+def counted(route: str):
+    """Counts each request of a generation route once, by key and outcome, in `paged:api_requests`: when the
+    handler raises, or for a stream when its last event has been sent."""
+
+    def wrap(handler):
+        @functools.wraps(handler)
+        async def counting(body, raw: Request, state: State):
+            count = (lambda outcome: state.metrics.count_request(key_name(raw), route, outcome)) \
+                if state.metrics is not None else (lambda outcome: None)
+            try:
+                response = await handler(body, raw, state)
+            except APIError as err:
+                count(outcome_of(err))
+                raise
+            except asyncio.CancelledError:
+                count("aborted")
+                raise
+            except Exception:
+                count("failed")
+                raise
+            if isinstance(response, EventStream):
+                response.on_end = count
+            else:
+                count("ok")
+            return response
+
+        return counting
+
+    return wrap
+
+
+def check_model(state: ServerState, model: str | None) -> None:
+    if model is not None and model not in state.model_names:
+        raise APIError(404, f"the model `{model}` does not exist; this server serves `{state.served_model_name}`",
+                       param="model", code="model_not_found")
+
+
+def refuse_unimplemented(body) -> None:
+    """A field that would change what the request means, which this server does not implement yet, is a
+    400 naming it: never a 200 with output that ignored it."""
+    field = body.unimplemented_field()
+    if field is not None:
+        raise APIError(400, f"{field} is not supported by this server yet", param=field,
+                       code="unsupported_parameter")
+
+
+def sampling_params(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The body's SamplingParams; what depends on the model (n against max_num_seqs, token ids against the
+    vocabulary) the engine checks when the request is submitted (an InvalidParameter naming the field)."""
+    try:
+        return body.sampling_params(max_tokens, logprobs)
+    except InvalidStructuredOutput as exc:
+        raise APIError(400, str(exc), param=exc.field.split(".")[0])
+    except ValueError as exc:
+        raise APIError(400, str(exc))
+
+
+async def compile_constraint(state: ServerState, params: SamplingParams, field: str) -> None:
+    """Compiles the request's grammar in a worker (the engine thread then finds it cached): a bad schema,
+    regex or grammar is a 400 naming `field`, the request's field that holds it."""
+    constraint = params.structured_outputs
+    if constraint is None:
+        return
+    grammars = state.engine.grammars
+    if grammars is None:
+        raise APIError(400, "this server has no tokenizer, which structured outputs need", param=field)
+    try:
+        await state.in_worker(grammars.compile, constraint)
+    except InvalidStructuredOutput as exc:
+        raise APIError(400, str(exc) if field == "structured_outputs" else f"{field}: {exc.detail}", param=field)
+
+
+def constraint_field(body) -> str:
+    return "structured_outputs" if body.structured_outputs is not None else "response_format"
+
+
+def _render_chat(state: ServerState, messages: list[dict], chat_template: str | None,
+                 add_generation_prompt: bool, tools: list | None = None) -> list[int]:
+    """Runs in a worker: the chat template's token ids (ValueError for what it cannot render or fit)."""
+    chars = sum(len(str(m.get("content") or "")) for m in messages)
+    if chars > state.max_prompt_chars:
+        raise ValueError(f"the messages hold {chars} characters, more than max_model_len={state.max_model_len} "
+                         "tokens can hold")
+    return chat_prompt_token_ids(state.tokenizer, messages, chat_template=chat_template,
+                                 add_generation_prompt=add_generation_prompt, max_chars=state.max_prompt_chars,
+                                 tools=tools)
+
+
+def tokenize_text(state: ServerState, text: str, add_special_tokens: bool) -> list[int]:
+    """Runs in a worker; text longer than max_model_len tokens can hold is refused without tokenizing."""
+    if len(text) > state.max_prompt_chars:
+        raise ValueError(f"the prompt has {len(text)} characters, more than max_model_len={state.max_model_len} "
+                         "tokens can hold")
+    return text_token_ids(state.tokenizer, text, add_special_tokens=add_special_tokens)
+
+
+async def chat_token_ids(state: ServerState, messages: list[dict], chat_template: str | None,
+                         add_generation_prompt: bool, tools: list | None = None) -> list[int]:
+    if chat_template is not None and not state.limits.allow_request_chat_template:
+        raise APIError(400, "this server does not take a chat_template from requests (start it with "
+                            "--trust-request-chat-template to allow it)", param="chat_template")
+    try:
+        return await state.in_worker(_render_chat, state, messages, chat_template, add_generation_prompt, tools)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+
+
+def _prompt_param(prompts: list, index: int) -> str:
+    """Which prompt an error names: `prompt`, or `prompt[i]` in a batch."""
+    return "prompt" if len(prompts) == 1 else f"prompt[{index}]"
+
+
+async def tokenize_prompts(state: ServerState, prompts: list[tuple[str | None, list[int] | None]]
+                           ) -> list[tuple[str | None, list[int]]]:
+    """Text prompts tokenized in a worker (the engine thread only ever gets token ids)."""
+    out = []
+    for i, (text, ids) in enumerate(prompts):
+        if ids is None:
+            if state.tokenizer is None:
+                raise APIError(400, "this server has no tokenizer: send token ids", param="prompt")
+            try:
+                ids = await state.in_worker(tokenize_text, state, text, True)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param=_prompt_param(prompts, i)) from None
+        out.append((text, ids))
+    return out
+
+
+async def submit_all(state: ServerState, prompts: list[tuple[str | None, list[int] | None]],
+                     params: SamplingParams, request_id: str, key: str = ANONYMOUS) -> list[RequestStream]:
+    """Submits every prompt; their generated tokens are counted (and charged) under API key `key`."""
+    streams = []
+    try:
+        for i, (text, ids) in enumerate(prompts):
+            if state.metrics is not None:
+                state.metrics.attribute(f"{request_id}-{i}", key)
+            streams.append(await state.engine.submit(f"{request_id}-{i}", text, ids, params))
+    except ValueError as exc:
+        for s in streams:
+            s.close()
+        param = exc.field if isinstance(exc, InvalidParameter) else _prompt_param(prompts, len(streams))
+        raise APIError(400, str(exc), param=param)
+    except QueueFullError as exc:
+        for s in streams:
+            s.close()
+        raise APIError(503, str(exc), code="overloaded", type_="server_error")
+    except EngineDeadError as exc:
+        raise APIError(503, str(exc), type_="server_error")
+    return streams
+
+
+async def run_to_completion(streams: list[RequestStream], raw: Request) -> list[RequestOutput]:
+    async def last(stream):
+        output = None
+        async for output in stream:
+            pass
+        return output
+
+    async def disconnected():
+        # The body has been read: the next message the connection brings is the client leaving. Waiting on
+        # it (rather than polling) aborts a dropped request within a step.
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    task = asyncio.ensure_future(asyncio.gather(*(last(s) for s in streams)))
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            raise asyncio.CancelledError  # the client left: closing the streams aborts the requests
+        return task.result()
+    except (EngineDeadError, RequestFailedError) as exc:
+        raise api_error_of(exc) from None
+    finally:
+        task.cancel()
+        watcher.cancel()
+        for s in streams:
+            s.close()
+
+
+def usage(outputs: list[RequestOutput]) -> dict:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}

@@ -1,0 +1,39 @@
+"""GET /v1/models, /health and /metrics: what probes, scrapers and clients ask about the server."""
+
+from __future__ import annotations
+
+import contextlib
+
+from fastapi.responses import Response
+
+from paged.serving.async_engine import EngineDeadError
+from paged.serving.errors import APIError, error_response
+from paged.serving.state import State
+
+
+async def models(state: State):
+    """GET /v1/models"""
+    name = state.served_model_name
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
+                                        "owned_by": "paged", "root": state.model_path or name,
+                                        "max_model_len": state.max_model_len}]}
+
+
+async def health(state: State):
+    """GET /health: 200 with an empty body while the engine runs, else 503."""
+    if not state.engine.alive:
+        return error_response(APIError(503, "the engine is not running", type_="server_error"))
+    return Response(status_code=200)
+
+
+async def prometheus_metrics(state: State):
+    """GET /metrics: Prometheus text format."""
+    metrics = state.metrics
+    if metrics is None:
+        return Response(b"", media_type="text/plain; version=0.0.4; charset=utf-8")
+    for replica in state.engine.replicas:  # gauges as of now, not as of the last step
+        with contextlib.suppress(EngineDeadError):
+            await replica.call(metrics.update_gauges)
+            await replica.call(metrics.update_device_memory)
+    body = metrics.render()
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
