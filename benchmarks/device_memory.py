@@ -44,12 +44,12 @@ def per_device(arrays):
             held[shard.device.id] = held.get(shard.device.id, 0) + shard.data.nbytes
     return [held[d] for d in sorted(held)]
 
-leaves = jax.tree_util.tree_leaves(engine.runner.params)
+leaves = jax.tree_util.tree_leaves(engine.worker.runner.params)
 replicated = sum(leaf.nbytes for leaf in leaves if leaf.sharding.is_fully_replicated) if size > 1 else 0
 print("RESULT " + json.dumps({
-    "weights_per_device": per_device(leaves), "kv_per_device": per_device(engine.runner.kv_cache),
+    "weights_per_device": per_device(leaves), "kv_per_device": per_device(engine.worker.runner.kv_cache),
     "weights_total": sum(leaf.nbytes for leaf in leaves), "replicated_weight_bytes": replicated,
-    "kv_total": sum(c.nbytes for c in engine.runner.kv_cache), "kv_heads_in_pool": engine.model_config.num_kv_heads,
+    "kv_total": sum(c.nbytes for c in engine.worker.runner.kv_cache), "kv_heads_in_pool": engine.model_config.num_kv_heads,
     "load_rss_growth": after - before, "load_peak_beyond_resident": max(0, peak - after)}))
 """
 

@@ -26,7 +26,7 @@ def _generate(model_dir: str, kv_cache_dtype: str, prompts, output_len: int, dty
               max_model_len=max(len(p) for p in prompts) + output_len, enable_prefix_caching=False)
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True, logprobs=1)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    pool = llm.engine.runner.kv_cache[0]
+    pool = llm.engine.worker.runner.kv_cache[0]
     completions = [o.outputs[0] for o in outputs]
     tokens = [c.token_ids for c in completions]
     logprobs = [[step[t].logprob for t, step in zip(c.token_ids, c.logprobs)] for c in completions]

@@ -69,6 +69,10 @@ class ReferenceAttention:
         """Host-side hook: fills `backend_data` from the common fields (numpy). Nothing for most backends."""
         return meta
 
+    def check_model(self, model_config, dtype, kv_dtype, block_size: int) -> None:
+        """Raises (NotImplementedError, ValueError) when this backend cannot run the model, naming why: called
+        when the engine is built, not when the first step is traced. Every shape runs on most backends."""
+
     def write_kv(self, k_cache, v_cache, layer, k, v, meta: AttentionMetadata):
         if cpu.writes_pool_natively(k_cache.dtype):
             return cpu.write_kv_cpu(k_cache, v_cache, layer, k, v, meta.slot_mapping)
@@ -235,6 +239,17 @@ class MosaicPallasAttention(PallasAttention):
 
     name = "pallas-mosaic"
 
+    def check_model(self, model_config, dtype, kv_dtype, block_size: int) -> None:
+        if np.dtype(kv_dtype).itemsize == 1:
+            raise NotImplementedError("kv_cache_dtype='fp8' does not run on the pallas-mosaic decode kernel yet; "
+                                      "use attention_backend='pallas'")
+        from paged.kernels.gpu.decode_mgpu import hopper_unsupported
+        c = model_config
+        reason = hopper_unsupported(dtype, kv_dtype, c.head_dim, block_size, c.num_heads // c.num_kv_heads)
+        if reason is not None:
+            raise ValueError(f"attention_backend='pallas-mosaic' cannot run this model: {reason}; use "
+                             "attention_backend='pallas'")
+
     def decode_kernel(self, q, k_cache, v_cache, page_tables, lengths, layer, sliding_window, scale, soft_cap):
         from paged.kernels.gpu.decode_mgpu import paged_decode_attention_mgpu  # Mosaic GPU: imported only when used
         interpret = jax.default_backend() == "cpu" if self.interpret is None else self.interpret
@@ -322,7 +337,7 @@ def registered_attention_backends() -> tuple[str, ...]:
 
 
 def resolve_backends(platform: str, attention: str, linear: str, sharded: bool = False) -> tuple[str, str]:
-    """`pallas_kernels.select_backends`, knowing the registered backends too (their matmuls: as for "auto")."""
+    """`paged.kernels.select_backends`, knowing the registered backends too (their matmuls: as for "auto")."""
     if attention in _REGISTERED:
         return attention, select_backends(platform, "auto", linear, sharded)[1]
     return select_backends(platform, attention, linear, sharded)
@@ -330,7 +345,7 @@ def resolve_backends(platform: str, attention: str, linear: str, sharded: bool =
 
 def get_attention_backend(name: str, platform: str):
     """The backend object for `attention_backend=` on a platform ("auto" resolved by
-    `pallas_kernels.select_backends`), a registered one included."""
+    `paged.kernels.select_backends`), a registered one included."""
     if name in _REGISTERED:
         return _REGISTERED[name]()
     name, _ = select_backends(platform, name)

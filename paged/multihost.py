@@ -74,8 +74,39 @@ def initialize(config) -> bool:
     return True
 
 
+@dataclasses.dataclass(frozen=True)
+class Start:
+    """The leader's fingerprint (options and model), checked by every follower before anything runs."""
+
+    fingerprint: dict
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One jitted step: its host inputs (a StepInputs of numpy arrays), and whether it reads the samples of
+    the step launched before it on the device (async scheduling)."""
+
+    inputs: object
+    chained: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class CopyBlocks:
+    """Copy-on-write of KV blocks: (source, destination) pairs."""
+
+    pairs: list[tuple[int, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Stop:
+    """The run is over."""
+
+
+Operation = Start | Launch | CopyBlocks | Stop
+
+
 class StepChannel:
-    """The leader's device operations, in order, from the leader to every follower.
+    """The leader's device operations (`Operation`s), in order, from the leader to every follower.
 
     Each one is a key `paged/op/<n>` in the coordinator's key-value store. Followers stay within a step or
     two of the leader (every step's collectives wait for all processes), so the leader deletes keys `KEEP`
@@ -93,14 +124,14 @@ class StepChannel:
         if self.leader:
             atexit.register(self.stop)
 
-    def publish(self, op: str, payload) -> None:
+    def publish(self, op: Operation) -> None:
         assert self.leader, "only process 0 publishes"
-        self.client.key_value_set_bytes(f"paged/op/{self.sequence}", pickle.dumps((op, payload), protocol=5))
+        self.client.key_value_set_bytes(f"paged/op/{self.sequence}", pickle.dumps(op, protocol=5))
         if self.sequence >= self.KEEP:
             self.client.key_value_delete(f"paged/op/{self.sequence - self.KEEP}")
         self.sequence += 1
 
-    def receive(self) -> tuple[str, object]:
+    def receive(self) -> Operation:
         key = f"paged/op/{self.sequence}"
         while True:
             try:
@@ -116,7 +147,7 @@ class StepChannel:
         """Tells the followers the run is over (at the leader's exit; safe to call twice)."""
         if self.leader and self.sequence >= 0:
             try:
-                self.publish("stop", None)
+                self.publish(Stop())
             except Exception:  # noqa: BLE001 - the coordinator may be gone already
                 pass
             self.sequence = -1
@@ -141,11 +172,12 @@ def check_same_run(channel: StepChannel, mine: dict) -> None:
     """The leader publishes its fingerprint first; a follower started with other options or another model
     stops with a message instead of running a different program (which would hang the collectives)."""
     if channel.leader:
-        channel.publish("start", mine)
+        channel.publish(Start(mine))
         return
-    op, leaders = channel.receive()
-    if op != "start":
+    op = channel.receive()
+    if not isinstance(op, Start):
         raise RuntimeError(f"expected the leader's start message, got {op!r}: the processes are out of step")
+    leaders = op.fingerprint
     for what in ("model", "options"):
         if leaders[what] != mine[what]:
             raise ValueError(f"this process's {what} differ from the leader's; every process must run the same "

@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec
 
 from paged.kernels import cpu
 from paged.batch import StepInputs
+from paged.multihost import CopyBlocks, Launch
 from paged.parallel import kv_pool_sharding, placement
 from paged.sampler import SamplerOutput, first_argmax, sample
 
@@ -40,7 +41,7 @@ class ModelRunner:
     def __init__(self, model, params, attention, num_blocks: int, block_size: int, dtype, max_num_seqs: int,
                  mesh=None, device=None, publish=None):
         """`mesh`: the tensor-parallel mesh (None: one device); `device`: that one device when it is not the
-        default (a data-parallel replica's); `publish(op, payload)`: on a multi-host leader, hands each device
+        default (a data-parallel replica's); `publish(operation)`: on a multi-host leader, hands each device
         operation's host inputs to the followers before it runs (paged/multihost.py)."""
         cfg = model.config
         self.model = model
@@ -85,7 +86,7 @@ class ModelRunner:
         them) and this step's padded tokens for the next launch.
         """
         if self.publish is not None:
-            self.publish("launch", (inputs, previous_tokens is not None))
+            self.publish(Launch(inputs, previous_tokens is not None))
         previous = self.no_tokens if previous_tokens is None else previous_tokens
         inputs = dataclasses.replace(inputs, attention=self.attention.prepare(inputs.attention))
         self.kv_cache, out, tokens = self._step(self.params, self.kv_cache, inputs, previous)
@@ -150,9 +151,9 @@ class BlockMover:
     Padding entries copy the sink block onto itself, so every call compiles for a power-of-two count.
     """
 
-    def __init__(self, runner: "ModelRunner", block_manager, swap_blocks: int):
+    def __init__(self, runner: "ModelRunner", block_size: int, swap_blocks: int):
         self.runner = runner
-        self.block_manager = block_manager
+        self.block_size = block_size
         self.swap_blocks = swap_blocks  # capacity of the host swap space, in blocks
         self.swapped_blocks = 0
         self._copy_blocks, self._scatter_blocks = _block_writers(runner.kv_cache[0].dtype, runner.mesh)
@@ -161,7 +162,7 @@ class BlockMover:
         if not pairs:
             return
         if self.runner.publish is not None:
-            self.runner.publish("copy", pairs)
+            self.runner.publish(CopyBlocks(pairs))
         size = _blocks_bucket(len(pairs))
         src = np.zeros(size, np.int32)
         dst = np.zeros(size, np.int32)
@@ -170,7 +171,7 @@ class BlockMover:
 
     def swap_out(self, request) -> bool:
         """Copies the request's computed blocks to host memory, if the swap space has room."""
-        num = self.block_manager.blocks_for(request.num_computed_tokens)
+        num = -(-request.num_computed_tokens // self.block_size)
         if num == 0 or self.swapped_blocks + num > self.swap_blocks:
             return False
         ids = np.zeros(_blocks_bucket(num), np.int32)

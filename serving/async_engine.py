@@ -8,6 +8,7 @@ and asyncio queues resolved with `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -29,6 +30,46 @@ class EngineDeadError(RuntimeError):
 
 class RequestFailedError(RuntimeError):
     """The step that carried this request raised; the request was aborted, the engine goes on (HTTP 500)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Add:
+    """Validate and add one request; `accepted` resolves to True, or to the error that refused it."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int] | None
+    params: SamplingParams
+    stream: "_Stream"
+    accepted: asyncio.Future
+
+
+@dataclasses.dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+@dataclasses.dataclass(frozen=True)
+class FailAll:
+    """End every open stream with EngineDeadError(message)."""
+
+    message: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """Run fn(engine) on the engine thread; `result` resolves to what it returns or raises."""
+
+    fn: object
+    result: asyncio.Future
+
+
+@dataclasses.dataclass(frozen=True)
+class Wake:
+    """Nothing to do: wakes the engine thread (to see that it should stop)."""
+
+
+Command = Add | Abort | FailAll | Call | Wake
 
 
 class _Stream:
@@ -154,7 +195,7 @@ class AsyncEngine(Generating):
     def stop(self, timeout: float = 10.0) -> None:
         """Aborts what is still in flight and joins the engine thread."""
         self._stopping.set()
-        self._commands.put(("wake", None))
+        self._commands.put(Wake())
         self._thread.join(timeout)
 
     @property
@@ -182,62 +223,61 @@ class AsyncEngine(Generating):
         loop = asyncio.get_running_loop()
         stream = _Stream(loop)
         accepted = loop.create_future()
-        self._post("add", (request_id, prompt, prompt_token_ids, params, stream, accepted))
+        self._post(Add(request_id, prompt, prompt_token_ids, params, stream, accepted))
         await accepted
         return RequestStream(self, request_id, stream)
 
     def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+        self._commands.put(Abort(request_id))
 
     def fail_all(self, message: str) -> None:
         """Ends every open stream with EngineDeadError(message) and aborts its request (e.g. before a
         shutdown's grace runs out, so clients get an error event instead of a cut connection)."""
         with self._accepting:
             if not self._dead:
-                self._commands.put(("fail_all", message))
+                self._commands.put(FailAll(message))
 
     async def call(self, fn):
         """Runs fn(engine) on the engine thread (e.g. to read stats consistently); returns its result."""
         future = asyncio.get_running_loop().create_future()
-        self._post("call", (fn, future))
+        self._post(Call(fn, future))
         return await future
 
-    def _post(self, kind: str, payload) -> None:
+    def _post(self, command: Command) -> None:
         with self._accepting:
             if self._dead or not self.alive:
                 raise EngineDeadError(f"the engine is not running{f': {self.error!r}' if self.error else ''}")
-            self._commands.put((kind, payload))
+            self._commands.put(command)
 
     # ---- the engine thread ----------------------------------------------------------------------------
 
-    def _handle(self, kind: str, payload) -> None:
+    def _handle(self, command: Command) -> None:
         engine = self.engine
-        if kind == "add":
-            request_id, prompt, token_ids, params, stream, accepted = payload
+        if isinstance(command, Add):
             try:
                 if len(engine.scheduler.waiting) >= self.max_waiting_requests:
                     raise QueueFullError(f"the server is at capacity ({self.max_waiting_requests} requests "
                                          "waiting); retry later")
-                parent = engine.make_request(request_id, prompt, token_ids, params)
+                parent = engine.make_request(command.request_id, command.prompt, command.prompt_token_ids,
+                                             command.params)
             except (ValueError, QueueFullError) as exc:
-                _resolve(accepted, error=exc)
+                _resolve(command.accepted, error=exc)
                 return
             engine.add_request(parent)
-            self._streams[request_id] = stream
-            _resolve(accepted, True)
-        elif kind == "abort":
-            self._streams.pop(payload, None)
-            engine.abort_request(payload)
+            self._streams[command.request_id] = command.stream
+            _resolve(command.accepted, True)
+        elif isinstance(command, Abort):
+            self._streams.pop(command.request_id, None)
+            engine.abort_request(command.request_id)
             if self.observer is not None:
-                self.observer.forget(payload)
-        elif kind == "fail_all":
-            self._fail_streams(EngineDeadError(payload))
-        elif kind == "call":
-            fn, future = payload
+                self.observer.forget(command.request_id)
+        elif isinstance(command, FailAll):
+            self._fail_streams(EngineDeadError(command.message))
+        elif isinstance(command, Call):
             try:
-                _resolve(future, fn(engine))
+                _resolve(command.result, command.fn(engine))
             except Exception as exc:  # noqa: BLE001 - handed to the caller
-                _resolve(future, error=exc)
+                _resolve(command.result, error=exc)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -245,7 +285,7 @@ class AsyncEngine(Generating):
         except queue.Empty:
             return
         while True:
-            self._handle(*item)
+            self._handle(item)
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
@@ -261,7 +301,7 @@ class AsyncEngine(Generating):
         deadline = time.monotonic() + self.batching_delay
         while (remaining := deadline - time.monotonic()) > 0:
             try:
-                self._handle(*self._commands.get(timeout=remaining))
+                self._handle(self._commands.get(timeout=remaining))
             except queue.Empty:
                 return
 
@@ -326,10 +366,10 @@ class AsyncEngine(Generating):
         self._stopping.set()
         while True:  # answer commands that raced with the stop
             try:
-                kind, payload = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if kind == "add":
-                _resolve(payload[-1], error=error)
-            elif kind == "call":
-                _resolve(payload[1], error=error)
+            if isinstance(command, Add):
+                _resolve(command.accepted, error=error)
+            elif isinstance(command, Call):
+                _resolve(command.result, error=error)

@@ -15,7 +15,7 @@ def test_round_to_nearest_gptq_checkpoint_loads_close_to_the_float_weights(tiny_
     assert main([tiny_model_dir, str(out), "--bits", "4", "--group-size", "32"]) == 0
     llm = LLM(str(out), block_size=8, max_model_len=64, show_progress=False)
     assert llm.engine.model_config.weight_quant.bits == 4 and llm.engine.weight_bytes["uint8"] > 0
-    layer = llm.engine.runner.params["layers"][0]["mlp"]["up_proj"]
+    layer = llm.engine.worker.runner.params["layers"][0]["mlp"]["up_proj"]
     got = np.asarray(dequantize(layer["qweight"], layer["scales"], layer["zero_offsets"], 4))
     want = load_file(f"{tiny_model_dir}/model.safetensors")["model.layers.0.mlp.up_proj.weight"].T
     step = np.asarray(layer["scales"]).repeat(32, axis=0)  # a code's width

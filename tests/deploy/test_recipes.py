@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import tomllib
 
 import pytest
 import yaml
@@ -135,8 +136,8 @@ def test_the_container_recipe_installs_with_the_readmes_commands():
     assert dockerfile.args["VARIANT"] == "cpu"
     # It copies every package pyproject.toml installs.
     copied = {i["value"].split()[0].rstrip("/") for i in dockerfile.structure if i["instruction"] == "COPY"}
-    packages = re.search(r'include = \[([^\]]*)\]', (ROOT / "pyproject.toml").read_text()).group(1)
-    assert {p.strip(' "*') for p in packages.split(",")} <= copied
+    folders = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    assert {"paged", *folders.values()} <= copied
     # Its command line is `paged serve` with flags the CLI takes.
     args = build_parser().parse_args(_dockerfile_json("ENTRYPOINT")[1:] + _dockerfile_json("CMD"))
     assert args.model_positional == "paged-demo-docstrings" and args.port == 8000

@@ -101,7 +101,7 @@ def test_bfloat16_generation_tracks_float32(tiny_model_dir):
     for dtype in ("float32", "bfloat16"):
         llm = LLM(tiny_model_dir, dtype=dtype, block_size=8, max_model_len=64, show_progress=False)
         runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
-        assert llm.engine.runner.kv_cache[0].dtype == np.dtype(dtype)
+        assert llm.engine.worker.runner.kv_cache[0].dtype == np.dtype(dtype)
     assert runs[0] == runs[1]
 
 

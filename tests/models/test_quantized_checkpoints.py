@@ -150,7 +150,7 @@ def test_gptq_mixture_of_experts(name, tmp_path):
                                             lambda w, rng: _gptq_layer(w, 4, 16, True, rng), config)
     tokens, engine = _greedy(str(quantized))
     assert tokens == hf_greedy(str(reference), PROMPTS, 12)
-    experts = engine.runner.params["layers"][0]["mlp"]["experts_gate_proj"]
+    experts = engine.worker.runner.params["layers"][0]["mlp"]["experts_gate_proj"]
     assert set(experts) == {"qweight", "scales", "zero_offsets", "perm"} and experts["qweight"].shape[0] == 4
 
 
@@ -215,7 +215,7 @@ def test_quantized_weights_take_a_fraction_of_the_bfloat16_bytes(tmp_path):
 
     def layer_bytes(engine):
         import jax
-        layers = engine.runner.params["layers"]
+        layers = engine.worker.runner.params["layers"]
         return sum(leaf.nbytes for path, leaf in jax.tree_util.tree_flatten_with_path(layers)[0]
                    if any(getattr(p, "key", None) in LINEAR for p in path))
 

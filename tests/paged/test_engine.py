@@ -172,12 +172,12 @@ def test_bfloat16_pool_writes_match_xla_through_swap_and_copy_on_write(tiny_mode
                   preemption_mode="swap", show_progress=False)
         moves = {"copy": 0, "swap_in": 0}
         for name in moves:
-            original = getattr(llm.engine.mover, name)
+            original = getattr(llm.engine.worker.mover, name)
 
             def counted(*args, _name=name, _original=original):
                 moves[_name] += _name == "swap_in" or bool(args[0])  # copy() is called with no pairs too
                 return _original(*args)
-            setattr(llm.engine.mover, name, counted)
+            setattr(llm.engine.worker.mover, name, counted)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert _all_blocks_free(llm.engine)
         return moves, [[c.token_ids for c in o.outputs] for o in outputs]

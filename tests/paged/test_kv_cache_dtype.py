@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import paged.engine
+import paged.worker
 from paged import LLM, SamplingParams
 from tests.native import needs_compiler
 
@@ -22,7 +22,7 @@ def _tokens(llm, params=GREEDY):
 
 def _fp8_tokens(model_dir, backend):
     llm = LLM(model_dir, kv_cache_dtype="fp8", attention_backend=backend, **ENGINE)
-    assert llm.engine.runner.kv_cache[0].dtype == np.dtype("float8_e4m3fn")
+    assert llm.engine.worker.runner.kv_cache[0].dtype == np.dtype("float8_e4m3fn")
     return _tokens(llm)
 
 
@@ -39,12 +39,12 @@ def test_every_backend_draws_the_same_tokens_from_an_fp8_pool(tiny_model_dir, fp
 
 
 def test_fp8_pool_holds_twice_the_blocks_of_bfloat16(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(paged.engine, "kv_budget_bytes", lambda utilization, device=None: 2**22)
+    monkeypatch.setattr(paged.worker, "kv_budget_bytes", lambda utilization, device=None: 2**22)
     options = {**ENGINE, "num_kv_blocks": None, "max_num_seqs": 256, "max_model_len": 1024, "dtype": "bfloat16"}
     bf16 = LLM(tiny_model_dir, **options).engine
     fp8 = LLM(tiny_model_dir, kv_cache_dtype="fp8", **options).engine
     assert fp8.block_manager.num_blocks == 2 * bf16.block_manager.num_blocks
-    assert sum(c.nbytes for c in fp8.runner.kv_cache) == sum(c.nbytes for c in bf16.runner.kv_cache)
+    assert sum(c.nbytes for c in fp8.worker.runner.kv_cache) == sum(c.nbytes for c in bf16.worker.runner.kv_cache)
 
 
 def test_swapped_and_forked_fp8_blocks_keep_their_codes(tiny_model_dir):
@@ -90,10 +90,10 @@ def test_checkpoint_kv_scales_are_read_for_an_fp8_pool_only(tiny_model_dir, tmp_
     open(f"{scaled}/config.json", "w").write(json.dumps(config))
     fp8 = LLM(scaled, kv_cache_dtype="fp8", **ENGINE).engine
     assert fp8.model_config.kv_scales
-    attn = fp8.runner.params["layers"][0]["self_attn"]
+    attn = fp8.worker.runner.params["layers"][0]["self_attn"]
     assert float(attn["k_scale"]) == 3.0 and float(attn["v_scale"]) == 0.25
     plain = LLM(scaled, **ENGINE).engine  # a float pool has no use for them
-    assert not plain.model_config.kv_scales and "k_scale" not in plain.runner.params["layers"][0]["self_attn"]
+    assert not plain.model_config.kv_scales and "k_scale" not in plain.worker.runner.params["layers"][0]["self_attn"]
 
 
 def test_kv_scales_divide_what_the_pool_holds_and_nothing_else(tiny_model_dir):
@@ -109,19 +109,19 @@ def test_kv_scales_divide_what_the_pool_holds_and_nothing_else(tiny_model_dir):
     engine = LLM(tiny_model_dir, attention_backend="xla", **ENGINE).engine
     engine.add_request(engine.make_request("r", None, list(range(5, 30)), SamplingParams(max_tokens=1)))
     inputs = prepare_inputs(engine.scheduler.schedule(), engine.block_manager, engine.buckets)
-    meta = engine.runner.attention.prepare(inputs.attention)
-    base_params = engine.runner.params
+    meta = engine.worker.runner.attention.prepare(inputs.attention)
+    base_params = engine.worker.runner.params
     scaled_model = LlamaForCausalLM(dataclasses.replace(engine.model_config, kv_scales=True), engine.dtype)
     scaled_params = {**base_params, "layers": [
         {**layer, "self_attn": {**layer["self_attn"], "k_scale": np.float32(4.0), "v_scale": np.float32(0.25)}}
         for layer in base_params["layers"]]}
-    pool = jax.numpy.zeros_like(engine.runner.kv_cache[0])
+    pool = jax.numpy.zeros_like(engine.worker.runner.kv_cache[0])
 
     def run(model, params):
-        step = jax.jit(lambda p, kv, ids, meta, rows: model.forward(p, kv, ids, meta, rows, engine.runner.attention))
+        step = jax.jit(lambda p, kv, ids, meta, rows: model.forward(p, kv, ids, meta, rows, engine.worker.runner.attention))
         return step(params, (pool, pool), inputs.token_ids, meta, inputs.logits_indices)
 
-    base_logits, (base_k, base_v) = run(engine.model, base_params)
+    base_logits, (base_k, base_v) = run(engine.worker.model, base_params)
     logits, (k, v) = run(scaled_model, scaled_params)
     np.testing.assert_array_equal(np.asarray(k) * 4, np.asarray(base_k))
     np.testing.assert_array_equal(np.asarray(v) / 4, np.asarray(base_v))

@@ -24,7 +24,7 @@ def _no_leaks(engine):
     assert not bm.ref_counts.any(), "a block is still referenced"
     assert bm.num_free_blocks == bm.num_usable_blocks
     assert not bm.page_table.any() and len(bm.free_rows) == bm.page_table.shape[0]
-    assert engine.mover.swapped_blocks == 0
+    assert engine.worker.mover.swapped_blocks == 0
 
 
 def _tokens(outputs):
@@ -106,7 +106,7 @@ def test_swap_falls_back_to_recompute_when_swap_space_is_full(tiny_model_dir):
     expected = _tokens(_llm(tiny_model_dir).generate(prompts, GREEDY, use_tqdm=False))
     tiny_swap = _llm(tiny_model_dir, num_kv_blocks=16, max_model_len=96, preemption_mode="swap",
                      swap_space=2 * 2 * 2 * 2 * 8 * 16 * 4 / 2**30)  # room for exactly two blocks
-    assert tiny_swap.engine.mover.swap_blocks == 2
+    assert tiny_swap.engine.worker.mover.swap_blocks == 2
     assert _tokens(tiny_swap.generate(prompts, GREEDY, use_tqdm=False)) == expected
     assert tiny_swap.engine.kv_stats()["num_preemptions"] > tiny_swap.engine.kv_stats()["num_swaps"]
     _no_leaks(tiny_swap.engine)

@@ -160,7 +160,7 @@ def test_invalid_sampling_params_raise_value_error(kwargs, match):
 
 def test_bad_prompt_rejected_before_any_work(tiny_llm):
     engine = tiny_llm.engine
-    steps_before = engine.runner.num_compilations, engine.block_manager.num_free_blocks
+    steps_before = engine.worker.runner.num_compilations, engine.block_manager.num_free_blocks
     too_long = {"prompt_token_ids": [5] * 300}
     with pytest.raises(ValueError, match=r"prompt 1: .*300 tokens.*max_model_len=256"):
         tiny_llm.generate(["fine", too_long], use_tqdm=False)
@@ -173,7 +173,7 @@ def test_bad_prompt_rejected_before_any_work(tiny_llm):
     with pytest.raises(ValueError, match="sampling_params"):
         tiny_llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
     assert not engine.has_unfinished_requests()
-    assert (engine.runner.num_compilations, engine.block_manager.num_free_blocks) == steps_before
+    assert (engine.worker.runner.num_compilations, engine.block_manager.num_free_blocks) == steps_before
     # The engine still serves after the rejections.
     assert len(_greedy(tiny_llm, "fine", max_tokens=3).token_ids) == 3
 

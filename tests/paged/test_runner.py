@@ -30,8 +30,8 @@ def _prompts(n: int, seed: int):
 
 
 def test_greedy_head_is_offered_only_where_a_kernel_fuses_it(tied_bf16_llm):
-    model = tied_bf16_llm.engine.runner.model
-    params = tied_bf16_llm.engine.runner.params
+    model = tied_bf16_llm.engine.worker.runner.model
+    params = tied_bf16_llm.engine.worker.runner.params
     last = LastHidden(jnp.zeros((4, model.config.hidden_size), jnp.bfloat16), jnp.int32(4))
     assert callable(model.greedy_head(params, last))
     for change in (dict(final_soft_cap=30.0), dict(padded_vocab_size=model.config.vocab_size + 64)):

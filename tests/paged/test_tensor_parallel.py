@@ -37,11 +37,11 @@ SCRIPT = textwrap.dedent("""
         runs = [llm.generate(prompts, params, use_tqdm=False) for params in (greedy, seeded)[:1 if greedy_only else 2]]
         compiled = llm.engine.num_compilations
         llm.generate(prompts, greedy, use_tqdm=False)  # same shapes again: nothing new to compile
-        k_cache = llm.engine.runner.kv_cache[0]
-        layer = llm.engine.runner.params["layers"][0]
+        k_cache = llm.engine.worker.runner.kv_cache[0]
+        layer = llm.engine.worker.runner.params["layers"][0]
         q_proj = layer["self_attn"]["q_proj"] if "self_attn" in layer else {"kernel": k_cache}
         q_kernel = q_proj.get("kernel", q_proj.get("qweight"))  # float or quantized
-        embedding = llm.engine.runner.params.get("embed_tokens", llm.engine.runner.params.get("wte"))["embedding"]
+        embedding = llm.engine.worker.runner.params.get("embed_tokens", llm.engine.worker.runner.params.get("wte"))["embedding"]
         out[size] = {
             "tokens": [[o.outputs[0].token_ids for o in run] for run in runs],
             "logprobs": [round(o.outputs[0].cumulative_logprob, 3) for o in runs[1]] if len(runs) > 1 else [],

@@ -53,7 +53,7 @@ def _inject(monkeypatch, engine, where: str):
 
         monkeypatch.setattr(paged.engine, "prepare_inputs", prepare)
     else:
-        real_accept = engine._accept_token
+        real_accept = engine.outputs._accept_token
 
         def accept(request, index):
             if marked([request]):
@@ -61,7 +61,7 @@ def _inject(monkeypatch, engine, where: str):
                 raise RuntimeError("injected fault in postprocess")
             return real_accept(request, index)
 
-        monkeypatch.setattr(engine, "_accept_token", accept)
+        monkeypatch.setattr(engine.outputs, "_accept_token", accept)
     return fired
 
 

@@ -1,0 +1,73 @@
+"""A request as a user gives it (text or token ids, SamplingParams) in, validated `Request`s out: tokenized,
+checked against the model (vocabulary, max_model_len, max_num_seqs), one child per sample of n, each with its
+own seed, detokenizer and grammar matcher. Raises ValueError (InvalidParameter naming the field) and touches
+no engine state."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paged.chat import text_token_ids
+from paged.config import EngineConfig
+from paged.detokenizer import IncrementalDetokenizer
+from paged.grammar import GrammarCompiler
+from paged.request import ParentRequest, Request
+from paged.sampling_params import InvalidParameter, SamplingParams
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # noqa: BLE001
+        raise ValueError(f"could not load a tokenizer from {path!r}: {type(exc).__name__}: {exc}") from exc
+
+
+class InputProcessor:
+    def __init__(self, config: EngineConfig, vocab_size: int, tokenizer, eos_token_ids: tuple[int, ...],
+                 grammars: GrammarCompiler | None):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.grammars = grammars
+        self._seed_rng = np.random.default_rng(config.seed)  # unseeded requests' seeds
+
+    def make_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                     params: SamplingParams) -> ParentRequest:
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
+            prompt_token_ids = text_token_ids(self.tokenizer, prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        vocab, max_model_len = self.vocab_size, self.config.max_model_len
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(t, (int, np.integer)) and 0 <= t < vocab for t in prompt_token_ids):
+            bad = next(t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab))
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        if len(prompt_token_ids) >= max_model_len:
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
+                             f"within max_model_len={max_model_len}")
+        params.check_vocab(vocab)
+        if params.n > self.config.max_num_seqs:
+            raise InvalidParameter("n", f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
+        constraint = params.structured_outputs  # compiled (or found cached) by the first sample's matcher below
+        if constraint is not None and self.grammars is None:
+            raise ValueError("structured_outputs needs a tokenizer; this engine has none")
+        length_limit = max_model_len
+        if params.max_tokens is not None:
+            length_limit = min(length_limit, len(prompt_token_ids) + params.max_tokens)
+        children = []
+        for index in range(params.n):
+            # Each sample gets its own stream: seed + index when seeded (as vLLM does), else a fresh draw.
+            seed = (params.seed + index) % 2**32 if params.seed is not None else int(self._seed_rng.integers(2**32))
+            detokenizer = (IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+                           if self.tokenizer is not None else None)
+            child_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            children.append(Request(child_id, prompt, [int(t) for t in prompt_token_ids], params, seed,
+                                    detokenizer, self.eos_token_ids, index=index, length_limit=length_limit,
+                                    grammar=self.grammars.matcher(constraint) if constraint is not None else None))
+        return ParentRequest(request_id, children)

@@ -1,0 +1,139 @@
+"""A step's samples in, `RequestOutput`s out: each row's token accepted into its request, logprobs recorded,
+text detokenized incrementally, stop conditions checked (EOS, stop ids and strings, grammar end, length), the
+samples of an n > 1 request forked from its leader, prefix-cache keys and sliding-window releases updated."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from paged.block_manager import BlockManager
+from paged.detokenizer import find_stop_string
+from paged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from paged.request import ParentRequest, Request, RequestStatus
+from paged.sampler import SamplerOutput
+from paged.scheduler import ScheduledBatch, Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class ProcessedStep:
+    """What one step's samples made: the outputs of the requests that took a token, and the block copies
+    (source, destination) their forks need, to run on the device before anything reuses a source block."""
+
+    outputs: list[RequestOutput]
+    block_copies: list[tuple[int, int]]
+
+
+class OutputProcessor:
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, tokenizer, eos_token_ids: tuple[int, ...],
+                 release_window: int):
+        """`release_window`: when every layer slides, the widest window (blocks wholly behind it are freed as
+        sequences advance); 0 otherwise."""
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.release_window = release_window
+
+    def process(self, batch: ScheduledBatch, token_index: list[int], sampled: SamplerOutput) -> ProcessedStep:
+        """`token_index[row]`: where row's sample goes in its request's token_ids (-1 for a prefill chunk,
+        whose sample is not a real next token); `sampled`: the step's samples as host arrays."""
+        touched: dict[str, ParentRequest] = {}
+        copies = []
+        for i, (request, index) in enumerate(zip(batch.requests, token_index)):
+            if request.finished:
+                continue  # stopped or aborted while this step ran: its row is discarded
+            if index >= 0:
+                request.token_ids[index] = int(sampled.tokens[i])
+            self.block_manager.cache_full_blocks(request)
+            if self.release_window:
+                self.block_manager.free_outside_window(request, self.release_window)
+            if index < 0:
+                continue
+            parent = request.parent
+            # The samples fork from the leader's prompt blocks; a leader preempted while this step ran (async
+            # scheduling) has none now, and forks them at its next token instead.
+            if parent.pending_forks and request is parent.leader and request.status is RequestStatus.RUNNING:
+                copies += self._fork(parent)
+            if request.logprobs is not None:
+                self._record_logprobs(request, sampled, i)
+            self._accept_token(request, index)
+            if request.finished and request.detokenizer is not None and not isinstance(request.stop_reason, str):
+                request.text += request.detokenizer.flush()
+            touched[parent.request_id] = parent
+        return ProcessedStep([output_of(parent) for parent in touched.values()], copies)
+
+    def _record_logprobs(self, request: Request, sampled: SamplerOutput, row: int) -> None:
+        token = int(sampled.tokens[row])
+        logprob = float(sampled.token_logprobs[row])
+        entry = {token: Logprob(logprob, int(sampled.token_ranks[row]), self._decode_one(token))}
+        for rank, (tid, lp) in enumerate(zip(sampled.top_ids[row, :request.params.logprobs],
+                                             sampled.top_logprobs[row, :request.params.logprobs]), start=1):
+            entry.setdefault(int(tid), Logprob(float(lp), rank, self._decode_one(int(tid))))
+        request.logprobs.append(entry)
+        request.cumulative_logprob += logprob
+
+    def _decode_one(self, token: int) -> str | None:
+        return self.tokenizer.decode([token]) if self.tokenizer is not None else None
+
+    def _fork(self, parent: ParentRequest) -> list[tuple[int, int]]:
+        copies = []
+        for child in parent.pending_forks:
+            pair = self.scheduler.fork(parent.leader, child)
+            if pair is not None:
+                copies.append(pair)
+        parent.pending_forks = []
+        return copies
+
+    def _accept_token(self, request: Request, index: int) -> None:
+        """Checks the token just read into token_ids[index] against the request's stop conditions (finishing
+        drops a token sampled after it, still in flight with async scheduling)."""
+        params = request.params
+        token = request.token_ids[index]
+        if request.first_token_time is None:
+            request.first_token_time = time.monotonic()
+        delta = request.detokenizer.add(token) if request.detokenizer is not None else ""
+        request.text += delta
+        grammar_done = False
+        if request.grammar is not None:
+            if not request.grammar.accept(token):  # only if every token was masked (e.g. min_tokens vs. EOS)
+                logger.warning("request %s: its grammar rejected token %d (%s)", request.request_id, token,
+                               request.grammar.error)
+                return self.scheduler.finish(request, "abort")
+            grammar_done = request.grammar.is_terminated
+        num_out = index + 1 - request.num_prompt_tokens
+        if num_out >= params.min_tokens:
+            if token in self.eos_token_ids and not params.ignore_eos:
+                return self.scheduler.finish(request, "stop")
+            if token in params.stop_token_ids:
+                return self.scheduler.finish(request, "stop", token)
+            if params.stop and delta:
+                match = find_stop_string(request.text, len(delta), params.stop)
+                if match is not None:
+                    stop, position = match
+                    end = position + len(stop) if params.include_stop_str_in_output else position
+                    request.text = request.text[:end]
+                    return self.scheduler.finish(request, "stop", stop)
+        if grammar_done:  # the output is complete: nothing but EOS could follow
+            return self.scheduler.finish(request, "stop")
+        if index + 1 >= request.length_limit:
+            return self.scheduler.finish(request, "length")
+
+
+def output_of(parent: ParentRequest) -> RequestOutput:
+    """The request's RequestOutput as it stands: every sample's text, tokens and logprobs so far."""
+    completions = [CompletionOutput(index=c.index, text=c.text, token_ids=c.output_token_ids,
+                                    finish_reason=c.finish_reason, stop_reason=c.stop_reason,
+                                    cumulative_logprob=c.cumulative_logprob,
+                                    logprobs=list(c.logprobs) if c.logprobs is not None else None)
+                   for c in parent.children]
+    leader = parent.leader
+    finished = parent.finished
+    metrics = RequestMetrics(leader.arrival_time, leader.first_scheduled_time, leader.first_token_time,
+                             time.monotonic() if finished else None)
+    return RequestOutput(request_id=parent.request_id, prompt=leader.prompt, prompt_token_ids=leader.prompt_token_ids,
+                         outputs=completions, finished=finished, num_cached_tokens=leader.num_cached_tokens or 0,
+                         metrics=metrics)

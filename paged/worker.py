@@ -1,0 +1,152 @@
+"""The device side of one engine, built ready for it: devices and mesh, the weights, the KV pool sized to its
+memory budget, the jitted step and block moves, compilation ahead of traffic, and on a multi-host follower the
+replay of the leader's operations. The engine above it only schedules and processes outputs."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from paged import multihost, startup
+from paged.batch import Buckets, StepInputs, padding_inputs
+from paged.config import KV_CACHE_DTYPES, EngineConfig
+from paged.models import get_attention_backend, load_model
+from paged.models.attention import resolve_backends
+from paged.models.config import ModelConfig
+from paged.models.loader import weight_bytes
+from paged.parallel import ShardedAttention, make_mesh, placement, replica_devices
+from paged.runner import BlockMover, ModelRunner, kv_block_bytes, kv_budget_bytes
+from paged.sampler import SamplerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def kv_cache_dtype(option: str, model_dtype) -> np.dtype:
+    """The KV pool's dtype for the `kv_cache_dtype` option: the model's for "auto"."""
+    name = KV_CACHE_DTYPES[option]
+    return np.dtype(model_dtype if name is None else jnp.dtype(name))
+
+
+class Worker:
+    def __init__(self, model_dir: str, model_config: ModelConfig, config: EngineConfig,
+                 channel: multihost.StepChannel | None = None, show_progress: bool = True):
+        """`config` is resolved against the model (max_model_len set); `channel` joins a multi-host run's
+        processes (the leader publishes each device operation, a follower replays them in `follow`)."""
+        platform = jax.default_backend()
+        self.channel = channel
+        self.devices = devices = replica_devices(config.tensor_parallel_size, config.data_parallel_size,
+                                                 config.data_parallel_rank)
+        self.mesh = make_mesh(config.tensor_parallel_size, model_config.num_heads, model_config.num_kv_heads,
+                              devices)
+        # A single-device replica other than the first commits its arrays to its own device (jitted steps then
+        # run there); on the default device nothing changes.
+        self.device = devices[0] if self.mesh is None and devices[0] != jax.devices()[0] else None
+        if channel is not None:
+            if config.preemption_mode == "swap":  # the leader holds only its own heads' K/V to swap out
+                raise NotImplementedError("preemption_mode='swap' does not run over several processes yet")
+            multihost.check_same_run(channel, multihost.fingerprint(config, model_config))
+        self.attention_name, self.linear_backend = resolve_backends(
+            platform, config.attention_backend, config.linear_backend, sharded=self.mesh is not None)
+        attention = get_attention_backend(self.attention_name, platform)
+        unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and platform == "cpu")
+        self.model_dir, self.model_config, self.model, params, self.dtype = load_model(
+            model_dir, config.dtype, show_progress, stacked_layers=not unroll, linear_backend=self.linear_backend,
+            mesh=self.mesh, quantization=config.quantization, device=self.device,
+            kv_cache_scales=config.kv_cache_dtype.startswith("fp8"))
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
+        if (check := getattr(attention, "check_model", None)) is not None:  # refused now, not at the first trace
+            check(self.model_config, self.dtype, self.kv_dtype, config.block_size)
+        if self.mesh is not None:
+            attention = ShardedAttention(attention, self.mesh)
+        # Bytes of the weights by dtype (int8, uint8 for packed int4, the float dtype for the rest) and total.
+        self.weight_bytes = weight_bytes(params)
+
+        self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
+        self.num_blocks = self._num_blocks(config)
+        precomputed = self.model.precomputed(config.max_model_len)
+        if (where := placement(self.mesh, self.device)) is not None:  # beside the weights, not copied per step
+            precomputed = jax.device_put(precomputed, where)
+        self.runner = ModelRunner(self.model, {**params, **precomputed}, attention, self.num_blocks,
+                                  config.block_size, self.kv_dtype, config.max_num_seqs, self.mesh, self.device,
+                                  publish=channel.publish if channel is not None and channel.leader else None)
+        block_bytes = kv_block_bytes(self.model_config, config.block_size, self.kv_dtype)
+        self.kv_pool_bytes = self.num_blocks * block_bytes  # K and V over all layers, every device's share
+        swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
+        self.mover = BlockMover(self.runner, config.block_size, swap_blocks)
+
+    def _num_blocks(self, config: EngineConfig) -> int:
+        """The KV pool's size in blocks: `num_kv_blocks`, else what the memory budget holds (never more than
+        max_num_seqs full-length sequences use); on several hosts, what the tightest process holds."""
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            per_block = kv_block_bytes(self.model_config, config.block_size, self.kv_dtype)
+            if self.mesh is not None and jax.default_backend() != "cpu":
+                per_block //= config.tensor_parallel_size  # each device holds its KV heads' share of a block
+            # The budget is read on one of this process's own devices (a multi-host mesh also holds others').
+            local = next((d for d in self.devices if d.process_index == jax.process_index()), self.devices[0])
+            budget_blocks = kv_budget_bytes(config.gpu_memory_utilization, local) // per_block
+            num_blocks = int(min(budget_blocks, config.max_num_seqs * self.max_blocks_per_seq + 1))
+        if self.channel is not None:
+            num_blocks = int(multihost_utils.process_allgather(np.int32(num_blocks)).min())
+        if num_blocks - 1 < self.max_blocks_per_seq:
+            raise ValueError(
+                f"the KV pool has {num_blocks - 1} usable blocks of {config.block_size} tokens, fewer than one "
+                f"sequence of max_model_len={config.max_model_len} needs ({self.max_blocks_per_seq}); raise "
+                "num_kv_blocks (or the memory budget) or lower max_model_len")
+        return num_blocks
+
+    # ---- what the engine runs -------------------------------------------------------------------------
+
+    def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None) -> tuple[SamplerOutput, jax.Array]:
+        """Starts one step (ModelRunner.launch): its sampler output on the device, and its padded samples."""
+        return self.runner.launch(inputs, previous_tokens)
+
+    def fetch(self, out: SamplerOutput) -> SamplerOutput:
+        """Waits for a launched step: its samples (token ids, requested logprobs) as host arrays."""
+        return self.runner.fetch(out)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write of whole blocks in the pool (forks of n > 1)."""
+        self.mover.copy(pairs)
+
+    def pool_is_intact(self) -> bool:
+        return self.runner.pool_is_intact()
+
+    @property
+    def num_compilations(self) -> int:
+        return self.runner.num_compilations
+
+    def precompile(self, buckets: Buckets, block_manager, cache_dir: str | None, show_progress: bool = False
+                   ) -> None:
+        """Compiles every (tokens, seqs) bucket ahead of traffic by running all-padding steps."""
+        from paged.models.progress import progress
+        shapes = buckets.all_shapes()
+        started, (hits, misses) = time.perf_counter(), startup.compilation_cache_counts()
+        for t_pad, _ in progress(shapes, desc="Compiling", disable=not show_progress):
+            self.runner.run(padding_inputs(block_manager, buckets, t_pad))
+        now_hits, now_misses = startup.compilation_cache_counts()
+        startup.log_precompiled(len(shapes), time.perf_counter() - started, now_hits - hits, now_misses - misses,
+                                cache_dir)
+
+    # ---- several hosts --------------------------------------------------------------------------------
+
+    def follow(self) -> None:
+        """On a follower: runs the leader's device operations, in its order, until the leader stops."""
+        tokens = None  # the padded samples of the last step launched here, as on the leader
+        while True:
+            op = self.channel.receive()
+            if isinstance(op, multihost.Launch):
+                _, tokens = self.runner.launch(op.inputs, tokens if op.chained else None)
+            elif isinstance(op, multihost.CopyBlocks):
+                self.mover.copy(op.pairs)
+            elif isinstance(op, multihost.Stop):
+                logger.info("the leader stopped the run")
+                return
+            else:
+                raise RuntimeError(f"unexpected operation {op!r} from the leader: the processes run different code")
