@@ -1,8 +1,8 @@
-"""One prepared run for a lent GPU: versions, ceilings, kernel correctness, the engine end to end, the sweep.
+"""One prepared run on an NVIDIA GPU: versions, ceilings, kernel correctness, the engine end to end, the sweep.
 
-    python3 benchmarks/gpu_check.py --out "$OUT" --budget-s 420     # from the repository root
+    python3 benchmarks/gpu_check.py --out DIR --budget-s 420     # from the repository root
 
-Runs under the device machine's own python3 and packages (jax, flax, numpy, transformers, safetensors; no
+Runs under the GPU host's own python3 and packages (jax, flax, numpy, transformers, safetensors; no
 fastapi, no torch needed), and on CPU as a dry run (the GPU kernels interpreted, the smoke sweep).
 Every section writes as it finishes, so a run cut short still returns what it measured:
 

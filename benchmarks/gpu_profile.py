@@ -3,9 +3,9 @@ when the sweep (benchmarks/gpu_check.py) shows a kernel short of the copy bandwi
 
     ncu --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \\
         --section LaunchStats --section WarpStateStats -c 40 --csv --page details \\
-        python3 benchmarks/gpu_profile.py > "$OUT/ncu_decode.csv"
+        python3 benchmarks/gpu_profile.py > ncu_decode.csv
 
-`--clock-control none` leaves the card's clocks as found (the device notes ask for it). The profile holds,
+`--clock-control none` leaves the card's clocks as found (as a served model runs). The profile holds,
 per implementation in the order printed on stderr, one warm-up call and `--calls` timed ones, each with
 XLA's small pad, gather and merge kernels around the attention kernel. Without ncu it prints each
 implementation's median time a call (launch and wait included: the sweep's figures are the ones to quote).

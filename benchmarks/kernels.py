@@ -44,7 +44,7 @@ PRESETS = {
                   num_kv_heads=2, prefill_chunk=[32], prefill_batch=2),
     # GPU shapes: batch 8-128, context 512-8192, pages of 16 and 32, GQA 1/4/8, bf16, head_dim 128, 8 KV heads.
     # Each list is in priority order (the decode goal's shapes, batch >= 32 and context >= 2048, first): a
-    # lent GPU's minutes run out before the whole product (54 points, each compiling each kernel once), and
+    # time-limited GPU run ends before the whole product (54 points, each compiling each kernel once), and
     # --budget-s stops the sweep with the most important points measured.
     "gpu": dict(batch=[32, 128, 8], context=[2048, 8192, 512], page_size=[16, 32], gqa=[8, 4, 1],
                 dtype=["bfloat16"], head_dim=128, num_kv_heads=8, prefill_chunk=[512], prefill_batch=4),

@@ -1,6 +1,6 @@
 """Building blocks shared by the model families: RMSNorm, rotary embedding, gated MLP, GQA attention.
 
-Every projection is a `models.linear.Linear`; `live_rows` (the step's real token count) passes through to it.
+Every projection is a `paged.models.linear.Linear`; `live_rows` (the step's real token count) passes through to it.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
     def __call__(self, x: jax.Array, residual: jax.Array | None = None):
         """The norm of x; with `residual`, (x + residual, the norm of that): the residual add that comes before
         every norm of a decoder layer. On the native path (bfloat16) one pass over the rows
-        (`pallas_kernels.cpu.add_rms_norm_cpu`), whose norm reads the float32 sum before its rounding, as XLA's
+        (`paged.kernels.cpu.add_rms_norm_cpu`), whose norm reads the float32 sum before its rounding, as XLA's
         fusion of the jnp path here does (and vLLM's fused_add_rms_norm)."""
         init = nn.initializers.zeros if self.plus_one else nn.initializers.ones
         scale = self.param("scale", init, (x.shape[-1],), self.dtype)
@@ -122,7 +122,7 @@ def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool
 
 class Block(nn.Module):
     """What every block of a model family is built with: the config, the compute dtype, and the backend of
-    its linear layers (models.linear)."""
+    its linear layers (paged.models.linear)."""
 
     config: ModelConfig
     dtype: Any
@@ -151,7 +151,7 @@ class GatedMLP(Block):
 class PagedSelfAttention(Block):
     """GQA self-attention whose keys and values live in the paged KV pool.
 
-    `attention` is the backend (models.attention); the pool is the whole stacked cache, `layer` selects ours.
+    `attention` is the backend (paged.models.attention); the pool is the whole stacked cache, `layer` selects ours.
     q/k/v are column-parallel (whole heads per shard), o row-parallel.
     """
 

@@ -3,12 +3,12 @@
 Each module owns three things, so that tensor parallelism and quantized weights attach here and nowhere else:
 - the parameter layout: a float `kernel` [in, out] (HF's [out, in] transposed once at load time) and an
   optional `bias` [out]. The "cpu" backend holds a bfloat16 kernel on a CPU with AMX packed into the tiles'
-  order instead ([out / 64, ceil(in / 32), 2048], `pallas_kernels.cpu.pack_for_amx`): the loader packs it once
+  order instead ([out / 64, ceil(in / 32), 2048], `paged.kernels.cpu.pack_for_amx`): the loader packs it once
   (`to_declared_layout`), so a decode step streams the weights as stored rather than re-packing each;
 - the logical sharding of its weight, named by mesh axes (`TENSOR_AXIS`), never by devices: "column"
   splits the output features (q/k/v, gate/up, the LM head), "row" the input features (o, down), "replicated"
   neither. The partition specs ride on the parameters as `flax.linen.Partitioned` metadata at init, so
-  `models.loader.partition_specs(model)` reads them from the modules' own init, as the loader reads the shapes;
+  `paged.models.loader.partition_specs(model)` reads them from the modules' own init, as the loader reads the shapes;
 - which matmul runs (`LINEAR_BACKENDS`): XLA's dot, or the native CPU matmul for decode-sized steps.
 
 `live_rows` is the step's count of real rows (int32 scalar, may be traced): rows from it on are the buckets'
@@ -46,7 +46,7 @@ def kernel_axes(parallel: str, ndim: int = 2) -> tuple[str | None, ...]:
 
 def packs_for_amx(backend: str, dtype: Any, out_features: int) -> bool:
     """Whether a float kernel is held in the AMX layout: the native backend, bfloat16, whole 64-column panels,
-    on a CPU (and OS) that offers AMX tiles. The native backend never runs sharded (pallas_kernels.platform),
+    on a CPU (and OS) that offers AMX tiles. The native backend never runs sharded (paged.kernels.platform),
     so the packed layout never meets a mesh."""
     return (backend == "cpu" and jnp.dtype(dtype) == jnp.bfloat16 and out_features % cpu.AMX_PANEL == 0
             and cpu.matmul_on_amx())
@@ -190,7 +190,7 @@ class Linear(nn.Module):
 
 def silu_gated(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | None = None) -> jax.Array:
     """silu(gate(x)) * up(x), in `gate`'s dtype. Where both kernels are held packed for AMX and neither layer
-    has a bias, one native call computes it (`pallas_kernels.cpu.gated_matmul_packed_cpu`): the two float32
+    has a bias, one native call computes it (`paged.kernels.cpu.gated_matmul_packed_cpu`): the two float32
     products and the activation pass never reach memory, and the result is rounded to bfloat16 once."""
     if not (gate.held_packed and up.held_packed) or gate.use_bias or up.use_bias:
         return jax.nn.silu(gate(x, live_rows)) * up(x, live_rows)

@@ -70,7 +70,7 @@ class LlamaForCausalLM:
     """
 
     def __init__(self, config: ModelConfig, dtype: Any, linear_backend: str = "xla"):
-        """`linear_backend` names the matmul every projection and the LM head run (models.linear); the
+        """`linear_backend` names the matmul every projection and the LM head run (paged.models.linear); the
         parameters are the same whichever it is."""
         self.config = config
         self.dtype = jnp.dtype(dtype)
@@ -252,7 +252,7 @@ class LlamaForCausalLM:
 
     def greedy_head(self, params, last: LastHidden) -> Callable[[], jax.Array] | None:
         """A function giving `first_argmax(self.logits(params, last))` without the logits (int32 [S]), or None
-        where no kernel fuses them (`models.linear.tied_greedy_head`: a tied table on the native path)."""
+        where no kernel fuses them (`paged.models.linear.tied_greedy_head`: a tied table on the native path)."""
         if not self.config.tie_word_embeddings:
             return None
         return tied_greedy_head(self.embed, params["embed_tokens"], last, self.config)

@@ -103,7 +103,7 @@ def _expected(model) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
 
 
 def partition_specs(model) -> dict[tuple[str, ...], PartitionSpec]:
-    """Each parameter's `PartitionSpec` over mesh axes (models.linear), keyed as `_expected` is: the
+    """Each parameter's `PartitionSpec` over mesh axes (paged.models.linear), keyed as `_expected` is: the
     stacked layers' leading layer axis is not split."""
     specs = {key: spec for key, spec in _flat(nn.get_partition_spec(model.global_params())).items()}
     for key, spec in _flat(nn.get_partition_spec(model.layer_params())).items():
@@ -284,9 +284,9 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
                linear_backend: str = "xla", mesh=None, quantization: str | None = None, device=None,
                kv_cache_scales: bool = False):
     """Returns (model_dir, config, model, params, numpy dtype); see load_params for `stacked_layers`, `mesh` and
-    `device`, models.linear for `linear_backend`, models/quantized_checkpoints.py for `quantization` (None: the
+    `device`, paged.models.linear for `linear_backend`, models/quantized_checkpoints.py for `quantization` (None: the
     checkpoint's own `quantization_config`, if any). `kv_cache_scales`: the KV pool is fp8, so the checkpoint's
-    per-layer k/v scales are read where it has them (models.llama.LlamaForCausalLM.KV_SCALE_RE)."""
+    per-layer k/v scales are read where it has them (paged.models.llama.LlamaForCausalLM.KV_SCALE_RE)."""
     model_dir = resolve_model_path(model)
     config = load_model_config(model_dir)
     cls = model_class(config.architecture)

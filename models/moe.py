@@ -2,7 +2,7 @@
 
 Each token picks `top_k` experts. The (token, expert) assignments are sorted by expert, so every expert
 multiplies only the rows routed to it: a grouped matmul over contiguous row groups (`GroupedLinear`, see
-`models.linear.grouped_matmul`), never a dense pass of every expert over every token.
+`paged.models.linear.grouped_matmul`), never a dense pass of every expert over every token.
 
 Parameters (per layer; the decoder stacks them over layers):
     gate/kernel                                 [H, E]      router

@@ -18,7 +18,7 @@ Formats, as their producers write them (the unpacking follows each format's publ
   [out, groups] (group, channel) or one value (tensor); weight_zero_point int8 of the same shape (asymmetric).
   "float-quantized" (FP8 W8A8, FP8_DYNAMIC): weight float8_e4m3fn [out, in]; weight_scale [out, 1] (channel),
   one value (tensor) or [out / bo, in / bi] (block). W = (q - zero_point) * scale. Dynamic, symmetric,
-  per-token input activations (W8A8) are quantized and dequantized in the step (models.quantization.
+  per-token input activations (W8A8) are quantized and dequantized in the step (paged.models.quantization.
   quantize_activations); the product itself is a float matmul.
 - HF "fp8" (`quant_method: fp8`, the FP8 releases of Qwen3 and DeepSeek): weight float8_e4m3fn [out, in] and
   weight_scale_inv float32 [out / 128, in / 128] (`weight_block_size`), W = weight * weight_scale_inv per block.

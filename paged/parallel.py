@@ -1,7 +1,7 @@
 """Tensor parallelism on one host: the device mesh, where each array lives on it, and attention per shard.
 
-The mesh has one axis, `tensor` (models.linear.TENSOR_AXIS), over `tensor_parallel_size` devices. Weights carry
-their Megatron partition specs from `models.linear` (q/k/v and gate/up split their outputs, o and down their
+The mesh has one axis, `tensor` (paged.models.linear.TENSOR_AXIS), over `tensor_parallel_size` devices. Weights carry
+their Megatron partition specs from `paged.models.linear` (q/k/v and gate/up split their outputs, o and down their
 inputs, embeddings and the LM head the vocabulary; norms replicated); XLA's SPMD partitioner follows them and
 puts the reductions of the row-parallel layers (o_proj, down_proj) in as all-reduces after each of them.
 The KV pool [L, Hkv, blocks, block_size, D] splits over its KV heads (with fewer KV heads than devices, the
@@ -61,7 +61,7 @@ def make_mesh(tensor_parallel_size: int, num_heads: int, num_kv_heads: int, devi
 
     Raises ValueError when the size does not divide the query heads, when it neither divides the KV heads nor
     is a multiple of them, or when it exceeds the devices. With fewer KV heads than devices, each KV head is
-    replicated over size / num_kv_heads devices (models.loader.load_model: `kv_head_replicas`), as vLLM does.
+    replicated over size / num_kv_heads devices (paged.models.loader.load_model: `kv_head_replicas`), as vLLM does.
     """
     size = tensor_parallel_size
     devices = replica_devices(size) if devices is None else devices

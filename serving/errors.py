@@ -30,7 +30,7 @@ def error_response(err: APIError) -> JSONResponse:
 
 
 def outcome_of(err: APIError) -> str:
-    """The `paged:api_requests` outcome of a request that ended with `err` (see serving.metrics.OUTCOMES)."""
+    """The `paged:api_requests` outcome of a request that ended with `err` (see paged.serving.metrics.OUTCOMES)."""
     if err.status == 503:
         return "overloaded" if err.code == "overloaded" else "unavailable"
     return {401: "unauthorized", 429: "rate_limited"}.get(err.status, "invalid" if err.status < 500 else "failed")

@@ -22,7 +22,7 @@ def sse(payload: dict | str) -> str:
 class EventStream(StreamingResponse):
     """A generation's server-sent events. A failure mid-stream becomes a final error event and `[DONE]`, so a
     client learns why its stream ended instead of seeing it cut; `on_end(outcome)`, when set, is called once
-    the stream has ended (an outcome of serving.metrics.OUTCOMES). `X-Accel-Buffering: no` keeps a proxy
+    the stream has ended (an outcome of paged.serving.metrics.OUTCOMES). `X-Accel-Buffering: no` keeps a proxy
     such as nginx from holding events back."""
 
     def __init__(self, events: AsyncIterator[str]):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -44,8 +45,13 @@ def test_every_accelerator_extra_names_jax_with_its_plugin():
 def test_the_wheel_holds_one_package_with_the_demo_model_and_the_kernel_sources(tmp_path):
     """What `pip install .` puts into site-packages is the wheel's content: `paged` and its metadata, nothing
     else at the top level (no `models`, `serving`, ... to collide with other packages)."""
+    source = tmp_path / "source"  # a copy: setuptools writes its build folders beside the sources
+    for name in ("paged", "models", "serving", "pallas_kernels", "benchmarks"):
+        shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / name, source / name)
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w",
-                    str(tmp_path), str(REPO)], check=True, capture_output=True)
+                    str(tmp_path), str(source)], check=True, capture_output=True)
     (wheel,) = tmp_path.glob("paged-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert {name.split("/")[0] for name in names} == {"paged", wheel.name.split("-py")[0] + ".dist-info"}, \

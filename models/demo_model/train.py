@@ -1,6 +1,6 @@
 """Trains the built-in demo model (`paged-demo-docstrings`) on the Python standard library's docstrings.
 
-    python -m models.demo_model.train [--steps 2400] [--out models/demo_model/checkpoint]
+    python -m paged.models.demo_model.train [--steps 2400] [--out models/demo_model/checkpoint]
 
 The corpus is the docstrings of the running interpreter's standard library (PSF-licensed text that ships with
 every Python), so the checkpoint can be rebuilt anywhere offline. The model is a small Llama (tied

@@ -255,7 +255,7 @@ def scatter_blocks_cpu(k_cache: jax.Array, v_cache: jax.Array, dst: jax.Array, k
 # 128: 439 vs 374, 192: 418 vs 395, 256: 408 vs 433, 512: 409 vs 436.
 # bfloat16 (AVX-512 BF16) against XLA's bf16 dot with a float32 result, GFLOP/s on the 0.5B shape's products
 # (896x896, 896x128, 896x4864, 4864x896; 6 of each per call): 8 rows 396 vs 160, 32: 678 vs 388, 64: 763 vs
-# 419, 128: 780 vs 673, 256: 783 vs 776, 384: 627 vs 683 (benchmarks in docs/performance.md).
+# 419, 128: 780 vs 673, 256: 783 vs 776, 384: 627 vs 683 (benchmarks in docs/kernels.md).
 # Quantized weights (int8 or int4 codes, `quant_matmul_cpu`; the key is "int8"): the alternative is dequantizing
 # the whole kernel to float32 in every step, so the native call wins at prompt sizes too; on the 30M benchmark model with --quantization int8, prompt steps took
 # 0.91 s of device time with it against 1.36 s when steps over 192 rows dequantized for XLA's dot.
@@ -421,7 +421,7 @@ def add_rms_norm_cpu(h: jax.Array, delta: jax.Array, scale: jax.Array, eps: floa
                      _target: str = _ADD_RMS_NORM_TARGET) -> tuple[jax.Array, jax.Array]:
     """The residual add and RMSNorm between a decoder layer's blocks in one pass (norm.cc): bfloat16 h and delta
     [T, D], scale [D] -> (bf16(s), bf16(scale * bf16(s * rsqrt(mean(s^2) + eps)))) with s = h + delta in
-    float32. The norm reads s before its rounding, as XLA's fusion of `models.layers.RMSNorm` does."""
+    float32. The norm reads s before its rounding, as XLA's fusion of `paged.models.layers.RMSNorm` does."""
     _require_kernels()
     if h.ndim != 2 or h.shape != delta.shape or scale.shape != (h.shape[1],):
         raise ValueError(f"add_rms_norm_cpu: expected h and delta [T, D] and scale [D]; got {h.shape}, {delta.shape} "

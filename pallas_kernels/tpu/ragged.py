@@ -1,7 +1,7 @@
 """Ragged paged attention for TPU (Pallas, Mosaic TPU): decode rows, prompt chunks and prefix hits in one batch.
 
-Same contract and arguments as `pallas_kernels.gpu.ragged.ragged_paged_attention`; its `jax.numpy` twin is
-`pallas_kernels.reference.ragged_paged_attention_reference`. The step's packed query tokens are cut into
+Same contract and arguments as `paged.kernels.gpu.ragged.ragged_paged_attention`; its `jax.numpy` twin is
+`paged.kernels.reference.ragged_paged_attention_reference`. The step's packed query tokens are cut into
 blocks of `tokens_per_block` tokens of one sequence (`page_walk.query_block_layout`); one program per
 (query block, KV head) holds the block's tokens times the GQA group as one tile of rows, so each KV page is
 loaded once per KV head for the whole group.

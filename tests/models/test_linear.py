@@ -1,4 +1,4 @@
-"""models.linear: the one linear layer (float64 numpy as the reference), its matmul backends, and the
+"""paged.models.linear: the one linear layer (float64 numpy as the reference), its matmul backends, and the
 partition specs every family's weights carry."""
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ from paged.kernels.cache import cache_root
 def test_one_variable_moves_every_cache(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
     made = []
-    monkeypatch.setattr(models.tiny, "create_tiny_llama", lambda directory, **_: made.append(directory))
+    monkeypatch.setattr(paged.models.tiny, "create_tiny_llama", lambda directory, **_: made.append(directory))
     assert cache_root() == tmp_path
     assert compilation_cache.default_dir() == tmp_path / "xla"
     assert cpu._cache_dir() == tmp_path / "kernels"
-    assert Path(models.tiny.default_tiny_model_dir()).parent == tmp_path
+    assert Path(paged.models.tiny.default_tiny_model_dir()).parent == tmp_path
     assert Path(benchmarks.common.default_model_dir()).is_relative_to(tmp_path)
     assert len(made) == 2  # neither model existed there: both were built under the new root
 

@@ -708,7 +708,7 @@ def test_add_rms_norm_matches_float64(rows, width):
 
 
 def test_add_rms_norm_matches_the_jnp_norm():
-    """Against models.layers.RMSNorm's own formula on the float32 sum, as XLA computes it: equal but for
+    """Against paged.models.layers.RMSNorm's own formula on the float32 sum, as XLA computes it: equal but for
     products within a float32 ulp of a bfloat16 rounding boundary (the mean square sums in another order)."""
     from paged.kernels import cpu as cpu_kernel
     h, delta, scale, _, _ = _add_rms_norm_case(200, 896, 3)

@@ -48,7 +48,7 @@ async def models_named(state, model):
 
 
 def test_every_counted_outcome_is_documented():
-    """`paged:api_requests{outcome}` takes only serving.metrics.OUTCOMES (the dashboard charts those): the
+    """`paged:api_requests{outcome}` takes only paged.serving.metrics.OUTCOMES (the dashboard charts those): the
     outcome of every error status, and every outcome the server names literally."""
     import ast
     import inspect
