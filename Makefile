@@ -1,6 +1,6 @@
 # make demo  - install the runtime only into .venv and generate text with the built-in demo model (offline)
-# make test  - install the pinned test environments and run the suite on Python 3.11 and, where present,
-#              on Python >= 3.12 with the newest jax
+# make test  - install the pinned test environments and run the suite on Python 3.11 and, where present, its
+#              jax-dependent part (JAX_VERSION_TESTS) on Python >= 3.12 with the newest jax
 SHELL := /bin/bash
 PYTHON ?= python3
 # The first interpreter >= 3.12 that actually runs (a pyenv shim may exist for a version that is not active).
@@ -26,13 +26,26 @@ check-packaging: install-runtime
 	.venv/bin/python requirements/check_packaging.py runtime
 	.venv/bin/python requirements/check_packaging.py extras
 
+# The slowest tests stay in view: CI prints them, against its 45-minute budget.
+PYTEST_ARGS ?= -q -ra --durations=30
+# The newest jax runs what depends on the jax version: the kernels and their lowering, the models' layers and
+# matmul backends, sharding, several processes, the jitted step and sampler, the compilation cache and the
+# engine end to end. The rest (HTTP, scheduling, parsing, deployment, docs) is the same Python on both.
+JAX_VERSION_TESTS := tests/pallas_kernels tests/models/test_linear.py tests/models/test_layers.py \
+	tests/models/test_moe.py tests/models/test_attention_registry.py tests/paged/test_runner.py \
+	tests/paged/test_sampler.py tests/paged/test_tensor_parallel.py tests/paged/test_multihost.py \
+	tests/paged/test_pallas_backend.py tests/paged/test_kv_cache_dtype.py tests/paged/test_compilation_cache.py \
+	tests/paged/test_testing.py tests/paged/test_engine.py tests/paged/test_async_scheduling.py \
+	tests/benchmarks/test_gpu_check.py tests/benchmarks/test_kernels_benchmark.py \
+	tests/benchmarks/test_tpu_first_run.py tests/serving/test_data_parallel.py
+
 test311: install
-	.venv/bin/python -m pytest -q -ra
+	.venv/bin/python -m pytest $(PYTEST_ARGS)
 
 test312:
 	@if [ -z "$(PY312)" ]; then echo "no Python >= 3.12 on this machine: skipping the newest-jax run"; exit 0; fi; \
 	set -e; test -x .venv312/bin/python || $(PY312) -m venv .venv312; \
 	.venv312/bin/pip install -q -r requirements/test-py312.txt -e .; \
-	.venv312/bin/python -m pytest -q -ra
+	.venv312/bin/python -m pytest $(PYTEST_ARGS) $(JAX_VERSION_TESTS)
 
 test: test311 test312
