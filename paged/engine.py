@@ -61,8 +61,9 @@ class LLMEngine:
         started = time.perf_counter()
         builtin = builtin_model(model)  # the demo model and the tiny one are known by name, offline
         model_dir = builtin[0] if builtin else resolve_model_path(model)
-        self.config = config = config.resolved(load_model_config(model_dir).max_position_embeddings)
-        self.worker = worker = Worker(model_dir, load_model_config(model_dir), config, self.channel, show_progress)
+        model_config = load_model_config(model_dir)
+        self.config = config = config.resolved(model_config.max_position_embeddings)
+        self.worker = worker = Worker(model_dir, model_config, config, self.channel, show_progress)
         # What describes the engine (startup summary, metrics, benchmarks) is the worker's.
         self.model_config, self.dtype, self.kv_dtype = worker.model_config, worker.dtype, worker.kv_dtype
         self.devices, self.mesh = worker.devices, worker.mesh
