@@ -19,7 +19,7 @@ def test_one_variable_moves_every_cache(monkeypatch, tmp_path):
     assert compilation_cache.default_dir() == tmp_path / "xla"
     assert cpu._cache_dir() == tmp_path / "kernels"
     assert Path(paged.models.tiny.default_tiny_model_dir()).parent == tmp_path
-    assert Path(benchmarks.common.default_model_dir()).is_relative_to(tmp_path)
+    assert Path(paged.benchmarks.common.default_model_dir()).is_relative_to(tmp_path)
     assert len(made) == 2  # neither model existed there: both were built under the new root
 
 
