@@ -29,15 +29,18 @@ check-packaging: install-runtime
 # The slowest tests stay in view: CI prints them, against its 45-minute budget.
 PYTEST_ARGS ?= -q -ra --durations=30
 # The newest jax runs what depends on the jax version: the kernels and their lowering, the models' layers and
-# matmul backends, sharding, several processes, the jitted step and sampler, the compilation cache and the
-# engine end to end. The rest (HTTP, scheduling, parsing, deployment, docs) is the same Python on both.
+# matmul backends, sharding (the core tensor-parallel cases), several processes, the jitted step and sampler,
+# the compilation cache and the backends end to end. The rest (HTTP, scheduling, parsing, deployment, docs, the
+# per-family tensor-parallel runs) is the same Python on both.
+TP := tests/paged/test_tensor_parallel.py
 JAX_VERSION_TESTS := tests/pallas_kernels tests/models/test_linear.py tests/models/test_layers.py \
 	tests/models/test_moe.py tests/models/test_attention_registry.py tests/paged/test_runner.py \
-	tests/paged/test_sampler.py tests/paged/test_tensor_parallel.py tests/paged/test_multihost.py \
-	tests/paged/test_pallas_backend.py tests/paged/test_kv_cache_dtype.py tests/paged/test_compilation_cache.py \
-	tests/paged/test_testing.py tests/paged/test_engine.py tests/paged/test_async_scheduling.py \
+	tests/paged/test_sampler.py tests/paged/test_multihost.py tests/paged/test_pallas_backend.py \
+	tests/paged/test_kv_cache_dtype.py tests/paged/test_compilation_cache.py tests/paged/test_testing.py \
+	$(TP)::test_tensor_parallel_gives_the_tokens_of_one_device $(TP)::test_fewer_kv_heads_than_devices_replicates_them \
+	$(TP)::test_bfloat16_pool_writes_per_shard_match_xla $(TP)::test_an_fp8_pool_splits_over_its_kv_heads \
 	tests/benchmarks/test_gpu_check.py tests/benchmarks/test_kernels_benchmark.py \
-	tests/benchmarks/test_tpu_first_run.py tests/serving/test_data_parallel.py
+	tests/benchmarks/test_tpu_first_run.py
 
 test311: install
 	.venv/bin/python -m pytest $(PYTEST_ARGS)
