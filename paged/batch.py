@@ -16,8 +16,8 @@ import numpy as np
 
 from paged.models.attention import AttentionMetadata
 from paged.block_manager import SINK_BLOCK, BlockManager
-from paged.request import PLACEHOLDER
-from paged.sampler import SamplingMetadata
+from paged.request import PLACEHOLDER, Request
+from paged.sampler import PROMPT_LOGPROBS_CHUNK, SamplingMetadata
 from paged.sampling_params import MIN_LOGIT_ADJUSTMENTS
 from paged.scheduler import ScheduledBatch
 
@@ -65,25 +65,69 @@ class StepInputs:
     attention: AttentionMetadata
     logits_indices: np.ndarray  # int32 [S]
     sampling: SamplingMetadata
+    # int32 [P]: packed tokens whose logits give prompt logprobs, and int32 [P]: the prompt token each one
+    # predicts. P is 0 when no row asks for prompt logprobs (the shape every other step keeps), else the
+    # token bucket T rounded up to whole PROMPT_LOGPROBS_CHUNKs (one more compiled shape per bucket).
+    prompt_logprob_indices: np.ndarray
+    prompt_logprob_targets: np.ndarray
 
 
-def prepare_inputs(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets) -> StepInputs:
+@dataclasses.dataclass(frozen=True)
+class PromptLogprobSpan:
+    """`count` of a step's prompt-logprob rows, from row `offset`: the logprobs of `request`'s prompt tokens
+    `first_position`, `first_position + 1`, ... (each from the logits of the token before it), computed in
+    the step's batch row `row`."""
+
+    request: Request
+    row: int
+    first_position: int
+    count: int
+    offset: int
+
+
+def prompt_logprob_spans(batch: ScheduledBatch) -> list[PromptLogprobSpan]:
+    """The prompt logprobs `batch` computes: for each row asking for them, the prompt positions of its chunk
+    whose logprob is still missing. Read before the launch advances the rows' computed tokens."""
+    spans, offset = [], 0
+    for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
+        if request.prompt_logprobs is None:
+            continue
+        start = request.num_computed_tokens
+        # The logits at position q give token q + 1's logprob; entries already held (before a preemption
+        # recomputed the prompt) are not computed again.
+        first = max(start + 1, len(request.prompt_logprobs))
+        last = min(start + num_new, request.num_prompt_tokens - 1)
+        if first <= last:
+            spans.append(PromptLogprobSpan(request, row, first, last - first + 1, offset))
+            offset += last - first + 1
+    return spans
+
+
+def prepare_inputs(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets,
+                   spans: list[PromptLogprobSpan] | None = None) -> StepInputs:
+    """`spans`: `prompt_logprob_spans(batch)`, when the caller needs them too (computed here otherwise)."""
     num_tokens = batch.total_tokens
     t_pad = buckets.tokens(num_tokens)
     s_pad = buckets.seqs(t_pad)
     num_seqs = len(batch.requests)
     assert num_tokens <= t_pad and num_seqs <= s_pad, (num_tokens, t_pad, num_seqs, s_pad)
-    return _fill(batch, block_manager, buckets, t_pad, s_pad)
+    spans = prompt_logprob_spans(batch) if spans is None else spans
+    return _fill(batch, block_manager, buckets, t_pad, s_pad, spans)
 
 
 def padding_inputs(block_manager: BlockManager, buckets: Buckets, t_pad: int) -> StepInputs:
     """An all-padding step of shape (T, S): it touches only the sink block. Used to compile ahead."""
     empty = ScheduledBatch([], [], [])
-    return _fill(empty, block_manager, buckets, t_pad, buckets.seqs(t_pad))
+    return _fill(empty, block_manager, buckets, t_pad, buckets.seqs(t_pad), [])
+
+
+def prompt_logprob_rows(t_pad: int) -> int:
+    """P for a step of token bucket T that computes prompt logprobs."""
+    return t_pad if t_pad <= PROMPT_LOGPROBS_CHUNK else -(-t_pad // PROMPT_LOGPROBS_CHUNK) * PROMPT_LOGPROBS_CHUNK
 
 
 def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, t_pad: int,
-          s_pad: int) -> StepInputs:
+          s_pad: int, spans: list[PromptLogprobSpan]) -> StepInputs:
     num_seqs = len(batch.requests)
     token_ids = np.zeros(t_pad, np.int32)
     token_source = np.full(t_pad, -1, np.int32)
@@ -112,8 +156,10 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     constrained_rows = []  # (row, grammar) of rows whose sample is the next token of a constrained output
 
     offset = 0
+    row_offsets = []
     for i, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
         start, stop = request.num_computed_tokens, request.num_computed_tokens + num_new
+        row_offsets.append(offset)
         token_ids[offset:offset + num_new] = request.token_ids[start:stop]
         if request.token_ids[stop - 1] == PLACEHOLDER:  # only the last token can still be in flight
             token_ids[offset + num_new - 1] = 0
@@ -169,6 +215,16 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     for i, grammar in constrained_rows:
         grammar.fill_bitmask(allowed_tokens[i])
     page_tables = np.where(has_row[:, None], block_manager.page_table[rows], SINK_BLOCK).astype(np.int32)
+    num_prompt_rows = prompt_logprob_rows(t_pad) if spans else 0
+    prompt_indices = np.zeros(num_prompt_rows, np.int32)
+    prompt_targets = np.zeros(num_prompt_rows, np.int32)
+    for span in spans:
+        request, rows_of_span = span.request, slice(span.offset, span.offset + span.count)
+        # Position q sits at packed index row_offset + (q - num_computed_tokens); it predicts token q + 1.
+        first_q = span.first_position - 1
+        prompt_indices[rows_of_span] = (row_offsets[span.row] + first_q - request.num_computed_tokens
+                                        + np.arange(span.count))
+        prompt_targets[rows_of_span] = request.prompt_token_ids[span.first_position:span.first_position + span.count]
     return StepInputs(
         token_ids=token_ids,
         token_source=token_source,
@@ -183,6 +239,8 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
                                   repetition_penalty=repetition, penalty_ids=penalty_ids,
                                   penalty_counts=penalty_counts, wants_logprobs=wants_logprobs,
                                   allowed_tokens=allowed_tokens),
+        prompt_logprob_indices=prompt_indices,
+        prompt_logprob_targets=prompt_targets,
     )
 
 

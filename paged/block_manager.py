@@ -168,9 +168,10 @@ class BlockManager:
     def match_prefix(self, request: Request) -> int:
         """Shares the longest cached prefix of a request that holds no blocks; returns tokens covered.
 
-        At least one token is always left to compute: the step needs it to produce logits.
+        At least one token is always left to compute: the step needs it to produce logits. A request still
+        missing prompt logprobs computes its whole prompt (as vLLM does): cached blocks hold no logits.
         """
-        if not self.enable_prefix_caching or request.block_ids:
+        if not self.enable_prefix_caching or request.block_ids or request.missing_prompt_logprobs:
             return 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []

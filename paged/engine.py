@@ -13,7 +13,7 @@ from typing import NoReturn
 import jax
 
 from paged import compilation_cache, multihost, startup
-from paged.batch import Buckets, prepare_inputs
+from paged.batch import Buckets, PromptLogprobSpan, prepare_inputs, prompt_logprob_spans
 from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.config import EngineConfig, engine_option_names
 from paged.grammar import GrammarCompiler
@@ -219,7 +219,8 @@ class LLMEngine:
         """Prepares and launches `batch`; advances each request's computed tokens, and gives each request
         whose sample is a real next token a PLACEHOLDER for it (filled by _postprocess)."""
         self.num_computed_prompt_tokens += sum(batch.prompt_tokens_per_row())
-        inputs = prepare_inputs(batch, self.block_manager, self.buckets)
+        spans = prompt_logprob_spans(batch)
+        inputs = prepare_inputs(batch, self.block_manager, self.buckets, spans)
         out, tokens = self.worker.launch(inputs, previous.tokens if previous is not None else None)
         token_index = []
         reads_back = False
@@ -232,13 +233,13 @@ class LLMEngine:
             request.token_ids.append(PLACEHOLDER)
             request.placeholder_row = row
             reads_back = reads_back or request.params.has_penalties or request.grammar is not None
-        return _InFlight(batch, token_index, out, tokens, reads_back)
+        return _InFlight(batch, token_index, out, tokens, reads_back, spans)
 
     def _postprocess(self, flight: "_InFlight") -> list[RequestOutput]:
         t0 = time.perf_counter()
         sampled = self.worker.fetch(flight.out)  # waits for the device: only token ids come back
         t1 = time.perf_counter()
-        processed = self.outputs.process(flight.batch, flight.token_index, sampled)
+        processed = self.outputs.process(flight.batch, flight.token_index, sampled, flight.prompt_spans)
         self.worker.copy_blocks(processed.block_copies)  # before a freed source block can be reused
         for output in processed.outputs:
             if output.finished:
@@ -346,6 +347,7 @@ class _InFlight:
     out: SamplerOutput
     tokens: jax.Array  # int32 [max_num_seqs]: the samples, for the next step to read on the device
     reads_back: bool  # a request with penalties or a grammar has a token in flight: read it before scheduling
+    prompt_spans: list[PromptLogprobSpan]  # where the step's prompt logprobs go
     record: StepRecord | None = None  # its entry in the engine trace, while one is recorded
     trace_origin: float = 0.0  # that trace's time zero (perf_counter)
 

@@ -8,11 +8,12 @@ import dataclasses
 import logging
 import time
 
+from paged.batch import PromptLogprobSpan
 from paged.block_manager import BlockManager
 from paged.detokenizer import find_stop_string
 from paged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from paged.request import ParentRequest, Request, RequestStatus
-from paged.sampler import SamplerOutput
+from paged.sampler import PromptLogprobs, SamplerOutput
 from paged.scheduler import ScheduledBatch, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -38,11 +39,16 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.release_window = release_window
 
-    def process(self, batch: ScheduledBatch, token_index: list[int], sampled: SamplerOutput) -> ProcessedStep:
+    def process(self, batch: ScheduledBatch, token_index: list[int], sampled: SamplerOutput,
+                prompt_spans: list[PromptLogprobSpan] = ()) -> ProcessedStep:
         """`token_index[row]`: where row's sample goes in its request's token_ids (-1 for a prefill chunk,
-        whose sample is not a real next token); `sampled`: the step's samples as host arrays."""
+        whose sample is not a real next token); `sampled`: the step's samples as host arrays;
+        `prompt_spans`: which of its prompt-logprob rows belong to which request (paged/batch.py)."""
         touched: dict[str, ParentRequest] = {}
         copies = []
+        for span in prompt_spans:
+            if not span.request.finished:
+                self._record_prompt_logprobs(span, sampled.prompt)
         for i, (request, index) in enumerate(zip(batch.requests, token_index)):
             if request.finished:
                 continue  # stopped or aborted while this step ran: its row is discarded
@@ -75,6 +81,27 @@ class OutputProcessor:
             entry.setdefault(int(tid), Logprob(float(lp), rank, self._decode_one(int(tid))))
         request.logprobs.append(entry)
         request.cumulative_logprob += logprob
+
+    def _record_prompt_logprobs(self, span: PromptLogprobSpan, computed: PromptLogprobs) -> None:
+        request = span.request
+        entries, top = request.prompt_logprobs, request.params.prompt_logprobs
+        rows = slice(span.offset, span.offset + span.count)
+        token_logprobs, ranks = computed.token_logprobs[rows].tolist(), computed.token_ranks[rows].tolist()
+        top_ids, top_logprobs = computed.top_ids[rows, :top].tolist(), computed.top_logprobs[rows, :top].tolist()
+        targets = request.prompt_token_ids[span.first_position:span.first_position + span.count]
+        decoded = self._decode_many({*targets, *(t for ids in top_ids for t in ids)})
+        for j, position in enumerate(range(span.first_position, span.first_position + span.count)):
+            if position != len(entries):
+                continue  # held from before a preemption made the prompt run again
+            entry = {targets[j]: Logprob(token_logprobs[j], ranks[j], decoded.get(targets[j]))}
+            for rank, (tid, lp) in enumerate(zip(top_ids[j], top_logprobs[j]), start=1):
+                entry.setdefault(tid, Logprob(lp, rank, decoded.get(tid)))
+            entries.append(entry)
+
+    def _decode_many(self, tokens: set[int]) -> dict[int, str]:
+        if self.tokenizer is None:
+            return {}
+        return dict(zip(tokens, self.tokenizer.batch_decode([[t] for t in tokens])))
 
     def _decode_one(self, token: int) -> str | None:
         return self.tokenizer.decode([token]) if self.tokenizer is not None else None
@@ -134,6 +161,7 @@ def output_of(parent: ParentRequest) -> RequestOutput:
     finished = parent.finished
     metrics = RequestMetrics(leader.arrival_time, leader.first_scheduled_time, leader.first_token_time,
                              time.monotonic() if finished else None)
+    prompt_logprobs = list(leader.prompt_logprobs) if leader.prompt_logprobs is not None else None
     return RequestOutput(request_id=parent.request_id, prompt=leader.prompt, prompt_token_ids=leader.prompt_token_ids,
                          outputs=completions, finished=finished, num_cached_tokens=leader.num_cached_tokens or 0,
-                         metrics=metrics)
+                         metrics=metrics, prompt_logprobs=prompt_logprobs)

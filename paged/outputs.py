@@ -47,3 +47,6 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: RequestMetrics | None = None
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
+    # {token id: Logprob} holding that token and the top prompt_logprobs (vLLM's layout).
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -69,6 +69,10 @@ class Request:
         self.text = ""
         self.logprobs: list | None = [] if params.logprobs is not None else None
         self.cumulative_logprob: float | None = 0.0 if params.logprobs is not None else None
+        # Per prompt position: None for the first token (nothing predicts it), then {token id: Logprob} of the
+        # prompt's token and the top prompt_logprobs. Filled in order as the prompt is computed; the leader
+        # of an n > 1 request holds them for all its samples.
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None and index == 0 else None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -94,6 +98,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
+
+    @property
+    def missing_prompt_logprobs(self) -> bool:
+        """Whether some prompt logprob it asked for is still to be computed (its prompt cannot then come from
+        the prefix cache, which keeps K/V but no logits)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     def drop_placeholders(self) -> None:
         """Removes tokens still in flight from the end (a finished request keeps only what it produced)."""

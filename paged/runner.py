@@ -14,7 +14,8 @@ from paged.kernels import cpu
 from paged.batch import StepInputs
 from paged.multihost import CopyBlocks, Launch
 from paged.parallel import kv_pool_sharding, placement
-from paged.sampler import SamplerOutput, first_argmax, sample
+from paged.models.linear import LastHidden
+from paged.sampler import SamplerOutput, first_argmax, prompt_logprobs, sample
 
 
 def kv_block_bytes(model_config, block_size: int, dtype) -> int:
@@ -71,10 +72,20 @@ class ModelRunner:
         source = inputs.token_source
         token_ids = jnp.where(source >= 0, previous_tokens[jnp.maximum(source, 0)], inputs.token_ids)
         # The LM head runs inside the sampler's branches: a plain-greedy step may take greedy_head's tokens.
-        last, kv_cache = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention,
-                                                  inputs.logits_indices, self.attention)
+        num_prompt_rows = inputs.prompt_logprob_indices.shape[0]  # static: 0 unless a row wants them
+        indices = inputs.logits_indices
+        if num_prompt_rows:  # the prompt positions' hidden states come out of the same final norm
+            indices = jnp.concatenate([indices, inputs.prompt_logprob_indices])
+        last, kv_cache = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention, indices,
+                                                  self.attention)
+        num_seqs = inputs.logits_indices.shape[0]
+        prompt_hidden, last = last.h[num_seqs:], LastHidden(last.h[:num_seqs], last.live_rows)
         out = sample(lambda: self.model.logits(params, last), inputs.sampling, self.argmax,
                      self.model.greedy_head(params, last))
+        if num_prompt_rows:
+            head = lambda h: self.model.logits(params, LastHidden(h, jnp.int32(h.shape[0])))
+            out = dataclasses.replace(out, prompt=prompt_logprobs(head, prompt_hidden,
+                                                                  inputs.prompt_logprob_targets))
         return kv_cache, out, self.no_tokens.at[:out.tokens.shape[0]].set(out.tokens)
 
     def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None = None

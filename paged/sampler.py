@@ -65,15 +65,30 @@ class SamplingMetadata:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens, one row per position the step's `prompt_logprob_indices` picks (P rows):
+    token_logprobs float32 [P] and token_ranks int32 [P] of the prompt's actual next token; top_ids int32
+    [P, MAX_LOGPROBS] and top_logprobs float32 [P, MAX_LOGPROBS]."""
+
+    token_logprobs: jax.Array
+    token_ranks: jax.Array
+    top_ids: jax.Array
+    top_logprobs: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class SamplerOutput:
     """tokens int32 [S]; token_logprobs float32 [S] and token_ranks int32 [S] of the sampled tokens;
-    top_ids int32 [S, MAX_LOGPROBS] and top_logprobs float32 [S, MAX_LOGPROBS] (zeros unless requested)."""
+    top_ids int32 [S, MAX_LOGPROBS] and top_logprobs float32 [S, MAX_LOGPROBS] (zeros unless requested);
+    prompt: the step's prompt logprobs, None when no row asked for them."""
 
     tokens: jax.Array
     token_logprobs: jax.Array
     token_ranks: jax.Array
     top_ids: jax.Array
     top_logprobs: jax.Array
+    prompt: PromptLogprobs | None = None
 
 
 def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
@@ -129,6 +144,34 @@ def _logprobs(raw_logits: jax.Array, tokens: jax.Array):
     top_logp, top_ids = jax.lax.top_k(logp, k)
     pad = ((0, 0), (0, MAX_LOGPROBS - k))
     return token_logp, ranks, jnp.pad(top_ids.astype(jnp.int32), pad), jnp.pad(top_logp, pad)
+
+
+# Prompt positions whose logits exist at once: a long prompt's logprobs never hold [prompt_len, V] float32.
+PROMPT_LOGPROBS_CHUNK = 128
+
+
+def prompt_logprobs(logits: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array) -> PromptLogprobs:
+    """Raw-distribution logprobs of each prompt position's next token, as vLLM's prompt_logprobs.
+
+    Args:
+      logits: hidden rows [C, H] -> float32 logits [C, V] (the model's LM head).
+      hidden: [P, H] final-normed hidden states of the positions; P is a multiple of PROMPT_LOGPROBS_CHUNK
+        or at most one chunk.
+      targets: int32 [P]; the prompt token that follows each position.
+    """
+    num = hidden.shape[0]
+    chunk = min(num, PROMPT_LOGPROBS_CHUNK)
+    if num % chunk:
+        raise ValueError(f"prompt logprob rows ({num}) must be a multiple of {chunk}")
+
+    def one_chunk(args):
+        h, tokens = args
+        return _logprobs(logits(h), tokens)
+
+    chunks = (hidden.reshape(num // chunk, chunk, -1), targets.reshape(num // chunk, chunk))
+    token_logp, ranks, top_ids, top_logp = jax.lax.map(one_chunk, chunks)
+    return PromptLogprobs(token_logp.reshape(num), ranks.reshape(num), top_ids.reshape(num, MAX_LOGPROBS),
+                          top_logp.reshape(num, MAX_LOGPROBS))
 
 
 def first_argmax(x: jax.Array, chunk: int = 128) -> jax.Array:

@@ -132,8 +132,10 @@ class SamplingParams:
               f"{type(self.structured_outputs).__name__}")
         if self.structured_outputs is not None:
             self.structured_outputs.validate()
-        if self.prompt_logprobs is not None:
-            raise NotImplementedError("prompt_logprobs is not implemented yet")
+        check(self.prompt_logprobs is None
+              or (isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
+                  and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+              f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raises InvalidTokenIds if stop_token_ids or logit_bias name ids outside [0, vocab_size)."""
