@@ -21,9 +21,9 @@ from paged.serving.completions import completions
 from paged.serving.errors import APIError, error_response
 from paged.serving.metrics import EngineMetrics
 from paged.serving.protocol import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ErrorResponse,
-                                    ModelList, TokenizeResponse)
+                                    ModelCard, ModelList, TokenizeResponse)
 from paged.serving.replicas import ReplicatedEngine
-from paged.serving.server_info import health, models, prometheus_metrics
+from paged.serving.server_info import health, model, models, prometheus_metrics, version
 from paged.serving.state import ServerLimits, ServerState, key_name
 from paged.serving.tokenization import detokenize, tokenize
 
@@ -55,7 +55,10 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
     """Starlette's own errors (unknown route 404, wrong method 405 with its Allow header, an unreadable body
     400, a body over the limit 413) in OpenAI's shape."""
     _count_refused(request, "invalid")
-    response = error_response(APIError(exc.status_code, str(exc.detail)))
+    message = str(exc.detail)
+    if exc.status_code == 404 and message == "Not Found":  # no route: say so (a model's 404 says which model)
+        message = f"the route {request.method} {request.url.path} does not exist on this server"[:500]
+    response = error_response(APIError(exc.status_code, message, code="not_found" if exc.status_code == 404 else None))
     response.headers.update(exc.headers or {})
     return response
 
@@ -95,7 +98,7 @@ class BodyLimit:
 
 
 # Routes open without a key: probes and scrapers (a load balancer's health check, Prometheus) carry none.
-OPEN_ROUTES = ("/health", "/metrics", "/openapi.json")
+OPEN_ROUTES = ("/health", "/metrics", "/openapi.json", "/version")
 GENERATION_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
 
 
@@ -144,6 +147,8 @@ ROUTES = [
     ("/v1/chat/completions", chat_completions, ["POST"],
      {"model": ChatCompletionResponse, "content": _SSE, "description": "the completion (a stream with stream=true)"}),
     ("/v1/models", models, ["GET"], {"model": ModelList, "description": "the served model"}),
+    ("/v1/models/{model}", model, ["GET"], {"model": ModelCard, "description": "the served model"}),
+    ("/version", version, ["GET"], {"description": "the server's version: {\"version\": \"...\"}"}),
     ("/health", health, ["GET", "HEAD"], {"description": "the engine runs (no body)"}),
     ("/tokenize", tokenize, ["POST"], {"model": TokenizeResponse, "description": "token ids"}),
     ("/detokenize", detokenize, ["POST"], {"model": DetokenizeResponse, "description": "text"}),

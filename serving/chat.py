@@ -10,11 +10,11 @@ from fastapi import Request
 
 from paged import SamplingParams
 from paged.serving.errors import APIError
-from paged.serving.generation import (admit, chat_token_ids, check_model, compile_constraint, constraint_field,
-                                      counted, refuse_unimplemented, run_to_completion, sampling_params, submit_all,
-                                      usage)
-from paged.serving.logprobs import chat_logprobs
-from paged.serving.protocol import ChatCompletionRequest, message_dicts
+from paged.serving.generation import (admit, chat_token_ids, check_model, check_options, check_room,
+                                      compile_constraint, constraint_field, counted, refuse_unimplemented,
+                                      run_to_completion, sampling_params, submit_all, usage)
+from paged.serving.logprobs import chat_logprobs, prompt_logprobs_json
+from paged.serving.protocol import ChatCompletionRequest, message_dicts, non_text_part
 from paged.serving.sse import EventStream, StreamedChoices, merged, sse
 from paged.serving.state import ServerState, State, key_name
 from paged.serving.tool_calls import (PARSERS, ToolCallStream, constrained_calls, functions_of, tool_choice_mode,
@@ -75,8 +75,13 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     refuse_unimplemented(body)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
+    check_options(state, body, body.top_logprobs, "top_logprobs")
+    if (part := non_text_part(body.messages)) is not None:
+        raise APIError(400, f"{state.served_model_name} is not a multimodal model: it reads text only, and a "
+                            f"message holds a {part!r} content part", param="messages")
     max_tokens = body.max_completion_tokens or body.max_tokens
-    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None)
+    params = sampling_params(body, max_tokens, (body.top_logprobs or 0) if body.logprobs else None,
+                             body.prompt_logprobs)
     user_constraint = params.structured_outputs is not None
     tools = tool_setup(state, body, params)
     await compile_constraint(state, params, constraint_field(body) if user_constraint else "tools")
@@ -84,6 +89,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     ids = await chat_token_ids(state, message_dicts(body.messages), body.chat_template, body.add_generation_prompt,
                                tools.tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    check_room(state, [(None, ids)], max_tokens,
+               "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     admit(state, raw, len(ids))
     try:
         streams = await submit_all(state, [(None, ids)], params, request_id, key_name(raw))
@@ -100,8 +107,11 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
             choices.append({"index": c.index, "message": message,
                             "logprobs": chat_logprobs(c, 0, len(c.token_ids), k) if body.logprobs else None,
                             "finish_reason": finish_reason, "stop_reason": c.stop_reason})
-        return {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                "model": served_model_name, "choices": choices, "usage": usage([output])}
+        response = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                    "model": served_model_name, "choices": choices, "usage": usage([output])}
+        if body.prompt_logprobs is not None:
+            response["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+        return response
 
     async def events():
         tracker = StreamedChoices(params)

@@ -101,6 +101,7 @@ def _serve(args: argparse.Namespace) -> int:
     from paged.serving.metrics import EngineMetrics
     from paged.serving.app import build_app
     from paged.serving.state import ServerLimits
+    from paged.sampling_params import MAX_LOGPROBS
     from paged import multihost
     from paged.serving.replicas import ReplicatedEngine
 
@@ -108,6 +109,9 @@ def _serve(args: argparse.Namespace) -> int:
     check_vllm_flags(args)
     if args.precompile and args.enforce_eager:
         raise ValueError("--precompile and --enforce-eager contradict each other (serve precompiles by default)")
+    if not 0 <= args.max_logprobs <= MAX_LOGPROBS:
+        raise ValueError(f"--max-logprobs must be in [0, {MAX_LOGPROBS}] (the top logprobs the step computes), "
+                         f"got {args.max_logprobs}")
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (" + ", ".join(TOOL_CALL_PARSERS) + ")")
     model = _model(args)
@@ -138,7 +142,8 @@ def _serve(args: argparse.Namespace) -> int:
                                     on_death=on_engine_death))
     async_engine = replicas[0] if len(replicas) == 1 else ReplicatedEngine(replicas)
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
-                          allow_request_chat_template=args.trust_request_chat_template)
+                          allow_request_chat_template=args.trust_request_chat_template,
+                          max_logprobs=args.max_logprobs)
     app = build_app(async_engine, name, metrics, api_keys=api_keys, model_path=model, limits=limits,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to the grace period,
@@ -209,6 +214,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="let the model decide when to call tools (tool_choice auto); needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="how tool calls are found in the text of tool_choice=auto outputs")
+    serve.add_argument("--max-logprobs", type=int, default=20,
+                       help="top logprobs a request may ask for per token (logprobs, top_logprobs, "
+                            "prompt_logprobs; at most 20)")
     serve.add_argument("--precompile", action="store_true",
                        help="compile every step shape before serving (the default; --enforce-eager turns it off)")
     serve.add_argument("--shutdown-grace-s", type=int, default=30)

@@ -79,11 +79,40 @@ def refuse_unimplemented(body) -> None:
                        code="unsupported_parameter")
 
 
-def sampling_params(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def check_options(state: ServerState, body, logprobs: int | None, logprobs_field: str) -> None:
+    """vLLM's 400s for options both routes share: stream_options without stream, logprobs over the server's
+    --max-logprobs, prompt logprobs on a stream (they would arrive only after the whole prompt anyway)."""
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "Stream options can only be defined when `stream=True`.", param="stream_options")
+    limit = state.limits.max_logprobs
+    for field, kind, value in ((logprobs_field, "sample", logprobs), ("prompt_logprobs", "prompt", body.prompt_logprobs)):
+        if value is not None and value > limit:
+            raise APIError(400, f"Requested {kind} logprobs of {value}, which is greater than max allowed: {limit}",
+                           param=field)
+    if body.prompt_logprobs and body.stream:
+        raise APIError(400, "`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+
+
+def check_room(state: ServerState, prompts: list[tuple[str | None, list[int]]], max_tokens: int | None,
+               field: str) -> None:
+    """A 400 naming `field` when a prompt leaves less room in max_model_len than max_tokens asks for (a prompt
+    that does not fit at all is refused by the engine, naming the prompt)."""
+    if max_tokens is None:
+        return
+    longest = max(len(ids) for _, ids in prompts)
+    limit = state.max_model_len
+    if longest < limit < longest + max_tokens:
+        raise APIError(400, f"This model's maximum context length is {limit} tokens (max_model_len). However, you "
+                            f"requested {longest + max_tokens} tokens ({longest} in the prompt, {max_tokens} for "
+                            f"the completion). Please reduce the length of the prompt or {field}.", param=field)
+
+
+def sampling_params(body, max_tokens: int | None, logprobs: int | None,
+                    prompt_logprobs: int | None = None) -> SamplingParams:
     """The body's SamplingParams; what depends on the model (n against max_num_seqs, token ids against the
     vocabulary) the engine checks when the request is submitted (an InvalidParameter naming the field)."""
     try:
-        return body.sampling_params(max_tokens, logprobs)
+        return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except InvalidStructuredOutput as exc:
         raise APIError(400, str(exc), param=exc.field.split(".")[0])
     except ValueError as exc:

@@ -50,18 +50,19 @@ class _Request(BaseModel):
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: the top k logprobs of each prompt token (bounded by the server's --max-logprobs).
+    prompt_logprobs: int | None = Field(default=None, ge=0)
     # Fields that change what a request means and are not implemented yet: accepted by the schema so that
     # they get a 400 naming them (`unimplemented_field`), never silently ignored.
     functions: list[Any] | None = None
     function_call: str | dict[str, Any] | None = None
-    prompt_logprobs: int | None = None
 
     def unimplemented_field(self) -> str | None:
         """The first field set to something this server does not implement (None: all is served as asked).
 
         Tools are served on /v1/chat/completions only.
         """
-        for name in ("functions", "function_call", "prompt_logprobs"):
+        for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
                 return name
         return None
@@ -69,7 +70,8 @@ class _Request(BaseModel):
     def include_usage_in_stream(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         return SamplingParams(
             n=self.n, temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
@@ -77,8 +79,8 @@ class _Request(BaseModel):
             ignore_eos=self.ignore_eos, max_tokens=max_tokens, min_tokens=self.min_tokens,
             skip_special_tokens=self.skip_special_tokens, include_stop_str_in_output=self.include_stop_str_in_output,
             presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-            repetition_penalty=self.repetition_penalty or 1.0, logprobs=logprobs, logit_bias=self._logit_bias(),
-            structured_outputs=self.structured_outputs_params())
+            repetition_penalty=self.repetition_penalty or 1.0, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+            logit_bias=self._logit_bias(), structured_outputs=self.structured_outputs_params())
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """The constraint of response_format or structured_outputs (InvalidStructuredOutput naming the
@@ -128,8 +130,8 @@ def response_format_params(response_format: dict[str, Any] | None) -> Structured
 
 class CompletionRequest(_Request):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    max_tokens: int | None = Field(default=16, ge=0)  # 0 only with echo: the prompt's logprobs alone (vLLM's)
+    logprobs: int | None = Field(default=None, ge=0)  # up to the server's --max-logprobs
     echo: bool = False
     best_of: int | None = None
     suffix: str | None = None
@@ -158,7 +160,7 @@ class ChatCompletionRequest(_Request):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    top_logprobs: int | None = Field(default=None, ge=0)  # up to the server's --max-logprobs
     add_generation_prompt: bool = True
     chat_template: str | None = None
 
@@ -180,13 +182,25 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int]
 
 
+def non_text_part(messages: list[ChatMessage]) -> str | None:
+    """The type of the first content part that is not text (an image, audio, a file), or None."""
+    for message in messages:
+        for part in message.content if isinstance(message.content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("text", "input_text"):
+                return str(kind)
+    return None
+
+
 def message_dicts(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages for the chat template; list-of-parts content is flattened to its text parts."""
+    """Messages for the chat template; list-of-parts content is flattened to its text parts (anything else
+    is refused first: `non_text_part`)."""
     out = []
     for message in messages:
         item = message.model_dump(exclude_none=True)
         if isinstance(message.content, list):
-            item["content"] = "".join(part.get("text", "") for part in message.content if part.get("type") == "text")
+            item["content"] = "".join(part.get("text", "") for part in message.content
+                                      if part.get("type") in ("text", "input_text"))
         if isinstance(item.get("tool_calls"), list):  # templates index the arguments: JSON text -> an object
             item["tool_calls"] = [_with_parsed_arguments(call) for call in item["tool_calls"]]
         out.append(item)
@@ -232,8 +246,13 @@ class _Choice(BaseModel):
     stop_reason: int | str | None = None
 
 
+# vLLM's prompt_logprobs: null for the first prompt token, then {token id: {logprob, rank, decoded_token}}.
+PromptLogprobs = list[dict[str, dict[str, Any]] | None] | None
+
+
 class CompletionChoice(_Choice):
     text: str
+    prompt_logprobs: PromptLogprobs = None
 
 
 class _Completion(BaseModel):
@@ -268,6 +287,7 @@ class ChatCompletionResponse(_Completion):
 
     object: Literal["chat.completion"]
     choices: list[ChatChoice]
+    prompt_logprobs: PromptLogprobs = None
 
 
 class ModelCard(BaseModel):
@@ -276,6 +296,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str
     root: str
+    parent: str | None = None
     max_model_len: int
 
 

@@ -8,15 +8,31 @@ from fastapi.responses import Response
 
 from paged.serving.async_engine import EngineDeadError
 from paged.serving.errors import APIError, error_response
+from paged.serving.generation import check_model
 from paged.serving.state import State
+
+
+def _card(state) -> dict:
+    name = state.served_model_name
+    return {"id": name, "object": "model", "created": state.created, "owned_by": "paged",
+            "root": state.model_path or name, "parent": None, "max_model_len": state.max_model_len}
 
 
 async def models(state: State):
     """GET /v1/models"""
-    name = state.served_model_name
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": state.created,
-                                        "owned_by": "paged", "root": state.model_path or name,
-                                        "max_model_len": state.max_model_len}]}
+    return {"object": "list", "data": [_card(state)]}
+
+
+async def model(model: str, state: State):
+    """GET /v1/models/{model} (the openai client's `models.retrieve`)"""
+    check_model(state, model)
+    return _card(state)
+
+
+async def version():
+    """GET /version"""
+    from paged.serving.cli import _version
+    return {"version": _version()}
 
 
 async def health(state: State):

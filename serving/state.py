@@ -26,6 +26,9 @@ class ServerLimits:
     # A client's own `chat_template` runs Jinja on this server: only when the operator allows it (vLLM keeps
     # this behind a flag too).
     allow_request_chat_template: bool = False
+    # Top logprobs a request may ask for per token (logprobs, top_logprobs, prompt_logprobs), as vLLM's
+    # --max-logprobs; at most paged.sampling_params.MAX_LOGPROBS, the width the step computes.
+    max_logprobs: int = 20
 
 
 @dataclasses.dataclass

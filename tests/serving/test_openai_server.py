@@ -355,10 +355,8 @@ TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "ob
     ("chat", "tool_choice", {"tools": [TOOL]}),  # auto (the default with tools) needs a tool-call parser
     ("chat", "tool_choice", {"tool_choice": "required"}),  # no tools to require
     ("completions", "tools", {"extra_body": {"tools": [TOOL]}}),
-    ("chat", "prompt_logprobs", {"extra_body": {"prompt_logprobs": 1}}),
     ("completions", "suffix", {"suffix": " the end"}),
     ("completions", "best_of", {"best_of": 3}),
-    ("completions", "prompt_logprobs", {"extra_body": {"prompt_logprobs": 0}}),
 ])
 def test_unimplemented_meaning_changing_fields_are_a_400_naming_them(client, route, field, kwargs):
     with pytest.raises(openai.BadRequestError) as caught:
