@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import math
 
 from fastapi import Request
+from fastapi.responses import Response
 
 from paged import InvalidParameter, InvalidStructuredOutput, RequestOutput, SamplingParams
 from paged.chat import chat_prompt_token_ids, text_token_ids
@@ -16,6 +18,12 @@ from paged.serving.async_engine import EngineDeadError, QueueFullError, RequestF
 from paged.serving.errors import APIError, api_error_of, outcome_of
 from paged.serving.sse import EventStream
 from paged.serving.state import ServerState, State, key_name
+
+logger = logging.getLogger("paged.serve")
+
+
+class ClientDisconnected(Exception):
+    """The client of a non-streamed request closed its connection before the reply."""
 
 
 def admit(state: ServerState, raw: Request, prompt_tokens: int) -> None:
@@ -44,6 +52,11 @@ def counted(route: str):
                 if state.metrics is not None else (lambda outcome: None)
             try:
                 response = await handler(body, raw, state)
+            except ClientDisconnected:
+                count("aborted")
+                logger.info("%s %s: the client left before the reply; its requests were aborted", raw.method,
+                            raw.url.path)
+                return Response(status_code=499)  # nginx's "client closed request": nobody reads it
             except APIError as err:
                 count(outcome_of(err))
                 raise
@@ -231,7 +244,9 @@ async def run_to_completion(streams: list[RequestStream], raw: Request) -> list[
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         if not task.done():
-            raise asyncio.CancelledError  # the client left: closing the streams aborts the requests
+            # Its cancellation is expected: retrieve it so asyncio does not report it as lost.
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
+            raise ClientDisconnected  # closing the streams (below) aborts the requests
         return task.result()
     except (EngineDeadError, RequestFailedError) as exc:
         raise api_error_of(exc) from None

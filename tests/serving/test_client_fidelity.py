@@ -5,6 +5,7 @@ vLLM's 400s, /version, models.retrieve and unknown routes."""
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import openai
@@ -172,3 +173,16 @@ def test_version_models_retrieve_and_unknown_routes(server, client):
     response = httpx.post(server.url + "/v1/embeddingz", json={})
     assert response.status_code == 404
     assert "does not exist" in response.json()["error"]["message"]
+
+
+def test_a_client_that_leaves_is_one_info_line(server):
+    """A dropped non-streamed request is aborted with one INFO line in the log, no traceback."""
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server.url + "/v1/completions", timeout=0.3,
+                   json={"model": "tiny", "prompt": "hi", "max_tokens": 120, "n": 8, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while "the client left" not in (log := open(server.log.name).read()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert log.count("the client left before the reply") == 1
+    assert "Traceback" not in log and "ERROR" not in log
+    assert httpx.get(server.url + "/health").status_code == 200

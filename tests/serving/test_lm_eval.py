@@ -5,7 +5,6 @@ item by item against lm-eval's own `hf` model on the same float32 checkpoint."""
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
