@@ -100,6 +100,16 @@ class EngineConfig:
     # tokens. Models trained to write compact JSON lose nothing; random or weak models cannot loop on blanks.
     structured_outputs_disable_any_whitespace: bool = _option(
         False, "JSON constraints allow no whitespace between tokens (requests may also ask for it)")
+    # By default whitespace in constrained JSON is bounded (paged/grammar.py: JSON_WHITESPACE): a small model
+    # given JSON's full freedom fills its output with blanks until max_tokens.
+    structured_outputs_any_whitespace: bool = _option(
+        False, "JSON constraints allow any run of JSON whitespace (default: one space, or a newline and up to 24 "
+               "spaces or tabs of indent, between tokens)")
+    # xgrammar (vLLM's default backend) reads a schema without additionalProperties as closed; JSON Schema
+    # itself as open, which lets a model invent keys pydantic and instructor schemas never declared.
+    structured_outputs_additional_properties: bool = _option(
+        False, "JSON schemas that omit additionalProperties accept keys they do not declare, as JSON Schema "
+               "reads them (default: such objects hold only their declared properties, as vLLM's default backend)")
     quantization: str | None = _option(None, "quantize online (int8 or fp8: weight-only, per output channel) or "
                                              "check the checkpoint's own quantization_config (gptq, awq, "
                                              "compressed-tensors, fp8); default: the checkpoint's")
@@ -147,6 +157,10 @@ class EngineConfig:
               f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         check(self.layer_loop in ("auto", "scan", "unroll"),
               f"layer_loop must be 'auto', 'scan' or 'unroll', got {self.layer_loop!r}")
+        for name in ("structured_outputs_any_whitespace", "structured_outputs_additional_properties"):
+            check(isinstance(getattr(self, name), bool), f"{name} must be True or False, got {getattr(self, name)!r}")
+        check(not (self.structured_outputs_any_whitespace and self.structured_outputs_disable_any_whitespace),
+              "structured_outputs_any_whitespace and structured_outputs_disable_any_whitespace contradict each other")
         check(isinstance(self.structured_outputs_disable_any_whitespace, bool),
               "structured_outputs_disable_any_whitespace must be True or False, got "
               f"{self.structured_outputs_disable_any_whitespace!r}")

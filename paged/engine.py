@@ -75,7 +75,9 @@ class LLMEngine:
         if not eos and self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos = (self.tokenizer.eos_token_id,)
         grammars = (GrammarCompiler(self.tokenizer, self.model_config.vocab_size, eos,
-                                    config.structured_outputs_disable_any_whitespace)
+                                    config.structured_outputs_disable_any_whitespace,
+                                    config.structured_outputs_any_whitespace,
+                                    config.structured_outputs_additional_properties)
                     if self.tokenizer is not None else None)
         self.inputs = InputProcessor(config, self.model_config.vocab_size, self.tokenizer, eos, grammars)
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.max_num_seqs,

@@ -23,21 +23,31 @@ from paged.structured_outputs import InvalidStructuredOutput, StructuredOutputsP
 # Compiled grammars kept (least recently used dropped first): a server sees a few schemas many times.
 CACHE_SIZE = 256
 
+# Whitespace between JSON tokens by default: nothing, one space, or one newline and an indent of up to 24
+# spaces or tabs. That covers compact JSON, json.dumps' ", " / ": " and pretty-printing to 12 levels at
+# indent 2; what it rules out is a run of blanks, which is where small models loop until max_tokens.
+JSON_WHITESPACE = r"(?:\n[ \t]{0,24}| )?"
+
 
 class GrammarCompiler:
     """Compiles constraints for one tokenizer; thread-safe (the server compiles off the engine thread).
 
     vocab_size: the model's logits width; token ids the tokenizer lacks are never allowed.
     eos_token_ids: allowed exactly where the grammar may end.
-    disable_any_whitespace: the default for JSON constraints (a request can only turn it on).
+    disable_any_whitespace: JSON constraints allow no whitespace (a request can also ask for it).
+    any_whitespace: JSON constraints allow any JSON whitespace (default: JSON_WHITESPACE).
+    additional_properties: schemas without additionalProperties stay open to undeclared keys (default: closed).
     """
 
     def __init__(self, tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 disable_any_whitespace: bool = False):
+                 disable_any_whitespace: bool = False, any_whitespace: bool = False,
+                 additional_properties: bool = False):
         self._tokenizer = tokenizer
         self.vocab_size = max(vocab_size, len(tokenizer))
         self._eos_token_ids = list(eos_token_ids)
         self.disable_any_whitespace = disable_any_whitespace
+        self.any_whitespace = any_whitespace
+        self.additional_properties = additional_properties
         self._lock = threading.Lock()
         self._ll_tokenizer = None
         self._cache: collections.OrderedDict[tuple, object] = collections.OrderedDict()
@@ -64,7 +74,7 @@ class GrammarCompiler:
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar of `params` (cached); raises InvalidStructuredOutput naming the field."""
         compact = params.disable_any_whitespace or self.disable_any_whitespace
-        key = (*params.key, compact)
+        key = (*params.key, compact, self.any_whitespace, self.additional_properties)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
@@ -73,7 +83,8 @@ class GrammarCompiler:
         tokenizer = self._tokenizer_for_llguidance()
         start = time.perf_counter()
         field = f"structured_outputs.{params.kind}"
-        grammar = _grammar_text(params, field, compact)
+        whitespace = "none" if compact else "any" if self.any_whitespace else "bounded"
+        grammar = _grammar_text(params, field, whitespace, self.additional_properties)
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidStructuredOutput(field, matcher.get_error())
@@ -117,12 +128,16 @@ class GrammarMatcher:
         return self._matcher.get_error()
 
 
-def _grammar_text(params: StructuredOutputsParams, field: str, compact: bool) -> str:
+def _grammar_text(params: StructuredOutputsParams, field: str, whitespace: str, additional_properties: bool) -> str:
+    """`whitespace`: none, bounded (JSON_WHITESPACE) or any. A schema's own x-guidance options win."""
     import llguidance
-    whitespace = {"whitespace_flexible": not compact}
+    whitespace = {"none": {"whitespace_flexible": False},
+                  "bounded": {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE},
+                  "any": {"whitespace_flexible": True}}[whitespace]
     try:
         if params.json is not None:
-            return llguidance.LLMatcher.grammar_from_json_schema(params.json, defaults=whitespace)
+            schema = params.json if additional_properties else closed_objects(params.json)
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=whitespace)
         if params.json_object:
             return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=whitespace)
         if params.regex is not None:
@@ -132,3 +147,23 @@ def _grammar_text(params: StructuredOutputsParams, field: str, compact: bool) ->
         return llguidance.grammar_from("grammar", params.grammar)  # Lark, or GBNF converted to Lark
     except ValueError as exc:
         raise InvalidStructuredOutput(field, str(exc)) from None
+
+
+def closed_objects(schema):
+    """`schema` with additionalProperties false in every object schema that declares properties and says
+    nothing about others. Members of an allOf are left open: each declares only part of the keys."""
+    def close(node, in_all_of=False):
+        if isinstance(node, list):
+            return [close(item, in_all_of) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {key: close(value, key == "allOf") if key not in ("properties", "patternProperties", "$defs",
+                                                               "definitions") else
+               {name: close(sub) for name, sub in value.items()} if isinstance(value, dict) else value
+               for key, value in node.items()}
+        if (not in_all_of and ("properties" in node or "patternProperties" in node)
+                and "additionalProperties" not in node and "unevaluatedProperties" not in node):
+            out["additionalProperties"] = False
+        return out
+
+    return close(schema)

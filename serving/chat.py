@@ -64,7 +64,8 @@ class ToolSetup:
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [call.as_dict() for call in calls]
-            return message, "tool_calls"
+            # Cut short by max_tokens, the calls are partial: "length" says so.
+            return message, "length" if completion.finish_reason == "length" else "tool_calls"
         return message, completion.finish_reason
 
 
@@ -144,7 +145,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
                     for delta in stream.deltas(c.text, sent + len(text), finished):
                         yield sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                                          "finish_reason": None}], **extra})
-                    if finished and stream.calls:
+                    if finished and stream.calls and finish_reason != "length":
                         finish_reason = "tool_calls"
                 if finished:
                     done.add(c.index)

@@ -81,15 +81,45 @@ def tool_constraint(mode: str, name: str | None, functions: list[dict],
     return StructuredOutputsParams(json=schema)
 
 
-def constrained_calls(mode: str, name: str | None, text: str) -> list[ToolCall] | None:
-    """The calls in a `required` or `named` output (None if it did not complete, e.g. cut by max_tokens)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError:
-        return None
+def constrained_calls(mode: str, name: str | None, text: str) -> list[ToolCall]:
+    """The calls in a `required` or `named` output. Named: the output is the arguments, as generated (what a
+    stream sends too). A `required` list cut short (max_tokens) keeps its complete calls and, as vLLM does,
+    the call it was writing once its name is complete, with the arguments so far."""
     if mode == "named":
-        return [ToolCall(name, json.dumps(value))]
-    return [ToolCall(call["name"], json.dumps(call["parameters"])) for call in value]
+        return [ToolCall(name, text)]
+    calls = []
+    decoder = json.JSONDecoder()
+    position = _skip_blanks(text, 0)
+    if not text.startswith("[", position):
+        return []
+    position += 1
+    while True:
+        position = _skip_blanks(text, position)
+        try:
+            call, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError:
+            partial = _PARTIAL_CALL.match(text, position)
+            if partial is not None:
+                arguments = _PARTIAL_ARGUMENTS.match(partial.group(2))
+                calls.append(ToolCall(json.loads(f'"{partial.group(1)}"'), arguments.group(1).rstrip() if arguments else ""))
+            return calls
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            calls.append(ToolCall(call["name"], json.dumps(call.get("parameters", {}))))
+        position = _skip_blanks(text, position)
+        if not text.startswith(",", position):
+            return calls
+        position += 1
+
+
+# A call of a `required` list that was cut short: its name (complete), then what it had of the arguments.
+_PARTIAL_CALL = re.compile(r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"(.*)\Z', re.DOTALL)
+_PARTIAL_ARGUMENTS = re.compile(r'\s*,\s*"parameters"\s*:\s*(.*)\Z', re.DOTALL)
+
+
+def _skip_blanks(text: str, position: int) -> int:
+    while position < len(text) and text[position] in " \t\n\r":
+        position += 1
+    return position
 
 
 class HermesParser:
@@ -211,9 +241,8 @@ class ToolCallStream:
         if not finished:
             return out
         if self.mode == "required":
-            content, calls = None, constrained_calls("required", None, text) or []
-            if not calls:
-                content = text
+            calls = constrained_calls("required", None, text)
+            content = None if calls else text
         else:
             content, calls = self.parser.parse(text)
         rest = (content or "")[self.sent:] if (content or "").startswith(text[:self.sent]) else ""

@@ -223,3 +223,66 @@ def test_constraints_with_prefix_caching_and_stop_strings(tiny_model_dir):
     completion = stopped.outputs[0]
     assert completion.finish_reason == "stop" and completion.stop_reason == " "
     assert completion.text == first.outputs[0].text.split(" ")[0]
+
+
+BOUNDED = {"type": "object", "required": ["a", "b"],
+           "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}, "b": {"type": "boolean"}}}
+OPEN = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}}
+
+
+def _blank_runs(text: str) -> list[str]:
+    """Runs of whitespace between JSON tokens (strings blanked out first)."""
+    return re.findall(r"\s+", re.sub(r'"(?:[^"\\]|\\.)*"', '""', text))
+
+
+def _json_runs(llm, schema, seeds: int = 12, max_tokens: int = 60):
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens,
+                             structured_outputs=StructuredOutputsParams(json=schema)) for seed in range(seeds)]
+    return [o.outputs[0] for o in llm.generate(["Hello world"] * seeds, params, use_tqdm=False)]
+
+
+def test_json_whitespace_is_bounded_by_default(tiny_llm, tiny_model_dir):
+    """Default: one space, or a newline and an indent, between tokens; every output finishes. With
+    structured_outputs_any_whitespace the same random model runs into blanks."""
+    from paged.grammar import JSON_WHITESPACE
+    outputs = _json_runs(tiny_llm, BOUNDED)
+    assert all(c.finish_reason == "stop" for c in outputs), [c.text for c in outputs]
+    runs = [run for c in outputs for run in _blank_runs(c.text)]
+    assert runs  # whitespace is still allowed
+    assert all(re.fullmatch(JSON_WHITESPACE, run) for run in runs), runs
+    for completion in outputs:
+        jsonschema.validate(json.loads(completion.text), BOUNDED)
+    free = LLM(tiny_model_dir, block_size=8, max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512,
+               structured_outputs_any_whitespace=True, show_progress=False)
+    loose = _json_runs(free, BOUNDED)
+    assert any(c.finish_reason == "length" or not all(re.fullmatch(JSON_WHITESPACE, r) for r in _blank_runs(c.text))
+               for c in loose)
+
+
+def test_objects_hold_only_declared_keys_by_default(tiny_llm, tiny_model_dir):
+    """A schema without additionalProperties (pydantic's, instructor's) generates no keys it does not declare,
+    as vLLM's default backend; structured_outputs_additional_properties reads it as JSON Schema does."""
+    for completion in _json_runs(tiny_llm, OPEN, max_tokens=40):
+        assert completion.finish_reason == "stop"
+        assert set(json.loads(completion.text)) <= {"a"}, completion.text
+    open_llm = LLM(tiny_model_dir, block_size=8, max_num_seqs=16, max_num_batched_tokens=128, max_model_len=512,
+                   structured_outputs_additional_properties=True, structured_outputs_disable_any_whitespace=True,
+                   show_progress=False)
+    texts = [c.text for c in _json_runs(open_llm, OPEN, max_tokens=40)]
+    # The flag restores JSON Schema's open objects: random weights start keys of their own (and run on in them).
+    assert any(t.startswith('{"') and not t.startswith('{"a"') for t in texts), texts
+
+
+def test_closing_objects_leaves_explicit_choices_and_all_of_parts_alone():
+    from paged.grammar import closed_objects
+    schema = {"type": "object", "properties": {"inner": {"type": "object", "properties": {"x": {}}},
+                                               "free": {"type": "object", "properties": {}, "additionalProperties": True}},
+              "allOf": [{"properties": {"p": {}}}, {"properties": {"q": {}}}],
+              "$defs": {"D": {"type": "object", "properties": {"d": {}}}}}
+    closed = closed_objects(schema)
+    assert closed["additionalProperties"] is False
+    assert closed["properties"]["inner"]["additionalProperties"] is False
+    assert closed["properties"]["free"]["additionalProperties"] is True
+    assert all("additionalProperties" not in part for part in closed["allOf"])
+    assert closed["$defs"]["D"]["additionalProperties"] is False
+    assert "additionalProperties" not in schema  # the request's schema is not changed

@@ -55,7 +55,7 @@ def _calls_of_stream(chunks):
 
 
 def _create(client, stream, **kwargs):
-    args = dict(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=1.0, max_tokens=300, **kwargs)
+    args = dict(model="tiny", messages=MESSAGES, tools=TOOLS, temperature=1.0, **{"max_tokens": 300, **kwargs})
     if not stream:
         choice = client.chat.completions.create(**args).choices[0]
         calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
@@ -85,6 +85,42 @@ def test_a_named_function_is_always_called(served, stream):
                                          tool_choice={"type": "function", "function": {"name": "add"}})
         assert reason == "tool_calls" and not content and [c["name"] for c in calls] == ["add"]
         jsonschema.validate(json.loads(calls[0]["arguments"]), ADD)
+
+
+def test_streamed_arguments_equal_the_non_streamed(served):
+    """Seeded sampling gives the same tokens both ways: the arguments are the same text, as generated."""
+    _, client = served
+    for seed in range(3):
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        whole, _, _ = _create(client, False, seed=seed, tool_choice=named)
+        streamed, _, _ = _create(client, True, seed=seed, tool_choice=named)
+        assert [c["arguments"] for c in streamed] == [c["arguments"] for c in whole]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_calls_cut_by_max_tokens_keep_their_partial_arguments(served, stream):
+    """As vLLM does: tool_calls with the arguments generated so far, finish_reason "length"."""
+    _, client = served
+    for seed in range(3):
+        calls, reason, content = _create(client, stream, seed=seed, max_tokens=3,
+                                         tool_choice={"type": "function", "function": {"name": "add"}})
+        assert reason == "length" and not content
+        assert [c["name"] for c in calls] == ["add"] and calls[0]["arguments"].startswith("{")
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(calls[0]["arguments"])
+    calls, reason, _ = _create(client, False, seed=0, max_tokens=30, tool_choice="required")
+    assert reason == "length" and calls and calls[-1]["name"] in SCHEMAS
+
+
+def test_required_lists_cut_short_parse_what_they_have():
+    from paged.serving.tool_calls import constrained_calls
+    text = '[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "get_weather", "parameters": {"city": "Pa'
+    calls = constrained_calls("required", None, text)
+    assert [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1, "b": 2}'),
+                                                      ("get_weather", '{"city": "Pa')]
+    assert constrained_calls("required", None, '[{"name": "ad') == []
+    assert [(c.name, c.arguments) for c in constrained_calls("required", None, '[{"name": "add", ')] == [("add", "")]
+    assert constrained_calls("required", None, "") == []
 
 
 FORMATTED = {
