@@ -1,6 +1,7 @@
 # make demo  - install the runtime only into .venv and generate text with the built-in demo model (offline)
-# make test  - install the pinned test environments and run the suite on Python 3.11 and, where present, its
-#              jax-dependent part (JAX_VERSION_TESTS) on Python >= 3.12 with the newest jax
+# make test  - install the pinned test environments and run the suite on Python 3.11, the third-party clients
+#              in their own environment (tests/clients), and, where present, the jax-dependent part
+#              (JAX_VERSION_TESTS) on Python >= 3.12 with the newest jax
 SHELL := /bin/bash
 PYTHON ?= python3
 # The first interpreter >= 3.12 that actually runs (a pyenv shim may exist for a version that is not active).
@@ -8,7 +9,7 @@ PY312 ?= $(shell for p in $$(ls -d $$HOME/.pyenv/versions/3.12*/bin/python3 2>/d
 	"$$p" -c 'import sys; assert sys.version_info >= (3, 12)' 2>/dev/null && echo "$$p" && break; done)
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: demo test test311 test312 install install-runtime check-packaging
+.PHONY: demo test test311 test312 test-clients install install-runtime install-clients check-packaging
 
 install-runtime:
 	test -x .venv/bin/python || $(PYTHON) -m venv .venv
@@ -43,7 +44,16 @@ JAX_VERSION_TESTS := tests/pallas_kernels tests/models/test_linear.py tests/mode
 	tests/benchmarks/test_tpu_first_run.py
 
 test311: install
-	.venv/bin/python -m pytest $(PYTEST_ARGS)
+	.venv/bin/python -m pytest $(PYTEST_ARGS) --ignore=tests/clients
+
+# Third-party clients (instructor, langchain-openai, litellm, openai's parse helpers) against `paged serve`, in
+# an environment of their own: they pin their dependencies (openai, jiter) apart from the test environment's.
+install-clients:
+	test -x .venv-clients/bin/python || $(PYTHON) -m venv .venv-clients
+	.venv-clients/bin/pip install -q -r requirements/clients.txt -e .
+
+test-clients: install-clients
+	.venv-clients/bin/python -m pytest $(PYTEST_ARGS) tests/clients
 
 test312:
 	@if [ -z "$(PY312)" ]; then echo "no Python >= 3.12 on this machine: skipping the newest-jax run"; exit 0; fi; \
@@ -51,4 +61,4 @@ test312:
 	.venv312/bin/pip install -q -r requirements/test-py312.txt -e .; \
 	.venv312/bin/python -m pytest $(PYTEST_ARGS) $(JAX_VERSION_TESTS)
 
-test: test311 test312
+test: test311 test-clients test312
