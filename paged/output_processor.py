@@ -135,7 +135,7 @@ class OutputProcessor:
         if num_out >= params.min_tokens:
             if token in self.eos_token_ids and not params.ignore_eos:
                 return self.scheduler.finish(request, "stop")
-            if token in params.stop_token_ids:
+            if token in params.stop_token_id_set:
                 return self.scheduler.finish(request, "stop", token)
             if params.stop and delta:
                 match = find_stop_string(request.text, len(delta), params.stop)

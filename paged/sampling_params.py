@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from paged.structured_outputs import StructuredOutputsParams
 
@@ -17,6 +18,11 @@ MIN_LOGIT_ADJUSTMENTS = 16
 MAX_LOGIT_BIAS = 100.0
 # Bounds a step's (id, bias) row width, hence how many step shapes logit_bias can compile.
 MAX_LOGIT_BIAS_ENTRIES = 1024
+# Work per generated token stays bounded whatever a request lists: stop ids are a set, and min_tokens bans
+# them through the same (id, bias) row as logit_bias; stop strings are searched in each new piece of text.
+MAX_STOP_TOKEN_IDS = 1024
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_CHARS = 1024
 
 
 class InvalidParameter(ValueError):
@@ -85,10 +91,11 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raises ValueError naming the first invalid field and its value."""
+        """Raises InvalidParameter (a ValueError) naming the first invalid field and its value; the message
+        starts with the field's name."""
         def check(ok: bool, message: str) -> None:
             if not ok:
-                raise ValueError(message)
+                raise InvalidParameter(message.split(" ", 1)[0].rstrip(","), message)
 
         check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
         # Every per-row value rides in an int32 or float32 array of the step (paged/batch.py): bounded by it.
@@ -108,8 +115,14 @@ class SamplingParams:
               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         check(all(isinstance(s, str) and s for s in self.stop),
               f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
+        check(len(self.stop) <= MAX_STOP_STRINGS,
+              f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop if isinstance(s, str)),
+              f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long each")
+        check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
+              f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids[:8]!r}")
         check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
               f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}")
         check(_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
@@ -144,6 +157,11 @@ class SamplingParams:
             if outside:
                 raise InvalidTokenIds(field, f"{field} names token ids {outside[:5]} outside the vocabulary "
                                              f"[0, {vocab_size})")
+
+    @functools.cached_property
+    def stop_token_id_set(self) -> frozenset[int]:
+        """stop_token_ids as a set: the output processor checks every generated token against it."""
+        return frozenset(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:

@@ -79,7 +79,9 @@ def counted(route: str):
 
 def check_model(state: ServerState, model: str | None) -> None:
     if model is not None and model not in state.model_names:
-        raise APIError(404, f"the model `{model}` does not exist; this server serves `{state.served_model_name}`",
+        # repr: the name as the client sent it, escaped (a control character or a lone surrogate stays inert)
+        raise APIError(404, f"the model {model[:200]!r} does not exist; this server serves "
+                            f"{state.served_model_name!r}",
                        param="model", code="model_not_found")
 
 
@@ -128,6 +130,8 @@ def sampling_params(body, max_tokens: int | None, logprobs: int | None,
         return body.sampling_params(max_tokens, logprobs, prompt_logprobs)
     except InvalidStructuredOutput as exc:
         raise APIError(400, str(exc), param=exc.field.split(".")[0])
+    except InvalidParameter as exc:
+        raise APIError(400, str(exc), param=exc.field)
     except ValueError as exc:
         raise APIError(400, str(exc))
 

@@ -6,7 +6,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from paged import SamplingParams, StructuredOutputsParams
 from paged.structured_outputs import InvalidStructuredOutput
@@ -17,7 +17,34 @@ from paged.structured_outputs import InvalidStructuredOutput
 _STRICT = ConfigDict(extra="ignore", strict=True)
 
 
-class _Request(BaseModel):
+def _encodable(value, where: str = "body") -> None:
+    """ValueError naming where a string holds a lone surrogate ("\\ud800" in JSON): valid JSON, yet no text,
+    and nothing downstream (tokenizers, logs, the reply) can encode it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where} holds a lone UTF-16 surrogate, which is not text") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _encodable(key, where)
+            _encodable(item, f"{where}.{key}" if isinstance(key, str) and key.isidentifier() else where)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _encodable(item, f"{where}[{i}]")
+
+
+class _TextOnly(BaseModel):
+    """Refuses (400) a body holding strings that are not text, before any field reads them."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_text(cls, data):
+        _encodable(data)
+        return data
+
+
+class _Request(_TextOnly):
     model_config = _STRICT
 
     model: str | None = None
@@ -165,7 +192,7 @@ class ChatCompletionRequest(_Request):
     chat_template: str | None = None
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_TextOnly):
     model_config = _STRICT
 
     model: str | None = None
@@ -175,7 +202,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_TextOnly):
     model_config = _STRICT
 
     model: str | None = None

@@ -187,3 +187,37 @@ def test_a_client_that_leaves_is_one_info_line(server):
     assert log.count("the client left before the reply") == 1
     assert "Traceback" not in log and "ERROR" not in log
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+@pytest.mark.parametrize("path, body, where", [
+    ("/v1/completions", {"model": "\ud800", "prompt": "hi"}, "body.model"),
+    ("/v1/completions", {"prompt": ["fine", "bad \udfff"]}, "body.prompt[1]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "\ud83d alone"}]}, "body.messages[0].content"),
+    ("/tokenize", {"prompt": "\ud800"}, "body.prompt"),
+])
+def test_lone_surrogates_are_a_400(server, path, body, where):
+    """JSON can escape a lone UTF-16 surrogate, which is no text: a 400 saying where, never a 500."""
+    raw = json.dumps(body)  # ensure_ascii: the surrogate travels as its \\u escape
+    response = httpx.post(server.url + path, content=raw, headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert f"{where} holds a lone UTF-16 surrogate" in _strict(response.text)["error"]["message"]
+    pair = json.dumps({"prompt": "an emoji \ud83d\ude00 is a valid pair", "max_tokens": 2})
+    assert httpx.post(server.url + "/v1/completions", content=pair, headers={"Content-Type": "application/json"},
+                      timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize("body, field, message", [
+    ({"stop": ["x"] * 129}, "stop", "at most 128 strings"),
+    ({"stop": "y" * 1025}, "stop", "at most 1024 characters"),
+    ({"stop_token_ids": list(range(1025))}, "stop_token_ids", "at most 1024 ids"),
+])
+def test_stop_lists_are_bounded(client, body, field, message):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.post("/completions", body={"model": "tiny", "prompt": "hi", **body}, cast_to=object)
+    assert caught.value.body["param"] == field and message in caught.value.body["message"]
+
+
+def test_an_unknown_model_is_named_safely(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="other\nmodel", prompt="hi", max_tokens=1)
+    assert "'other\\nmodel' does not exist" in caught.value.body["message"]

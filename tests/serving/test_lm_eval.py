@@ -101,3 +101,26 @@ def test_lm_eval_local_completions_equals_its_hf_model(setup, monkeypatch):
     mc = [got[("paged_mc", i)] for i in range(len(QUESTIONS))]
     assert all(len({round(ll, 3) for ll, _ in item}) > 1 for item in mc)
     assert all(ll < 0 for item in mc for ll, _ in item)
+
+
+def test_lm_eval_local_chat_completions_generates_as_its_hf_model(setup, monkeypatch):
+    """generate_until through /v1/chat/completions (the checkpoint's chat template on the server), against lm-eval's
+    hf model applying the same template: the same greedy text for every item."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    checkpoint, task_manager = setup
+    server = Server(checkpoint, "--dtype", "float32", "--max-model-len", "256")
+    try:
+        served = lm_eval.simple_evaluate(
+            model="local-chat-completions", tasks=["paged_gen"], task_manager=task_manager, log_samples=True,
+            apply_chat_template=True,
+            model_args={"base_url": server.url + "/v1/chat/completions", "model": "tiny", "max_retries": 1})
+    finally:
+        server.stop()
+    reference = lm_eval.simple_evaluate(
+        model="hf", tasks=["paged_gen"], task_manager=task_manager, log_samples=True, batch_size=1,
+        apply_chat_template=True,
+        model_args={"pretrained": checkpoint, "dtype": "float32", "device": "cpu", "max_length": 256})
+    got, expected = _per_item(served), _per_item(reference)
+    assert len(got) == len(QUESTIONS) and got == expected
+    assert any(text for (text,) in got.values())  # not all empty
