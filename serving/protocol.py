@@ -6,7 +6,7 @@ import json
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from paged import SamplingParams, StructuredOutputsParams
 from paged.structured_outputs import InvalidStructuredOutput
@@ -35,13 +35,13 @@ def _encodable(value, where: str = "body") -> None:
 
 
 class _TextOnly(BaseModel):
-    """Refuses (400) a body holding strings that are not text, before any field reads them."""
+    """Refuses (400, naming the field) a body holding strings that are not text, before any field reads them."""
 
-    @model_validator(mode="before")
+    @field_validator("*", mode="before")
     @classmethod
-    def _only_text(cls, data):
-        _encodable(data)
-        return data
+    def _only_text(cls, value, info):
+        _encodable(value, f"body.{info.field_name}")
+        return value
 
 
 class _Request(_TextOnly):
