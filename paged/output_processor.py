@@ -73,30 +73,26 @@ class OutputProcessor:
         return ProcessedStep([output_of(parent) for parent in touched.values()], copies)
 
     def _record_logprobs(self, request: Request, sampled: SamplerOutput, row: int) -> None:
-        token = int(sampled.tokens[row])
+        k = request.params.logprobs
         logprob = float(sampled.token_logprobs[row])
-        entry = {token: Logprob(logprob, int(sampled.token_ranks[row]), self._decode_one(token))}
-        for rank, (tid, lp) in enumerate(zip(sampled.top_ids[row, :request.params.logprobs],
-                                             sampled.top_logprobs[row, :request.params.logprobs]), start=1):
-            entry.setdefault(int(tid), Logprob(float(lp), rank, self._decode_one(int(tid))))
-        request.logprobs.append(entry)
+        request.logprobs.append(logprob_entry(int(sampled.tokens[row]), logprob, int(sampled.token_ranks[row]),
+                                              sampled.top_ids[row, :k].tolist(), sampled.top_logprobs[row, :k].tolist(),
+                                              self._decode_one))
         request.cumulative_logprob += logprob
 
     def _record_prompt_logprobs(self, span: PromptLogprobSpan, computed: PromptLogprobs) -> None:
         request = span.request
-        entries, top = request.prompt_logprobs, request.params.prompt_logprobs
+        entries, k = request.prompt_logprobs, request.params.prompt_logprobs
         rows = slice(span.offset, span.offset + span.count)
         token_logprobs, ranks = computed.token_logprobs[rows].tolist(), computed.token_ranks[rows].tolist()
-        top_ids, top_logprobs = computed.top_ids[rows, :top].tolist(), computed.top_logprobs[rows, :top].tolist()
+        top_ids, top_logprobs = computed.top_ids[rows, :k].tolist(), computed.top_logprobs[rows, :k].tolist()
         targets = request.prompt_token_ids[span.first_position:span.first_position + span.count]
         decoded = self._decode_many({*targets, *(t for ids in top_ids for t in ids)})
         for j, position in enumerate(range(span.first_position, span.first_position + span.count)):
             if position != len(entries):
                 continue  # held from before a preemption made the prompt run again
-            entry = {targets[j]: Logprob(token_logprobs[j], ranks[j], decoded.get(targets[j]))}
-            for rank, (tid, lp) in enumerate(zip(top_ids[j], top_logprobs[j]), start=1):
-                entry.setdefault(tid, Logprob(lp, rank, decoded.get(tid)))
-            entries.append(entry)
+            entries.append(logprob_entry(targets[j], token_logprobs[j], ranks[j], top_ids[j], top_logprobs[j],
+                                         decoded.get))
 
     def _decode_many(self, tokens: set[int]) -> dict[int, str]:
         if self.tokenizer is None:
@@ -148,6 +144,16 @@ class OutputProcessor:
             return self.scheduler.finish(request, "stop")
         if index + 1 >= request.length_limit:
             return self.scheduler.finish(request, "length")
+
+
+def logprob_entry(token: int, logprob: float, rank: int, top_ids: list[int], top_logprobs: list[float],
+                  decode) -> dict[int, Logprob]:
+    """One position's logprobs in vLLM's layout: the chosen (or prompt) token's first, then the top k by rank
+    (a top token that is the chosen one keeps a single entry). `decode(token id)`: its text, or None."""
+    entry = {token: Logprob(logprob, rank, decode(token))}
+    for top_rank, (tid, lp) in enumerate(zip(top_ids, top_logprobs), start=1):
+        entry.setdefault(tid, Logprob(lp, top_rank, decode(tid)))
+    return entry
 
 
 def output_of(parent: ParentRequest) -> RequestOutput:

@@ -78,8 +78,9 @@ class ModelRunner:
             indices = jnp.concatenate([indices, inputs.prompt_logprob_indices])
         last, kv_cache = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention, indices,
                                                   self.attention)
-        num_seqs = inputs.logits_indices.shape[0]
-        prompt_hidden, last = last.h[num_seqs:], LastHidden(last.h[:num_seqs], last.live_rows)
+        if num_prompt_rows:
+            num_seqs = inputs.logits_indices.shape[0]
+            prompt_hidden, last = last.h[num_seqs:], LastHidden(last.h[:num_seqs], last.live_rows)
         out = sample(lambda: self.model.logits(params, last), inputs.sampling, self.argmax,
                      self.model.greedy_head(params, last))
         if num_prompt_rows:
