@@ -3,8 +3,8 @@
 Block 0 is never handed out: it is the sink that padded tokens write to and padded page-table entries
 point at, which keeps the device-side scatter and gather branch-free.
 
-Prefix caching: a full block is keyed by a hash chained from its predecessor's hash and its own token ids,
-so a key names the whole prefix up to that block. Blocks whose last holder lets go stay in the cache, in
+Prefix caching: a full block is keyed by its chain key (paged/prefix_keys.py), which names the whole prefix up
+to and including that block. Blocks whose last holder lets go stay in the cache, in
 the free queue in least-recently-used order, until allocation needs them; a hit takes a block back out.
 """
 
@@ -14,26 +14,10 @@ from collections import OrderedDict
 
 import numpy as np
 
+from paged.prefix_keys import extend_chain
 from paged.request import Request
 
 SINK_BLOCK = 0
-
-
-def chain_hash(parent: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent, token_ids))
-
-
-def extend_chain(hashes: list[int], token_ids, block_size: int, num_blocks: int) -> list[int]:
-    """Appends to `hashes` (the chain of `token_ids`' first blocks) until it covers `num_blocks` blocks."""
-    while len(hashes) < num_blocks:
-        i = len(hashes)
-        hashes.append(chain_hash(hashes[-1] if hashes else None, tuple(token_ids[i * block_size:(i + 1) * block_size])))
-    return hashes
-
-
-def prefix_chain(token_ids, block_size: int, max_blocks: int) -> list[int]:
-    """The chain hashes of the first full blocks of `token_ids` (at most `max_blocks`)."""
-    return extend_chain([], token_ids, block_size, min(len(token_ids) // block_size, max_blocks))
 
 
 class BlockManager:
@@ -48,9 +32,8 @@ class BlockManager:
         # Free blocks, oldest first; allocation takes from the front (evicting a cached block if needed).
         self.free_queue: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks))
         self.ref_counts = np.zeros(num_blocks, np.int32)
-        self.block_hash: dict[int, int] = {}  # block -> its chain hash, for blocks in the cache
-        self.block_tokens: dict[int, tuple[int, ...]] = {}  # re-checked on a hit: hashes can collide
-        self.cached: dict[int, int] = {}  # chain hash -> block
+        self.block_hash: dict[int, bytes] = {}  # block -> its chain key, for blocks in the cache
+        self.cached: dict[bytes, int] = {}  # chain key -> block
         # [max_num_seqs, max_blocks_per_seq]: a running request owns one row while it holds blocks; rows are
         # updated only when a block is added or freed, so preparing a step copies rows instead of rebuilding.
         self.page_table = np.zeros((max_num_seqs, max_blocks_per_seq), np.int32)
@@ -80,7 +63,6 @@ class BlockManager:
         block, _ = self.free_queue.popitem(last=False)
         if block in self.block_hash:  # evict the least recently used cached block
             del self.cached[self.block_hash.pop(block)]
-            del self.block_tokens[block]
         self.ref_counts[block] = 1
         return block
 
@@ -153,13 +135,14 @@ class BlockManager:
 
     # ---- prefix caching -------------------------------------------------------------------------------
 
-    def _hashes(self, request: Request, num_full_blocks: int) -> list[int]:
-        """The request's memoised chain hashes, extended to cover at least `num_full_blocks` blocks."""
-        return extend_chain(request.block_hashes, request.token_ids, self.block_size, num_full_blocks)
+    def _hashes(self, request: Request, num_full_blocks: int) -> list[bytes]:
+        """The request's memoised chain keys, extended to cover at least `num_full_blocks` blocks."""
+        return extend_chain(request.block_hashes, request.token_ids, self.block_size, num_full_blocks,
+                            request.prefix_root)
 
-    def num_cached_leading(self, hashes: list[int]) -> int:
-        """How many of the leading chain hashes (`prefix_chain`) the cache holds. A hint for routing: it reads
-        one dict without the engine's thread (safe in CPython) and does not re-check tokens as a hit does."""
+    def num_cached_leading(self, hashes: list[bytes]) -> int:
+        """How many of the leading chain keys (`prefix_chain`) the cache holds. A hint for routing: it reads
+        one dict without the engine's thread (safe in CPython)."""
         for i, h in enumerate(hashes):
             if h not in self.cached:
                 return i
@@ -175,29 +158,26 @@ class BlockManager:
             return 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
-        bs = self.block_size
         hashes = self._hashes(request, max_blocks)
         for i in range(max_blocks):
             block = self.cached.get(hashes[i])
-            if block is None or self.block_tokens[block] != tuple(request.token_ids[i * bs:(i + 1) * bs]):
+            if block is None:
                 break
             hits.append(block)
         self.share(request, hits)
-        return len(hits) * bs
+        return len(hits) * self.block_size
 
     def cache_full_blocks(self, request: Request) -> None:
         """Registers the request's computed, full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
         num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
-        bs = self.block_size
         hashes = self._hashes(request, num_full)
         for i in range(request.num_registered_blocks, num_full):
             block, h = request.block_ids[i], hashes[i]
             if block == SINK_BLOCK or block in self.block_hash or h in self.cached:
                 continue  # already cached, or the same content lives in another block
             self.block_hash[block] = h
-            self.block_tokens[block] = tuple(request.token_ids[i * bs:(i + 1) * bs])
             self.cached[h] = block
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 

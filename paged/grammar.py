@@ -13,6 +13,7 @@ copy of the cached one, advanced on the host by every token the request accepts.
 from __future__ import annotations
 
 import collections
+import hashlib
 import threading
 import time
 
@@ -20,8 +21,11 @@ import numpy as np
 
 from paged.structured_outputs import InvalidStructuredOutput, StructuredOutputsParams
 
-# Compiled grammars kept (least recently used dropped first): a server sees a few schemas many times.
+# Compiled grammars kept (least recently used dropped first): a server sees a few schemas many times. Bounded
+# by count and by the bytes of their specs: a compiled grammar's memory grows with its spec (a 600 KB regex
+# compiles to ~9 MB), so a few large specs cannot hold gigabytes.
 CACHE_SIZE = 256
+CACHE_SPEC_BYTES = 8 * 2**20
 
 # Whitespace between JSON tokens by default: nothing, one space, or one newline and an indent of up to 24
 # spaces or tabs. That covers compact JSON, json.dumps' ", " / ": " and pretty-printing to 12 levels at
@@ -50,7 +54,9 @@ class GrammarCompiler:
         self.additional_properties = additional_properties
         self._lock = threading.Lock()
         self._ll_tokenizer = None
-        self._cache: collections.OrderedDict[tuple, object] = collections.OrderedDict()
+        # key -> (compiled matcher, its spec's bytes)
+        self._cache: collections.OrderedDict[tuple, tuple[object, int]] = collections.OrderedDict()
+        self.cache_spec_bytes = 0  # the specs' bytes of what the cache holds
         self.num_compiled = 0
         self.compile_seconds = 0.0  # summed over compilations (cache hits cost nothing)
 
@@ -74,11 +80,15 @@ class GrammarCompiler:
     def compile(self, params: StructuredOutputsParams):
         """The compiled grammar of `params` (cached); raises InvalidStructuredOutput naming the field."""
         compact = params.disable_any_whitespace or self.disable_any_whitespace
-        key = (*params.key, compact, self.any_whitespace, self.additional_properties)
+        kind, text = params.key
+        spec_bytes = len(text.encode("utf-8", "surrogatepass"))
+        # The spec's digest, not its text: the key of a 600 KB regex stays 32 bytes.
+        key = (kind, hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest(), compact, self.any_whitespace,
+               self.additional_properties)
         with self._lock:
             if key in self._cache:
                 self._cache.move_to_end(key)
-                return self._cache[key]
+                return self._cache[key][0]
         import llguidance
         tokenizer = self._tokenizer_for_llguidance()
         start = time.perf_counter()
@@ -92,9 +102,11 @@ class GrammarCompiler:
         with self._lock:
             self.num_compiled += 1
             self.compile_seconds += elapsed
-            self._cache[key] = matcher
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
+            if key not in self._cache and spec_bytes <= CACHE_SPEC_BYTES:
+                self._cache[key] = (matcher, spec_bytes)
+                self.cache_spec_bytes += spec_bytes
+            while len(self._cache) > CACHE_SIZE or self.cache_spec_bytes > CACHE_SPEC_BYTES:
+                self.cache_spec_bytes -= self._cache.popitem(last=False)[1][1]
         return matcher
 
     def matcher(self, params: StructuredOutputsParams) -> "GrammarMatcher":

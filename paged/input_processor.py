@@ -11,6 +11,7 @@ from paged.chat import text_token_ids
 from paged.config import EngineConfig
 from paged.detokenizer import IncrementalDetokenizer
 from paged.grammar import GrammarCompiler
+from paged.prefix_keys import prefix_root
 from paged.request import ParentRequest, Request
 from paged.sampling_params import InvalidParameter, SamplingParams
 
@@ -34,7 +35,7 @@ class InputProcessor:
         self._seed_rng = np.random.default_rng(config.seed)  # unseeded requests' seeds
 
     def make_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                     params: SamplingParams) -> ParentRequest:
+                     params: SamplingParams, cache_salt: str | None = None) -> ParentRequest:
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
@@ -51,6 +52,9 @@ class InputProcessor:
         if len(prompt_token_ids) >= max_model_len:
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
                              f"within max_model_len={max_model_len}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string if provided")
+        root = prefix_root(cache_salt)
         params.check_vocab(vocab)
         if params.n > self.config.max_num_seqs:
             raise InvalidParameter("n", f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
@@ -69,5 +73,6 @@ class InputProcessor:
             child_id = request_id if params.n == 1 else f"{request_id}#{index}"
             children.append(Request(child_id, prompt, [int(t) for t in prompt_token_ids], params, seed,
                                     detokenizer, self.eos_token_ids, index=index, length_limit=length_limit,
-                                    grammar=self.grammars.matcher(constraint) if constraint is not None else None))
+                                    grammar=self.grammars.matcher(constraint) if constraint is not None else None,
+                                    prefix_root=root))
         return ParentRequest(request_id, children)

@@ -52,7 +52,9 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates for every prompt; returns RequestOutputs in input order.
 
-        prompts: a string, a list of strings, or dicts {"prompt_token_ids": [...]} (optionally with "prompt").
+        prompts: a string, a list of strings, or dicts {"prompt_token_ids": [...]} (optionally with "prompt") or
+          {"prompt": "..."}; a dict may carry "cache_salt" (its prefix-cache blocks are shared only with
+          prompts of the same salt).
         Every prompt and parameter set is validated before any work starts, so a bad one raises ValueError
         and nothing runs.
         """
@@ -75,9 +77,10 @@ class LLM:
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params[{index}] is a {type(params).__name__}, not SamplingParams")
             text, token_ids = _split_prompt(prompt, index)
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             params.validate()
             try:
-                requests.append(self.engine.make_request(str(next(self._ids)), text, token_ids, params))
+                requests.append(self.engine.make_request(str(next(self._ids)), text, token_ids, params, salt))
             except ValueError as exc:
                 raise ValueError(f"prompt {index}: {exc}") from None
         for request in requests:

@@ -7,6 +7,7 @@ import time
 from typing import TYPE_CHECKING
 
 from paged.detokenizer import IncrementalDetokenizer
+from paged.prefix_keys import DEFAULT_ROOT
 from paged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -36,7 +37,8 @@ class Request:
     def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                  params: SamplingParams, seed: int, detokenizer: IncrementalDetokenizer | None,
                  eos_token_ids: tuple[int, ...] = (), index: int = 0, parent: "ParentRequest | None" = None,
-                 length_limit: int | None = None, grammar: "GrammarMatcher | None" = None):
+                 length_limit: int | None = None, grammar: "GrammarMatcher | None" = None,
+                 prefix_root: bytes | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -59,7 +61,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens: int | None = None  # prompt tokens served by the prefix cache, once admitted
         self.block_ids: list[int] = []
-        self.block_hashes: list[int] = []  # chain hashes of full blocks, memoised for the prefix cache
+        # The prefix cache's chain of full blocks starts here (block_manager.prefix_root: covers the cache salt).
+        self.prefix_root = prefix_root if prefix_root is not None else DEFAULT_ROOT
+        self.block_hashes: list[bytes] = []  # chain keys of full blocks, memoised for the prefix cache
         self.num_registered_blocks = 0  # leading full blocks already offered to the prefix cache
         self.page_row: int | None = None  # this request's row of the page table while it holds blocks
         self.swapped_kv = None  # host copy of the K/V while swapped out

@@ -28,6 +28,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread stopped; no request can be served (HTTP 503)."""
 
 
+class StreamStalledError(RuntimeError):
+    """Its reader took nothing for longer than the stall bound while output waited: the request was aborted."""
+
+
 class RequestFailedError(RuntimeError):
     """The step that carried this request raised; the request was aborted, the engine goes on (HTTP 500)."""
 
@@ -42,6 +46,7 @@ class Add:
     params: SamplingParams
     stream: "_Stream"
     accepted: asyncio.Future
+    cache_salt: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +78,48 @@ Command = Add | Abort | FailAll | Call | Wake
 
 
 class _Stream:
-    def __init__(self, loop: asyncio.AbstractEventLoop):
+    """One request's mailbox between the engine thread and the event loop, holding at most one item.
+
+    Outputs are cumulative (each holds everything so far), so a newer one replaces one not yet read: a
+    client that reads slowly, or not at all, costs one output's memory however long it generates, and a
+    reader that catches up gets every token. An error is final and is never replaced.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, stall_timeout_s: float | None = None):
         self.loop = loop
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.stall_timeout_s = stall_timeout_s
+        self.on_stall = None  # called once, on the event loop, when the reader is found stalled
+        self._item = None
+        self._pending_since = 0.0  # when the unread item (if any) first became unread
+        self._ready = asyncio.Event()
+        self.num_replaced = 0  # outputs superseded before they were read (the reader was behind)
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(self._put, item)
+
+    def _put(self, item) -> None:  # on the event loop
+        now = time.monotonic()
+        if self._item is None:
+            self._pending_since = now
+        elif isinstance(self._item, BaseException):
+            return
+        else:
+            self.num_replaced += 1
+            if (self.stall_timeout_s is not None and now - self._pending_since > self.stall_timeout_s
+                    and not getattr(item, "finished", True)):
+                item = StreamStalledError(
+                    f"the client read nothing of this stream for over {self.stall_timeout_s:g} s while output "
+                    "waited (--stream-stall-timeout-s): the request was aborted")
+                if self.on_stall is not None:
+                    self.on_stall()
+        self._item = item
+        self._ready.set()
+
+    async def get(self):
+        await self._ready.wait()
+        item, self._item = self._item, None
+        self._ready.clear()
+        return item
 
 
 class RequestStream:
@@ -90,6 +131,7 @@ class RequestStream:
         self._stream = stream
         self.finished = False
         self.on_done = None  # called once, when the request finishes, fails or is closed (replica load counts)
+        stream.on_stall = lambda: engine.abort(request_id)  # frees its blocks now; the reader gets the error
 
     def _set_finished(self) -> None:
         self.finished = True
@@ -103,7 +145,7 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self._stream.queue.get()
+        item = await self._stream.get()
         if isinstance(item, BaseException):
             self._set_finished()
             raise item
@@ -154,7 +196,7 @@ class Generating:
         return self.engine.grammars
 
     async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                     params: SamplingParams) -> RequestStream:
+                     params: SamplingParams, cache_salt: str | None = None) -> RequestStream:
         raise NotImplementedError
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -169,10 +211,13 @@ class Generating:
 
 class AsyncEngine(Generating):
     def __init__(self, engine: LLMEngine, max_waiting_requests: int = 1024, batching_delay_ms: float = 0.0,
-                 observer=None, on_death=None):
+                 observer=None, on_death=None, stream_stall_timeout_s: float | None = None):
         """`observer` (optional) gets `on_step(engine, outputs, step_start, step_end)` on the engine thread;
-        `on_death(error)` (optional) is called on the engine thread if the loop itself dies (not on stop())."""
+        `on_death(error)` (optional) is called on the engine thread if the loop itself dies (not on stop());
+        `stream_stall_timeout_s`: a request whose reader takes nothing for this long while output waits is
+        aborted (its stream ends with StreamStalledError); None: never."""
         self.engine = engine
+        self.stream_stall_timeout_s = stream_stall_timeout_s
         self.max_waiting_requests = max_waiting_requests
         self.batching_delay = batching_delay_ms / 1000.0
         self.observer = observer
@@ -214,16 +259,16 @@ class AsyncEngine(Generating):
     # ---- the async API --------------------------------------------------------------------------------
 
     async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                     params: SamplingParams) -> "RequestStream":
+                     params: SamplingParams, cache_salt: str | None = None) -> "RequestStream":
         """Validates and queues one request; raises ValueError (bad input), QueueFullError or EngineDeadError.
 
         Returns its stream of cumulative RequestOutputs. Closing the stream early (a client disconnect)
         aborts the request and frees its blocks.
         """
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop)
+        stream = _Stream(loop, self.stream_stall_timeout_s)
         accepted = loop.create_future()
-        self._post(Add(request_id, prompt, prompt_token_ids, params, stream, accepted))
+        self._post(Add(request_id, prompt, prompt_token_ids, params, stream, accepted, cache_salt))
         await accepted
         return RequestStream(self, request_id, stream)
 
@@ -259,7 +304,7 @@ class AsyncEngine(Generating):
                     raise QueueFullError(f"the server is at capacity ({self.max_waiting_requests} requests "
                                          "waiting); retry later")
                 parent = engine.make_request(command.request_id, command.prompt, command.prompt_token_ids,
-                                             command.params)
+                                             command.params, command.cache_salt)
             except (ValueError, QueueFullError) as exc:
                 _resolve(command.accepted, error=exc)
                 return

@@ -10,9 +10,10 @@ from fastapi import Request
 
 from paged import SamplingParams
 from paged.serving.errors import APIError
-from paged.serving.generation import (admit, chat_token_ids, check_model, check_options, check_room,
-                                      compile_constraint, constraint_field, counted, refuse_unimplemented,
-                                      run_to_completion, sampling_params, submit_all, usage)
+from paged.serving.generation import (admit, chat_token_ids, check_model, check_options, check_reply_size,
+                                      check_room, compile_constraint, constraint_field, counted,
+                                      refuse_unimplemented, run_to_completion, sampling_params, submit_all, usage)
+from paged.serving.json_body import json_reply
 from paged.serving.logprobs import chat_logprobs, prompt_logprobs_json
 from paged.serving.protocol import ChatCompletionRequest, message_dicts, non_text_part
 from paged.serving.sse import EventStream, StreamedChoices, merged, sse
@@ -92,9 +93,11 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     check_room(state, [(None, ids)], max_tokens,
                "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
+    check_reply_size(state, body, [(None, ids)], max_tokens, params.logprobs, body.prompt_logprobs,
+                     "top_logprobs")
     admit(state, raw, len(ids))
     try:
-        streams = await submit_all(state, [(None, ids)], params, request_id, key_name(raw))
+        streams = await submit_all(state, [(None, ids)], params, request_id, key_name(raw), body.cache_salt, raw)
     except APIError as err:
         err.param = "messages" if err.param and err.param.startswith("prompt") else err.param
         raise
@@ -102,17 +105,21 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
 
     if not body.stream:
         (output,) = await run_to_completion(streams, raw)
-        choices = []
-        for c in output.outputs:
-            message, finish_reason = tools.message(c)
-            choices.append({"index": c.index, "message": message,
-                            "logprobs": chat_logprobs(c, 0, len(c.token_ids), k) if body.logprobs else None,
-                            "finish_reason": finish_reason, "stop_reason": c.stop_reason})
-        response = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
-                    "model": served_model_name, "choices": choices, "usage": usage([output])}
-        if body.prompt_logprobs is not None:
-            response["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
-        return response
+
+        def reply() -> dict:  # in a worker (serving/json_body.py)
+            choices = []
+            for c in output.outputs:
+                message, finish_reason = tools.message(c)
+                choices.append({"index": c.index, "message": message,
+                                "logprobs": chat_logprobs(c, 0, len(c.token_ids), k) if body.logprobs else None,
+                                "finish_reason": finish_reason, "stop_reason": c.stop_reason})
+            response = {"id": request_id, "object": "chat.completion", "created": int(time.time()),
+                        "model": served_model_name, "choices": choices, "usage": usage([output])}
+            if body.prompt_logprobs is not None:
+                response["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+            return response
+
+        return await json_reply(state, reply)
 
     async def events():
         tracker = StreamedChoices(params)

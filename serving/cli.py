@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import re
 import sys
 import time
 
@@ -46,10 +48,24 @@ def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ignore-eos", action="store_true")
 
 
+# Query parameters that carry credentials (a client may send its key as ?api_key=...): never written to a log.
+_SECRET_QUERY = re.compile(r"(?i)([?&](?:api[_-]?key|key|token|access[_-]?token|auth|password|secret)=)[^&#\s]*")
+
+
+class RedactQuerySecrets(logging.Filter):
+    """Masks credential-bearing query parameters in uvicorn's access-log lines (args: client, method, path,
+    HTTP version, status)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str) and "=" in args[2]:
+            record.args = (*args[:2], _SECRET_QUERY.sub(r"\1REDACTED", args[2]), *args[3:])
+        return True
+
+
 def _configure_logging(level: str = "info") -> None:
     """paged's own INFO lines (the start-up summary) on stderr; JAX's start-up chatter (no TPU or GPU backend
     found, compilation cache notes) only as warnings and errors."""
-    import logging
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("jax._src.xla_bridge", "jax._src.compilation_cache", "jax._src.compiler", "absl"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
@@ -92,7 +108,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
-    import logging
 
     import uvicorn
 
@@ -139,11 +154,13 @@ def _serve(args: argparse.Namespace) -> int:
             engine.precompile(show_progress=True)
         replicas.append(AsyncEngine(engine, max_waiting_requests=args.max_waiting_requests,
                                     batching_delay_ms=args.batching_delay_ms, observer=metrics,
-                                    on_death=on_engine_death))
+                                    on_death=on_engine_death,
+                                    stream_stall_timeout_s=args.stream_stall_timeout_s or None))
     async_engine = replicas[0] if len(replicas) == 1 else ReplicatedEngine(replicas)
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
                           allow_request_chat_template=args.trust_request_chat_template,
-                          max_logprobs=args.max_logprobs)
+                          max_logprobs=args.max_logprobs, max_prompts_per_request=args.max_prompts_per_request,
+                          max_reply_logprobs=args.max_reply_logprobs)
     app = build_app(async_engine, name, metrics, api_keys=api_keys, model_path=model, limits=limits,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
     # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to the grace period,
@@ -162,7 +179,9 @@ def _serve(args: argparse.Namespace) -> int:
             multihost.leave()  # before uvicorn re-raises the signal, which would skip jax's own exit hook
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=args.shutdown_grace_s)
+                            timeout_graceful_shutdown=args.shutdown_grace_s,
+                            timeout_keep_alive=args.timeout_keep_alive)
+    logging.getLogger("uvicorn.access").addFilter(RedactQuerySecrets())  # after Config has set up logging
     server.append(GracefulServer(config))
     server[0].run()
     if async_engine.error is not None:
@@ -217,6 +236,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-logprobs", type=int, default=20,
                        help="top logprobs a request may ask for per token (logprobs, top_logprobs, "
                             "prompt_logprobs; at most 20)")
+    serve.add_argument("--max-prompts-per-request", type=int, default=4096,
+                       help="prompts one completions request may batch (default: 4096)")
+    serve.add_argument("--max-reply-logprobs", type=int, default=2**20,
+                       help="logprob entries a non-streamed reply may carry, n x max tokens x (top logprobs + 1) "
+                            "over its prompts (default: 1,048,576); streams are not bounded by this")
+    serve.add_argument("--stream-stall-timeout-s", type=float, default=60.0,
+                       help="abort a streamed request whose client reads nothing for this long while output "
+                            "waits (0: never; default 60)")
+    serve.add_argument("--timeout-keep-alive", type=int, default=5,
+                       help="close an idle keep-alive connection after this many seconds (uvicorn's; default 5)")
     serve.add_argument("--precompile", action="store_true",
                        help="compile every step shape before serving (the default; --enforce-eager turns it off)")
     serve.add_argument("--shutdown-grace-s", type=int, default=30)

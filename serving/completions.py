@@ -9,9 +9,10 @@ from fastapi import Request
 
 from paged import RequestOutput
 from paged.serving.errors import APIError
-from paged.serving.generation import (admit, check_model, check_options, check_room, compile_constraint,
-                                      constraint_field, counted, refuse_unimplemented, run_to_completion,
+from paged.serving.generation import (admit, check_model, check_options, check_reply_size, check_room,
+                                      compile_constraint, constraint_field, counted, refuse_unimplemented, run_to_completion,
                                       sampling_params, submit_all, tokenize_prompts, usage)
+from paged.serving.json_body import json_reply
 from paged.serving.logprobs import completion_logprobs, joined, prompt_logprobs_json
 from paged.serving.protocol import CompletionRequest
 from paged.serving.sse import EventStream, StreamedChoices, merged, sse
@@ -44,11 +45,15 @@ async def completions(body: CompletionRequest, raw: Request, state: State):
         prompts = [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompt]
     else:
         raise APIError(400, "prompt must not be empty", param="prompt")
+    if len(prompts) > state.limits.max_prompts_per_request:
+        raise APIError(400, f"a request may hold at most {state.limits.max_prompts_per_request} prompts "
+                       f"(--max-prompts-per-request), got {len(prompts)}", param="prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = await tokenize_prompts(state, prompts)
     check_room(state, prompts, max_tokens, "max_tokens")
+    check_reply_size(state, body, prompts, max_tokens, body.logprobs, prompt_k, "logprobs", prompt_copies=body.n)
     admit(state, raw, sum(len(ids) for _, ids in prompts))
-    streams = await submit_all(state, prompts, params, request_id, key_name(raw))
+    streams = await submit_all(state, prompts, params, request_id, key_name(raw), body.cache_salt, raw)
     n = params.n
     decode = lambda token: tokenizer.decode([token]) if tokenizer is not None else ""
 
@@ -75,15 +80,19 @@ async def completions(body: CompletionRequest, raw: Request, state: State):
 
     if not body.stream:
         outputs = await run_to_completion(streams, raw)
-        choices = []
-        for i, o in enumerate(outputs):
-            echoed = prompt_text(o) if body.echo else ""
-            for c in o.outputs:
-                shown = 0 if echo_only else len(c.token_ids)
-                choices.append(choice(i, o, c, echoed + ("" if echo_only else c.text), 0, shown, True,
-                                      len(echoed), True))
-        return {"id": request_id, "object": "text_completion", "created": int(time.time()),
-                "model": served_model_name, "choices": choices, "usage": usage(outputs)}
+
+        def reply() -> dict:  # in a worker (serving/json_body.py)
+            choices = []
+            for i, o in enumerate(outputs):
+                echoed = prompt_text(o) if body.echo else ""
+                for c in o.outputs:
+                    shown = 0 if echo_only else len(c.token_ids)
+                    choices.append(choice(i, o, c, echoed + ("" if echo_only else c.text), 0, shown, True,
+                                          len(echoed), True))
+            return {"id": request_id, "object": "text_completion", "created": int(time.time()),
+                    "model": served_model_name, "choices": choices, "usage": usage(outputs)}
+
+        return await json_reply(state, reply)
 
     async def events():
         tracker = StreamedChoices(params)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from paged.serving.async_engine import EngineDeadError, RequestFailedError
+from paged.serving.async_engine import EngineDeadError, RequestFailedError, StreamStalledError
 
 
 class APIError(Exception):
@@ -33,6 +33,8 @@ def outcome_of(err: APIError) -> str:
     """The `paged:api_requests` outcome of a request that ended with `err` (see paged.serving.metrics.OUTCOMES)."""
     if err.status == 503:
         return "overloaded" if err.code == "overloaded" else "unavailable"
+    if err.code == "stream_stalled":
+        return "aborted"  # the client stopped reading
     return {401: "unauthorized", 429: "rate_limited"}.get(err.status, "invalid" if err.status < 500 else "failed")
 
 
@@ -44,4 +46,6 @@ def api_error_of(exc: BaseException) -> APIError:
         return APIError(503, str(exc), type_="server_error")
     if isinstance(exc, RequestFailedError):
         return APIError(500, str(exc), type_="server_error")
+    if isinstance(exc, StreamStalledError):
+        return APIError(408, str(exc), code="stream_stalled", type_="timeout_error")
     return APIError(500, f"internal error: {type(exc).__name__}: {exc}")

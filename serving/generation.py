@@ -122,6 +122,30 @@ def check_room(state: ServerState, prompts: list[tuple[str | None, list[int]]], 
                             f"the completion). Please reduce the length of the prompt or {field}.", param=field)
 
 
+def check_reply_size(state: ServerState, body, prompts: list[tuple[str | None, list[int]]],
+                     max_tokens: int | None, logprobs: int | None, prompt_logprobs: int | None,
+                     field: str, prompt_copies: int = 1) -> None:
+    """A 400 naming `field` when a non-streamed reply could carry more logprob entries than
+    --max-reply-logprobs: n x max tokens x (top logprobs + 1) per prompt, plus each prompt's own positions
+    x (prompt logprobs + 1) x `prompt_copies` (completions repeat them in each of the n choices). A stream
+    sends them a chunk at a time and is not bounded by this."""
+    if body.stream or (logprobs is None and prompt_logprobs is None):
+        return
+    entries = 0
+    for _, ids in prompts:
+        room = state.max_model_len - len(ids)
+        tokens = room if max_tokens is None else min(max_tokens, room)
+        if logprobs is not None:
+            entries += body.n * max(tokens, 0) * (logprobs + 1)
+        if prompt_logprobs is not None:
+            entries += len(ids) * (prompt_logprobs + 1) * prompt_copies
+    limit = state.limits.max_reply_logprobs
+    if entries > limit:
+        raise APIError(400, f"this request's reply could carry {entries} logprob entries (n x max tokens x (top "
+                            f"logprobs + 1), plus the prompt's), more than this server allows in a non-streamed "
+                            f"reply ({limit}, --max-reply-logprobs): stream it, or ask for fewer", param=field)
+
+
 def sampling_params(body, max_tokens: int | None, logprobs: int | None,
                     prompt_logprobs: int | None = None) -> SamplingParams:
     """The body's SamplingParams; what depends on the model (n against max_num_seqs, token ids against the
@@ -207,15 +231,33 @@ async def tokenize_prompts(state: ServerState, prompts: list[tuple[str | None, l
     return out
 
 
+# A batch's prompts are submitted one engine round trip each: between every this many, the connection is
+# checked, so a client that leaves mid-submission stops the rest (and aborts what went in).
+DISCONNECT_CHECK_EVERY = 32
+
+
 async def submit_all(state: ServerState, prompts: list[tuple[str | None, list[int] | None]],
-                     params: SamplingParams, request_id: str, key: str = ANONYMOUS) -> list[RequestStream]:
-    """Submits every prompt; their generated tokens are counted (and charged) under API key `key`."""
+                     params: SamplingParams, request_id: str, key: str = ANONYMOUS,
+                     cache_salt: str | None = None, raw: Request | None = None) -> list[RequestStream]:
+    """Submits every prompt; their generated tokens are counted (and charged) under API key `key`. With `raw`,
+    a client that disconnects while a batch is being submitted ends it (ClientDisconnected, nothing left
+    running)."""
     streams = []
     try:
         for i, (text, ids) in enumerate(prompts):
+            if raw is not None and i and i % DISCONNECT_CHECK_EVERY == 0 and await raw.is_disconnected():
+                for s in streams:
+                    s.close()
+                raise ClientDisconnected
+            child_id = f"{request_id}-{i}"
             if state.metrics is not None:
-                state.metrics.attribute(f"{request_id}-{i}", key)
-            streams.append(await state.engine.submit(f"{request_id}-{i}", text, ids, params))
+                state.metrics.attribute(child_id, key)
+            try:
+                streams.append(await state.engine.submit(child_id, text, ids, params, cache_salt))
+            except BaseException:
+                if state.metrics is not None:
+                    state.metrics.forget(child_id)  # refused: nothing of it is ever counted
+                raise
     except ValueError as exc:
         for s in streams:
             s.close()

@@ -79,6 +79,8 @@ class _Request(_TextOnly):
     parallel_tool_calls: bool | None = None
     # vLLM's: the top k logprobs of each prompt token (bounded by the server's --max-logprobs).
     prompt_logprobs: int | None = Field(default=None, ge=0)
+    # vLLM's: prefix-cache blocks are shared only among requests with the same salt (tenant isolation).
+    cache_salt: str | None = Field(default=None, min_length=1)
     # Fields that change what a request means and are not implemented yet: accepted by the schema so that
     # they get a 400 naming them (`unimplemented_field`), never silently ignored.
     functions: list[Any] | None = None

@@ -14,7 +14,7 @@ saves the prefill, but sending every request with a shared system prompt to one 
 from __future__ import annotations
 
 from paged import SamplingParams
-from paged.block_manager import prefix_chain
+from paged.prefix_keys import prefix_chain
 from paged.serving.async_engine import AsyncEngine, EngineDeadError, Generating, RequestStream
 
 
@@ -70,7 +70,7 @@ class ReplicatedEngine(Generating):
 
     # ---- routing --------------------------------------------------------------------------------------
 
-    def choose(self, prompt_token_ids: list[int] | None) -> int:
+    def choose(self, prompt_token_ids: list[int] | None, cache_salt: str | None = None) -> int:
         """The replica for a request with these prompt tokens (None: not tokenized; load alone decides)."""
         def kv_usage(i: int) -> float:
             manager = self.replicas[i].engine.block_manager
@@ -84,7 +84,8 @@ class ReplicatedEngine(Generating):
         if not prompt_token_ids or not config.enable_prefix_caching:
             return least
         # The last prompt token is always computed, so only blocks before it can be hits.
-        hashes = prefix_chain(prompt_token_ids, config.block_size, (len(prompt_token_ids) - 1) // config.block_size)
+        hashes = prefix_chain(prompt_token_ids, config.block_size, (len(prompt_token_ids) - 1) // config.block_size,
+                              cache_salt)
         if not hashes:
             return least
         hits = {i: self.replicas[i].engine.block_manager.num_cached_leading(hashes) for i in live}
@@ -95,12 +96,13 @@ class ReplicatedEngine(Generating):
         return least
 
     async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                     params: SamplingParams) -> RequestStream:
+                     params: SamplingParams, cache_salt: str | None = None) -> RequestStream:
         """AsyncEngine.submit on the chosen replica; the stream counts toward its load until it ends."""
-        index = self.choose(prompt_token_ids)
+        # An invalid salt is the chosen engine's to refuse; routing only needs a string.
+        index = self.choose(prompt_token_ids, cache_salt if isinstance(cache_salt, str) else None)
         self.in_flight[index] += 1
         try:
-            stream = await self.replicas[index].submit(request_id, prompt, prompt_token_ids, params)
+            stream = await self.replicas[index].submit(request_id, prompt, prompt_token_ids, params, cache_salt)
         except BaseException:
             self.in_flight[index] -= 1
             raise

@@ -68,7 +68,9 @@ class StreamedChoices:
 
 
 async def merged(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
-    queue: asyncio.Queue = asyncio.Queue()
+    # Bounded: while the client is behind, each stream's newest output waits in its own mailbox (which keeps
+    # one) instead of piling up here.
+    queue: asyncio.Queue = asyncio.Queue(maxsize=len(streams))
 
     async def pump(i, stream):
         try:

@@ -29,6 +29,11 @@ class ServerLimits:
     # Top logprobs a request may ask for per token (logprobs, top_logprobs, prompt_logprobs), as vLLM's
     # --max-logprobs; at most paged.sampling_params.MAX_LOGPROBS, the width the step computes.
     max_logprobs: int = 20
+    # Prompts in one completions request (a batch): each is a request of its own to the engine.
+    max_prompts_per_request: int = 4096
+    # Logprob entries a non-streamed reply may carry: n x max tokens x (top logprobs + 1), summed over its
+    # prompts (a 64 x 490 x 21 reply is 46 MB of JSON). Streams send the same entries a chunk at a time.
+    max_reply_logprobs: int = 2**20
 
 
 @dataclasses.dataclass

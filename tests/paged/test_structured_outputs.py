@@ -206,6 +206,24 @@ def test_grammars_are_compiled_once(tiny_llm):
     assert grammars.num_compiled == before + 1
 
 
+def test_the_grammar_cache_is_bounded_by_its_specs_bytes(tiny_llm, monkeypatch):
+    import paged.grammar
+    monkeypatch.setattr(paged.grammar, "CACHE_SPEC_BYTES", 12_000)
+    grammars = paged.grammar.GrammarCompiler(tiny_llm.get_tokenizer(), tiny_llm.engine.model_config.vocab_size, (1,))
+    specs = [StructuredOutputsParams(regex="(" + "|".join(f"w{i}x{j}" for j in range(800)) + ")") for i in range(6)]
+    assert all(4_000 < len(s.regex) < 6_000 for s in specs)
+    for spec in specs:
+        grammars.compile(spec)
+        assert grammars.cache_spec_bytes <= 12_000 and len(grammars._cache) <= 2
+    compiled = grammars.num_compiled
+    grammars.compile(specs[-1])  # the newest is kept: a hit
+    grammars.compile(specs[0])  # the oldest was dropped: compiled again
+    assert grammars.num_compiled == compiled + 1
+    huge = StructuredOutputsParams(regex="(" + "|".join(f"h{j}" for j in range(5000)) + ")")
+    grammars.compile(huge)  # larger than the whole budget: served, never cached
+    assert grammars.cache_spec_bytes <= 12_000
+
+
 def test_constraints_with_prefix_caching_and_stop_strings(tiny_model_dir):
     llm = LLM(tiny_model_dir, block_size=8, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256,
               enable_prefix_caching=True, show_progress=False)

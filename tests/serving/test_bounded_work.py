@@ -1,0 +1,242 @@
+"""One client cannot stall or exhaust the server: large replies are encoded off the event loop, a reply's
+logprob entries are bounded, a stream nobody reads costs one output and is aborted, a batch whose client
+leaves stops, refused requests leave nothing behind, credentials in query strings never reach the log."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.serving.server_fixture import Server
+
+FLAGS = ["--block-size", "16", "--max-model-len", "1024", "--max-num-seqs", "16", "--max-reply-logprobs", "340000",
+         "--stream-stall-timeout-s", "2"]
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = Server(tiny_model_dir, *FLAGS)
+    yield srv
+    srv.stop()
+
+
+def _metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    return sum(float(m.group(1)) for m in re.finditer(rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def _idle(server, timeout: float = 60) -> bool:
+    """Nothing running or waiting and no KV block in use, within `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if (_metric(server, "paged:num_requests_running") == 0 and _metric(server, "paged:num_requests_waiting") == 0
+                and _metric(server, "paged:kv_cache_usage_perc") == 0):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+class _HealthCanary:
+    """Polls /health every 50 ms on its own connection; `worst` is the slowest answer seen."""
+
+    def __init__(self, server):
+        self.url = server.url + "/health"
+        self.worst = 0.0
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        with httpx.Client(timeout=60) as client:
+            while not self._stop.is_set():
+                start = time.perf_counter()
+                assert client.get(self.url).status_code == 200
+                self.worst = max(self.worst, time.perf_counter() - start)
+                self.count += 1
+                time.sleep(0.05)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def test_a_large_reply_never_holds_health(server):
+    # The echoed prompt's logprobs in each of 16 choices: 16 x 1,000 positions x 21 entries, a ~7 MB body
+    # built from one prefill. Built and encoded on the event loop, /health waited for all of it (1-2 s here);
+    # in a worker, it answers throughout.
+    body = {"model": "tiny", "prompt": [5 + i % 400 for i in range(1000)], "n": 16, "max_tokens": 0, "echo": True,
+            "logprobs": 20}
+    # The same request once before: this server compiles on first use (--enforce-eager), and a compile's
+    # tracing holds the interpreter too; what is measured here is the reply alone.
+    assert httpx.post(server.url + "/v1/completions", json=body, timeout=300).status_code == 200
+    with _HealthCanary(server) as canary:
+        time.sleep(0.3)
+        reply = httpx.post(server.url + "/v1/completions", json=body, timeout=300)
+    assert reply.status_code == 200, reply.text
+    assert len(reply.content) > 6_000_000
+    choices = json.loads(reply.content)["choices"]
+    assert len(choices) == 16 and all(len(c["logprobs"]["top_logprobs"]) == 1000 for c in choices)
+    assert canary.count > 10
+    print(f"worst /health {canary.worst:.3f} s over {canary.count}")
+    assert canary.worst < 0.5, f"/health took {canary.worst:.2f} s while the reply was built"
+
+
+def test_a_non_streamed_reply_past_the_logprob_bound_is_a_400_and_a_stream_is_not(server):
+    body = {"model": "tiny", "prompt": [5, 6, 7, 8], "n": 16, "max_tokens": 1015, "logprobs": 20,
+            "ignore_eos": True}
+    refused = httpx.post(server.url + "/v1/completions", json=body, timeout=60)
+    assert refused.status_code == 400
+    error = refused.json()["error"]
+    assert error["param"] == "logprobs" and "--max-reply-logprobs" in error["message"] and "341040" in error["message"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 16, "max_tokens": 1015,
+            "logprobs": True, "top_logprobs": 20}
+    refused = httpx.post(server.url + "/v1/chat/completions", json=chat, timeout=60)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "top_logprobs"
+    with httpx.stream("POST", server.url + "/v1/completions", json={**body, "stream": True, "max_tokens": 4},
+                      timeout=60) as stream:
+        assert stream.status_code == 200
+        assert any(line.startswith("data: {") for line in stream.iter_lines())
+
+
+def test_a_stream_nobody_reads_is_aborted_and_returns_its_blocks(server):
+    # A client that sends a streamed request and never reads: the server keeps one output for it (not every
+    # step's), and once nothing has been read for the stall bound (2 s here) while the socket buffers are
+    # full, the request is aborted, long before 16 x 1,000 tokens (~11 MB of events) are done.
+    body = json.dumps({"model": "tiny", "prompt": [5, 6, 7, 8], "n": 16, "max_tokens": 1000, "logprobs": 20,
+                       "ignore_eos": True, "stream": True}).encode()
+    generated_before = _metric(server, "paged:generation_tokens_total")
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    try:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        time.sleep(1.0)
+        assert _metric(server, "paged:num_requests_running") > 0
+        assert _idle(server, timeout=60), "the unread stream's request still holds the engine"
+        generated = _metric(server, "paged:generation_tokens_total") - generated_before
+        assert generated < 16 * 1000 * 0.8, "it ran to the end instead of being aborted"
+    finally:
+        sock.close()
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+def test_a_batch_whose_client_leaves_stops_being_submitted(server):
+    # 4,096 prompts go in one engine round trip each (a step apart while others run): a client that leaves
+    # two seconds in must not leave the server submitting and running the rest.
+    prompts = [[5 + (i + j) % 300 for j in range(150)] for i in range(4096)]  # each a prefill of its own
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompts, "max_tokens": 32,
+                                                          "ignore_eos": True}, timeout=2.0)
+    left = time.monotonic()
+    assert _idle(server, timeout=60)
+    print(f"idle {time.monotonic() - left:.1f} s after the client left")
+    assert time.monotonic() - left < 10
+    too_many = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": [[5]] * 4097,
+                                                                 "max_tokens": 1}, timeout=30)
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
+    assert "--max-prompts-per-request" in too_many.json()["error"]["message"]
+
+
+def test_credentials_in_a_query_string_never_reach_the_access_log(server):
+    httpx.get(server.url + "/v1/models?api_key=sekrit-123&x=1", timeout=10)
+    time.sleep(0.3)
+    with open(server.log.name) as log:
+        text = log.read()
+    assert "sekrit-123" not in text
+    assert "api_key=REDACTED&x=1" in text
+
+
+def test_the_query_filter_masks_only_credentials():
+    from paged.serving.cli import RedactQuerySecrets
+    record = logging.LogRecord("uvicorn.access", logging.INFO, "", 0, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:1", "GET", "/v1/models?token=abc&limit=3&Access_Token=zz", "1.1", 200),
+                               None)
+    assert RedactQuerySecrets().filter(record)
+    assert record.getMessage() == '127.0.0.1:1 - "GET /v1/models?token=REDACTED&limit=3&Access_Token=REDACTED ' \
+                                  'HTTP/1.1" 200'
+
+
+def test_refused_requests_leave_no_per_request_state():
+    import asyncio
+
+    from paged.serving.generation import submit_all
+    from paged.serving.errors import APIError
+    from paged.serving.metrics import EngineMetrics
+    from paged.serving.state import ServerState
+
+    class Refusing:
+        async def submit(self, *args):
+            raise ValueError("no")
+
+    state = ServerState(Refusing(), "tiny", metrics=EngineMetrics("tiny"))
+    for i in range(50):
+        with pytest.raises(APIError):
+            asyncio.run(submit_all(state, [(None, [1, 2])], None, f"cmpl-{i}"))
+    assert state.metrics._key_of == {}
+
+
+def test_the_piecewise_encoder_gives_json_dumps_bytes():
+    import math
+    import random
+
+    from paged.serving.json_body import encode
+
+    rng = random.Random(0)
+
+    def value(depth):
+        kind = rng.randrange(7 if depth < 4 else 4)
+        if kind == 0:
+            return rng.choice([None, True, False, 0, -3, 2**40])
+        if kind == 1:
+            return rng.uniform(-1e6, 1e6)
+        if kind == 2:
+            return "".join(rng.choice('ab"\\\n\u00e9\u4e2d\U0001f600') for _ in range(rng.randrange(6)))
+        if kind == 3:
+            return -9999.0
+        sizes = [0, 3, 65, 100] if depth < 2 else [0, 3]  # past both sides of the one-call bound, at the top
+        if kind == 4:
+            return [value(depth + 1) for _ in range(rng.choice(sizes))]
+        return {f"k{i}\u00e9": value(depth + 1) for i in range(rng.choice(sizes))}
+
+    for _ in range(30):
+        obj = {"choices": [value(0) for _ in range(5)], "n": 1}
+        assert encode(obj) == json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+    with pytest.raises(ValueError):
+        encode({"x": [1.0] * 100 + [math.inf]})
+
+
+def test_a_reader_that_is_behind_costs_one_output():
+    import asyncio
+
+    from paged.serving.async_engine import StreamStalledError, _Stream
+
+    class Output:
+        def __init__(self, i, finished=False):
+            self.i, self.finished = i, finished
+
+    async def scenario():
+        stream = _Stream(asyncio.get_running_loop(), stall_timeout_s=0.2)
+        stalled = []
+        stream.on_stall = lambda: stalled.append(True)
+        for i in range(100):
+            stream._put(Output(i))
+        assert (await stream.get()).i == 99 and stream.num_replaced == 99
+        stream._put(Output(100))
+        await asyncio.sleep(0.3)
+        stream._put(Output(101))  # nothing read for 0.3 s while output waited: aborted
+        stream._put(Output(102))  # an error is final
+        assert isinstance(await stream.get(), StreamStalledError) and stalled == [True]
+
+    asyncio.run(scenario())
