@@ -125,12 +125,14 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------------
 
     def make_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                     params: SamplingParams, cache_salt: str | None = None) -> ParentRequest:
+                     params: SamplingParams, cache_salt: str | None = None,
+                     tenant: str | None = None) -> ParentRequest:
         """Tokenizes and validates one request without touching engine state (raises ValueError).
-        `cache_salt`: its prefix-cache blocks are shared only with requests of the same salt."""
+        `cache_salt`: its prefix-cache blocks are shared only with requests of the same salt; `tenant`: whom
+        it is accounted to (admission takes tenants' waiting requests in turn)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        return self.inputs.make_request(request_id, prompt, prompt_token_ids, params, cache_salt)
+        return self.inputs.make_request(request_id, prompt, prompt_token_ids, params, cache_salt, tenant)
 
     def add_request(self, request: ParentRequest) -> None:
         self.requests[request.request_id] = request

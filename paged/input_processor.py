@@ -35,7 +35,8 @@ class InputProcessor:
         self._seed_rng = np.random.default_rng(config.seed)  # unseeded requests' seeds
 
     def make_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                     params: SamplingParams, cache_salt: str | None = None) -> ParentRequest:
+                     params: SamplingParams, cache_salt: str | None = None,
+                     tenant: str | None = None) -> ParentRequest:
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
@@ -74,5 +75,5 @@ class InputProcessor:
             children.append(Request(child_id, prompt, [int(t) for t in prompt_token_ids], params, seed,
                                     detokenizer, self.eos_token_ids, index=index, length_limit=length_limit,
                                     grammar=self.grammars.matcher(constraint) if constraint is not None else None,
-                                    prefix_root=root))
+                                    prefix_root=root, tenant=tenant))
         return ParentRequest(request_id, children)

@@ -38,12 +38,13 @@ class Request:
                  params: SamplingParams, seed: int, detokenizer: IncrementalDetokenizer | None,
                  eos_token_ids: tuple[int, ...] = (), index: int = 0, parent: "ParentRequest | None" = None,
                  length_limit: int | None = None, grammar: "GrammarMatcher | None" = None,
-                 prefix_root: bytes | None = None):
+                 prefix_root: bytes | None = None, tenant: str | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
+        self.tenant = tenant  # whom it is accounted to (an API key's name): admission is fair across tenants
         # Total tokens at which it finishes by length (max_tokens or max_model_len); None: no limit.
         self.length_limit = length_limit
         self.grammar = grammar  # where the output stands in its structured-output grammar, if it has one

@@ -1,4 +1,5 @@
-"""Continuous-batching scheduler: FCFS admission, token budget, preemption by recompute or swap.
+"""Continuous-batching scheduler: FCFS admission (round-robin across tenants, paged/waiting_queue.py), token
+budget, preemption by recompute or swap.
 
 Each step it decides how many tokens each request computes: running requests first (oldest first), then
 waiting ones. A request computes tokens until `num_computed_tokens` catches up with its token list, so a
@@ -16,10 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
-
 from paged.block_manager import BlockManager
 from paged.request import Request, RequestStatus
+from paged.waiting_queue import WaitingQueue
 
 
 @dataclasses.dataclass
@@ -51,7 +51,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.swapper = swapper
-        self.waiting: deque[Request] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_swaps = 0
@@ -82,7 +82,7 @@ class Scheduler:
 
         # Admitting new work in a step that had to preempt would only thrash.
         while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
+            request = self.waiting.peek()
             num_new = self._admit(request, budget)
             if num_new == 0:
                 break  # FCFS: the head waits for room rather than being overtaken

@@ -47,6 +47,7 @@ class Add:
     stream: "_Stream"
     accepted: asyncio.Future
     cache_salt: str | None = None
+    tenant: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +197,8 @@ class Generating:
         return self.engine.grammars
 
     async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                     params: SamplingParams, cache_salt: str | None = None) -> RequestStream:
+                     params: SamplingParams, cache_salt: str | None = None,
+                     tenant: str | None = None) -> RequestStream:
         raise NotImplementedError
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -259,7 +261,8 @@ class AsyncEngine(Generating):
     # ---- the async API --------------------------------------------------------------------------------
 
     async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                     params: SamplingParams, cache_salt: str | None = None) -> "RequestStream":
+                     params: SamplingParams, cache_salt: str | None = None,
+                     tenant: str | None = None) -> "RequestStream":
         """Validates and queues one request; raises ValueError (bad input), QueueFullError or EngineDeadError.
 
         Returns its stream of cumulative RequestOutputs. Closing the stream early (a client disconnect)
@@ -268,7 +271,7 @@ class AsyncEngine(Generating):
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, self.stream_stall_timeout_s)
         accepted = loop.create_future()
-        self._post(Add(request_id, prompt, prompt_token_ids, params, stream, accepted, cache_salt))
+        self._post(Add(request_id, prompt, prompt_token_ids, params, stream, accepted, cache_salt, tenant))
         await accepted
         return RequestStream(self, request_id, stream)
 
@@ -300,11 +303,15 @@ class AsyncEngine(Generating):
         engine = self.engine
         if isinstance(command, Add):
             try:
-                if len(engine.scheduler.waiting) >= self.max_waiting_requests:
+                waiting = engine.scheduler.waiting
+                # Full, unless this tenant has nothing waiting (another's backlog never refuses it: at most
+                # one request per tenant past the bound); a bound of 0 queues nothing.
+                limit = self.max_waiting_requests
+                if len(waiting) >= limit and (waiting.num_waiting(command.tenant) or limit == 0):
                     raise QueueFullError(f"the server is at capacity ({self.max_waiting_requests} requests "
                                          "waiting); retry later")
                 parent = engine.make_request(command.request_id, command.prompt, command.prompt_token_ids,
-                                             command.params, command.cache_salt)
+                                             command.params, command.cache_salt, command.tenant)
             except (ValueError, QueueFullError) as exc:
                 _resolve(command.accepted, error=exc)
                 return

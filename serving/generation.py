@@ -253,7 +253,7 @@ async def submit_all(state: ServerState, prompts: list[tuple[str | None, list[in
             if state.metrics is not None:
                 state.metrics.attribute(child_id, key)
             try:
-                streams.append(await state.engine.submit(child_id, text, ids, params, cache_salt))
+                streams.append(await state.engine.submit(child_id, text, ids, params, cache_salt, tenant=key))
             except BaseException:
                 if state.metrics is not None:
                     state.metrics.forget(child_id)  # refused: nothing of it is ever counted

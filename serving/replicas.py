@@ -96,13 +96,15 @@ class ReplicatedEngine(Generating):
         return least
 
     async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                     params: SamplingParams, cache_salt: str | None = None) -> RequestStream:
+                     params: SamplingParams, cache_salt: str | None = None,
+                     tenant: str | None = None) -> RequestStream:
         """AsyncEngine.submit on the chosen replica; the stream counts toward its load until it ends."""
         # An invalid salt is the chosen engine's to refuse; routing only needs a string.
         index = self.choose(prompt_token_ids, cache_salt if isinstance(cache_salt, str) else None)
         self.in_flight[index] += 1
         try:
-            stream = await self.replicas[index].submit(request_id, prompt, prompt_token_ids, params, cache_salt)
+            stream = await self.replicas[index].submit(request_id, prompt, prompt_token_ids, params, cache_salt,
+                                                      tenant)
         except BaseException:
             self.in_flight[index] -= 1
             raise

@@ -240,3 +240,42 @@ def test_a_reader_that_is_behind_costs_one_output():
         assert isinstance(await stream.get(), StreamStalledError) and stalled == [True]
 
     asyncio.run(scenario())
+
+
+def test_one_keys_batch_does_not_starve_another_key(tiny_model_dir, tmp_path_factory):
+    # Key "bulk" sends 1,024 prompts in one request; key "chat" then sends single requests. Admission takes
+    # the keys' waiting requests in turn, so each single request waits for a few of bulk's, not for all.
+    path = tmp_path_factory.mktemp("keys") / "keys.json"
+    path.write_text(json.dumps([{"name": "bulk", "key": "sk-bulk"}, {"name": "chat", "key": "sk-chat"}]))
+    srv = Server(tiny_model_dir, "--api-keys-file", str(path), "--block-size", "16", "--max-model-len", "256",
+                 "--max-num-seqs", "8")
+    try:
+        single = {"model": "tiny", "prompt": [9, 10, 11], "max_tokens": 24, "ignore_eos": True}
+        chat_key = {"Authorization": "Bearer sk-chat"}
+        assert httpx.post(srv.url + "/v1/completions", headers=chat_key, json=single, timeout=600).status_code == 200
+        bulk_done = {}
+
+        def bulk():
+            start = time.monotonic()
+            reply = httpx.post(srv.url + "/v1/completions", headers={"Authorization": "Bearer sk-bulk"},
+                               json={"model": "tiny", "prompt": [[5 + i % 300, 6, 7] for i in range(1024)],
+                                     "max_tokens": 24, "ignore_eos": True}, timeout=600)
+            bulk_done["status"], bulk_done["s"] = reply.status_code, time.monotonic() - start
+
+        thread = threading.Thread(target=bulk)
+        thread.start()
+        time.sleep(1.0)  # the batch is queued
+        latencies = []
+        for _ in range(3):
+            start = time.monotonic()
+            reply = httpx.post(srv.url + "/v1/completions", headers=chat_key, json=single, timeout=600)
+            assert reply.status_code == 200
+            latencies.append(time.monotonic() - start)
+        still_running = thread.is_alive()
+        thread.join()
+        assert bulk_done["status"] == 200
+        print(f"single requests {[round(x, 2) for x in latencies]} s; the batch {bulk_done['s']:.1f} s")
+        assert still_running, "the batch finished before the single requests: nothing was measured"
+        assert max(latencies) < bulk_done["s"] / 4
+    finally:
+        srv.stop()
