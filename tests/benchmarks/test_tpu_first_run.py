@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import re
 
+import pytest
+
 from paged.benchmarks.tpu_first_run import main
 
 
+@pytest.mark.tpu_interpreter
 def test_interpreted_first_run_agrees_with_the_twin(capsys):
     assert main(["--interpret"]) == 0
     errors = [float(e) for e in re.findall(r"max \|kernel - jnp twin\| = (\S+)", capsys.readouterr().out)]

@@ -23,7 +23,8 @@ def _greedy(directory, prompts, max_tokens=10, **engine_args):
     return llm, [o.outputs[0].token_ids for o in outputs]
 
 
-@pytest.mark.parametrize("backend", ["pallas", "pallas-tpu", pytest.param("cpu", marks=needs_compiler), "xla"])
+@pytest.mark.parametrize("backend", ["pallas", pytest.param("pallas-tpu", marks=pytest.mark.tpu_interpreter),
+                                     pytest.param("cpu", marks=needs_compiler), "xla"])
 def test_backend_matches_reference_for_prefill_chunks_prefix_hits_and_decode(tiny_model_dir, backend):
     shared = _ids(27, seed=99)  # a prefix several prompts share: prefix-cache hits on later steps
     prompts = [_ids(n, seed=n) for n in (70, 5, 1, 33, 8)] + [shared + _ids(n, seed=n + 7) for n in (3, 12, 20)]

@@ -18,40 +18,51 @@ from paged.models.tiny import create_tiny_llama
 from tests.native import needs_compiler
 
 SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, sys, traceback
     import jax
     from paged import LLM, SamplingParams
-    model_dir, backend, sizes = sys.argv[1], sys.argv[2], [int(s) for s in sys.argv[3].split(",")]
-    options = json.loads(sys.argv[4])
-    greedy_only = options.pop("greedy_only", False)  # half the compiles, where seeded runs are covered elsewhere
     prompts = [{"prompt_token_ids": p} for p in ([5, 9, 13, 200], [7, 7, 30], list(range(40, 90)), [3])]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     seeded = SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=11, max_tokens=12, ignore_eos=True,
                             logprobs=2, presence_penalty=0.3)
-    out = {}
-    for size in sizes:
-        llm = LLM(model_dir, tensor_parallel_size=size, attention_backend=backend, block_size=8,
-                  max_model_len=128, max_num_seqs=8, num_kv_blocks=64, show_progress=False,
-                  enable_prefix_caching=False,  # every run computes the same shapes
-                  compilation_cache_dir=None, **options)
-        runs = [llm.generate(prompts, params, use_tqdm=False) for params in (greedy, seeded)[:1 if greedy_only else 2]]
-        compiled = llm.engine.num_compilations
-        llm.generate(prompts, greedy, use_tqdm=False)  # same shapes again: nothing new to compile
-        k_cache = llm.engine.worker.runner.kv_cache[0]
-        layer = llm.engine.worker.runner.params["layers"][0]
-        q_proj = layer["self_attn"]["q_proj"] if "self_attn" in layer else {"kernel": k_cache}
-        q_kernel = q_proj.get("kernel", q_proj.get("qweight"))  # float or quantized
-        embedding = llm.engine.worker.runner.params.get("embed_tokens", llm.engine.worker.runner.params.get("wte"))["embedding"]
-        out[size] = {
-            "tokens": [[o.outputs[0].token_ids for o in run] for run in runs],
-            "logprobs": [round(o.outputs[0].cumulative_logprob, 3) for o in runs[1]] if len(runs) > 1 else [],
-            "recompiled": llm.engine.num_compilations - compiled,
-            "kv_shard_heads": [s.data.shape[1] for s in k_cache.addressable_shards],
-            "q_shard_cols": [s.data.shape[1] for s in q_kernel.addressable_shards],
-            "embedding_shard_rows": [s.data.shape[0] for s in embedding.addressable_shards],
-        }
-        del llm
-    print("RESULT " + json.dumps(out))
+
+
+    def run(model_dir, backend, sizes, options):
+        greedy_only = options.pop("greedy_only", False)  # half the compiles, where seeded runs are covered elsewhere
+        out = {}
+        for size in sizes:
+            llm = LLM(model_dir, tensor_parallel_size=size, attention_backend=backend, block_size=8,
+                      max_model_len=128, max_num_seqs=8, num_kv_blocks=64, show_progress=False,
+                      enable_prefix_caching=False,  # every run computes the same shapes
+                      compilation_cache_dir=None, **options)
+            runs = [llm.generate(prompts, params, use_tqdm=False) for params in (greedy, seeded)[:1 if greedy_only else 2]]
+            compiled = llm.engine.num_compilations
+            llm.generate(prompts, greedy, use_tqdm=False)  # same shapes again: nothing new to compile
+            k_cache = llm.engine.worker.runner.kv_cache[0]
+            layer = llm.engine.worker.runner.params["layers"][0]
+            q_proj = layer["self_attn"]["q_proj"] if "self_attn" in layer else {"kernel": k_cache}
+            q_kernel = q_proj.get("kernel", q_proj.get("qweight"))  # float or quantized
+            embedding = llm.engine.worker.runner.params.get("embed_tokens", llm.engine.worker.runner.params.get("wte"))["embedding"]
+            out[size] = {
+                "tokens": [[o.outputs[0].token_ids for o in run] for run in runs],
+                "logprobs": [round(o.outputs[0].cumulative_logprob, 3) for o in runs[1]] if len(runs) > 1 else [],
+                "recompiled": llm.engine.num_compilations - compiled,
+                "kv_shard_heads": [s.data.shape[1] for s in k_cache.addressable_shards],
+                "q_shard_cols": [s.data.shape[1] for s in q_kernel.addressable_shards],
+                "embedding_shard_rows": [s.data.shape[0] for s in embedding.addressable_shards],
+            }
+            del llm
+        return out
+
+
+    # One job per line of the JSON list in argv[1]: each prints its RESULT (or ERROR) line, so one process
+    # (one jax start) serves several checkpoints.
+    for job in json.loads(sys.argv[1]):
+        try:
+            print("RESULT " + json.dumps(run(job["model_dir"], job["backend"], job["sizes"], job["options"])),
+                  flush=True)
+        except Exception:
+            print("ERROR " + json.dumps(traceback.format_exc()), flush=True)
 """)
 
 
@@ -62,14 +73,22 @@ def model_dir(tmp_path_factory):
                              hidden_size=64, num_layers=2)
 
 
-def _run(model_dir, backend, sizes, **options):
+def _run_many(jobs: list[dict], timeout: float = 600) -> list[dict | str]:
+    """Runs each job (model_dir, backend, sizes, options) in one subprocess with 8 simulated devices; per job,
+    its results by size, or the traceback it raised."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    run = subprocess.run([sys.executable, "-c", SCRIPT, model_dir, backend, ",".join(map(str, sizes)),
-                          json.dumps(options)],
-                         capture_output=True, text=True, env=env, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    line = next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))
-    return {int(k): v for k, v in json.loads(line[7:]).items()}
+    run = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(jobs)], capture_output=True, text=True, env=env,
+                         timeout=timeout)
+    lines = [line for line in run.stdout.splitlines() if line.startswith(("RESULT ", "ERROR "))]
+    assert run.returncode == 0 and len(lines) == len(jobs), run.stderr[-3000:]
+    return [{int(k): v for k, v in json.loads(line[7:]).items()} if line.startswith("RESULT ")
+            else json.loads(line[6:]) for line in lines]
+
+
+def _run(model_dir, backend, sizes, **options):
+    (result,) = _run_many([{"model_dir": model_dir, "backend": backend, "sizes": list(sizes), "options": options}])
+    assert isinstance(result, dict), result
+    return result
 
 
 @pytest.mark.parametrize("backend", ["xla", pytest.param("cpu", marks=needs_compiler), "reference", "pallas"])
@@ -164,17 +183,27 @@ def test_every_family_is_covered():
     assert sorted(SPECS) == FAMILIES
 
 
+@pytest.fixture(scope="module")
+def family_results(tmp_path_factory):
+    """Every family's run at 1 and 4 shards, in one subprocess (one jax start for all fourteen)."""
+    from tests.hf_checkpoints import build_checkpoint
+    jobs = []
+    for name in FAMILIES:
+        heads = {"n_head": 8} if name == "gpt2" else {"num_attention_heads": 8}
+        model_dir = build_checkpoint(name, str(tmp_path_factory.mktemp(name)), overrides=heads)
+        jobs.append({"model_dir": model_dir, "backend": "xla", "sizes": [1, 4], "options": {"greedy_only": True}})
+    return dict(zip(FAMILIES, _run_many(jobs, timeout=1800)))
+
+
 @pytest.mark.torch
 @pytest.mark.parametrize("name", FAMILIES)
-def test_tensor_parallel_across_families(name, tmp_path):
+def test_tensor_parallel_across_families(name, family_results):
     """4 shards give one device's greedy tokens on every family's tiny checkpoint, built with 8 query heads:
     2 per shard, while the 2 KV heads (or MQA's 1) are repeated; GPT-2's fused c_attn is replicated; MoE experts
     split their matrices; Gemma's windows and soft caps run per shard. Other sizes and seeded sampling under
     sharding are checked on the Llama above, with every backend."""
-    from tests.hf_checkpoints import build_checkpoint
-    heads = {"n_head": 8} if name == "gpt2" else {"num_attention_heads": 8}
-    model_dir = build_checkpoint(name, str(tmp_path / name), overrides=heads)
-    results = _run(model_dir, "xla", [1, 4], greedy_only=True)
+    results = family_results[name]
+    assert isinstance(results, dict), f"{name} raised:\n{results}"
     for size in (4,):
         assert results[size]["tokens"] == results[1]["tokens"], size
         assert results[size]["recompiled"] == 0

@@ -82,6 +82,7 @@ def test_the_hopper_decode_backend_passes_under_the_mosaic_interpreter():
     assert report.passed, str(report)
 
 
+@pytest.mark.tpu_interpreter
 def test_the_tpu_backend_passes_the_window_and_soft_cap_cases_under_the_tpu_interpreter():
     # Through the engine's contract ("pallas-tpu": the decode/prefill blocks' cond), poisoned slots included;
     # the kernel's own tests (tests/pallas_kernels/test_tpu_ragged.py) cover the page sizes and head layouts.

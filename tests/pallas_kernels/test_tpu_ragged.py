@@ -27,6 +27,8 @@ from tests.pallas_kernels.kernel_inputs import (HEAD_CONFIGS, HEAD_IDS, LAYER, P
                                                 random_ragged_args, ragged_batch, ragged_f64, random_pool,
                                                 tolerance)
 
+pytestmark = pytest.mark.tpu_interpreter
+
 
 def run_case(rng, page_size, num_q_heads, num_kv_heads, head_dim, dtype, *, window=None, soft_cap=None,
              tokens_per_block=None, pages_per_step=None):
