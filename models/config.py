@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import TYPE_CHECKING, Any
 
@@ -13,9 +14,12 @@ if TYPE_CHECKING:
     from paged.models.quantization import WeightQuant
 
 
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
-    """Rotary embedding settings; `rope_type` is one of "default", "linear", "llama3"."""
+    """Rotary embedding settings; `rope_type` is one of SUPPORTED_ROPE_TYPES."""
 
     theta: float = 10000.0
     rope_type: str = "default"
@@ -23,6 +27,29 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    # YaRN: the ramp between extrapolated and interpolated frequencies, and the cos/sin scale (the attention
+    # factor, given or derived from factor, mscale and mscale_all_dim as transformers derives it).
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    @property
+    def attention_scaling(self) -> float:
+        """What cos and sin are multiplied by (1 except for YaRN)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        if self.attention_factor is not None:
+            return float(self.attention_factor)
+
+        def mscale_of(scale: float, mscale: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+        if self.mscale and self.mscale_all_dim:
+            return float(mscale_of(self.factor, self.mscale) / mscale_of(self.factor, self.mscale_all_dim))
+        return mscale_of(self.factor)
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
         """float32 [head_dim // 2], computed as transformers does (float32 powers of theta)."""
@@ -34,8 +61,32 @@ class RopeConfig:
             return (inv_freq / np.float32(self.factor)).astype(np.float32)
         if self.rope_type == "llama3":
             return _llama3_inv_freq(self, inv_freq)
+        if self.rope_type == "yarn":
+            return _yarn_inv_freq(self, inv_freq, head_dim)
         raise NotImplementedError(
-            f"rope_type {self.rope_type!r} is not supported; supported: default, linear, llama3")
+            f"rope_type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+def _yarn_inv_freq(rope: RopeConfig, inv_freq: np.ndarray, dim: int) -> np.ndarray:
+    # YaRN (arXiv 2309.00071): frequencies that turn many times over the original context keep their value
+    # (extrapolation), slow ones are divided by `factor` (interpolation), and a linear ramp over the dimensions
+    # between beta_fast and beta_slow rotations blends the two. float32 as transformers computes it.
+    def correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+                / (2 * math.log(rope.theta)))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # the ramp needs a width
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    pos_freqs = (np.float32(rope.theta) ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32)
+                                            / np.float32(dim))).astype(np.float32)
+    interpolated = (np.float32(1.0) / (np.float32(rope.factor) * pos_freqs)).astype(np.float32)
+    return (interpolated * (1 - extrapolation) + inv_freq * extrapolation).astype(np.float32)
 
 
 def _llama3_inv_freq(rope: RopeConfig, inv_freq: np.ndarray) -> np.ndarray:
@@ -132,19 +183,28 @@ def _rope_from_hf(raw: dict[str, Any], layer_type: str = "full_attention") -> Ro
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-    rope = RopeConfig(
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise NotImplementedError(
+            f"rope scaling {rope_type!r} is not supported yet; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    original = int(merged.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192)))
+    factor = merged.get("factor")
+    if factor is None and rope_type == "yarn":  # DeepSeek-V3's spelling: the ratio of the two lengths
+        factor = raw.get("max_position_embeddings", original) / original
+    optional = lambda key: None if merged.get(key) is None else float(merged[key])  # noqa: E731
+    return RopeConfig(
         theta=float(theta),
         rope_type=rope_type,
-        factor=float(merged.get("factor", 1.0)),
+        factor=float(1.0 if factor is None else factor),
         low_freq_factor=float(merged.get("low_freq_factor", 1.0)),
         high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(
-            merged.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))),
+        original_max_position_embeddings=original,
+        beta_fast=float(merged.get("beta_fast") or 32),
+        beta_slow=float(merged.get("beta_slow") or 1),
+        mscale=optional("mscale"),
+        mscale_all_dim=optional("mscale_all_dim"),
+        attention_factor=optional("attention_factor"),
+        truncate=bool(merged.get("truncate", True)),
     )
-    if rope_type not in ("default", "linear", "llama3"):
-        raise NotImplementedError(
-            f"rope scaling {rope_type!r} is not supported yet; supported: default, linear, llama3")
-    return rope
 
 
 def _local_rope_from_hf(raw: dict[str, Any]) -> RopeConfig | None:

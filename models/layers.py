@@ -77,24 +77,31 @@ def _rotary_angles(positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
     return positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
 
 
-def rotary_table(num_positions: int, inv_freq: np.ndarray) -> jax.Array:
-    """float32 [num_positions, 2, rotary_dim // 2]: cos and sin of each position's angles, computed as
-    `rotary_cos_sin` computes them, for it to look up instead (vLLM's cos/sin cache)."""
-    angles = _rotary_angles(jnp.arange(num_positions), inv_freq)
-    return jnp.stack([jnp.cos(angles), jnp.sin(angles)], axis=1)
+def _scaled_cos_sin(angles: jax.Array, scaling: float) -> tuple[jax.Array, jax.Array]:
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if scaling != 1.0:  # YaRN's attention factor, applied to both in float32 as transformers does
+        cos, sin = cos * jnp.float32(scaling), sin * jnp.float32(scaling)
+    return cos, sin
+
+
+def rotary_table(num_positions: int, inv_freq: np.ndarray, scaling: float = 1.0) -> jax.Array:
+    """float32 [num_positions, 2, rotary_dim // 2]: cos and sin of each position's angles (times `scaling`),
+    computed as `rotary_cos_sin` computes them, for it to look up instead (vLLM's cos/sin cache)."""
+    cos, sin = _scaled_cos_sin(_rotary_angles(jnp.arange(num_positions), inv_freq), scaling)
+    return jnp.stack([cos, sin], axis=1)
 
 
 def rotary_cos_sin(positions: jax.Array, inv_freq: np.ndarray, interleaved: bool = False,
-                   table: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                   table: jax.Array | None = None, scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
     """cos, sin float32 [T, rotary_dim]: each frequency twice, as [f0..fn, f0..fn] for the rotate-half
-    layout or [f0, f0, f1, f1, ...] for the interleaved one.
+    layout or [f0, f0, f1, f1, ...] for the interleaved one; both times `scaling` (the rope's
+    attention_scaling; a table holds it already).
 
     With a `rotary_table` the rows are looked up: computed here, XLA fuses cos and sin into every layer's
     rotation of q and k and evaluates them once per element of each (~4% of a CPU decode step).
     """
     if table is None:
-        angles = _rotary_angles(positions, inv_freq)
-        cos, sin = jnp.cos(angles), jnp.sin(angles)
+        cos, sin = _scaled_cos_sin(_rotary_angles(positions, inv_freq), scaling)
     else:
         rows = table[positions]
         cos, sin = rows[:, 0], rows[:, 1]

@@ -82,7 +82,9 @@ class LlamaForCausalLM:
                               out_dtype=jnp.float32)
         rotary_dim = config.rotary_dim or config.head_dim
         self.inv_freq = config.rope.inv_freq(rotary_dim)
+        self.rope_scaling = config.rope.attention_scaling
         self.local_inv_freq = config.local_rope.inv_freq(rotary_dim) if config.local_rope else None
+        self.local_rope_scaling = config.local_rope.attention_scaling if config.local_rope else 1.0
 
     # ---- checkpoint layout --------------------------------------------------------------------------
 
@@ -182,9 +184,9 @@ class LlamaForCausalLM:
     def precomputed(self, max_positions: int) -> dict:
         """Arrays for `forward` to read beside the weights (add them to `params`): the rotary cos/sin tables
         for positions [0, max_positions), float32 [max_positions, 2, rotary_dim / 2] each."""
-        tables = {"global": rotary_table(max_positions, self.inv_freq)}
+        tables = {"global": rotary_table(max_positions, self.inv_freq, self.rope_scaling)}
         if self.local_inv_freq is not None:
-            tables["local"] = rotary_table(max_positions, self.local_inv_freq)
+            tables["local"] = rotary_table(max_positions, self.local_inv_freq, self.local_rope_scaling)
         return {"rotary": tables}
 
     def hidden_states(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
@@ -207,10 +209,11 @@ class LlamaForCausalLM:
         if cfg.embed_scale:  # Gemma: the normaliser is rounded to the model dtype first, as transformers does
             h = h * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
         tables = params.get("rotary", {})
-        cos, sin = rotary_cos_sin(meta.positions, self.inv_freq, cfg.rotary_interleaved, tables.get("global"))
+        cos, sin = rotary_cos_sin(meta.positions, self.inv_freq, cfg.rotary_interleaved, tables.get("global"),
+                                  self.rope_scaling)
         if self.local_inv_freq is not None:
             local_cos, local_sin = rotary_cos_sin(meta.positions, self.local_inv_freq, cfg.rotary_interleaved,
-                                                  tables.get("local"))
+                                                  tables.get("local"), self.local_rope_scaling)
         k_all, v_all = kv_cache
         # Tokens from query_start[-1] on are the buckets' padding: the linear layers may skip their rows
         # (their outputs are never read).

@@ -195,3 +195,19 @@ def test_bfloat16_matches_transformers_in_bfloat16(checkpoint):
         # the bf16 rounding of the CPU's path: qwen3-qknorm met its first near tie after 112 of 192 tokens on
         # AVX-512 BF16 without AMX (and after more on AMX); every divergence is checked to be a near tie above.
         assert compared >= 0.5 * len(prompts) * MAX_NEW, f"{name}: only {compared} tokens compared before ties"
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen2-tied", "qwen3-qknorm"])
+def test_yarn_rope_matches_transformers_past_the_original_length(name, tmp_path_factory):
+    """YaRN as Qwen2.5 / Qwen3 configs spell it (factor 4 over an original 16 positions here, with a factor
+    large enough that the attention scale differs from 1): tokens past position 16 as transformers gives."""
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
+    directory = build_checkpoint(name, str(tmp_path_factory.mktemp(f"{name}-yarn")),
+                                 overrides={"rope_parameters": yarn, "max_position_embeddings": 256})
+    prompts = [p for p in _prompts(400) if len(p) > 16][:3]
+    expected = hf_greedy(directory, prompts, MAX_NEW)
+    llm, got = _generate(directory, prompts, block_size=8)
+    assert llm.engine.model_config.rope.rope_type == "yarn"
+    assert llm.engine.model_config.rope.attention_scaling > 1.1
+    assert got == expected

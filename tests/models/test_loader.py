@@ -52,8 +52,40 @@ def test_gemma3_spellings_agree():
 
 
 def test_unsupported_rope_scaling_is_a_clear_error():
-    with pytest.raises(NotImplementedError, match="yarn"):
-        model_config_from_hf({**BASE, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(NotImplementedError, match="'longrope' is not supported yet; supported: .*yarn"):
+        model_config_from_hf({**BASE, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
+
+
+YARN_CASES = {
+    "qwen": {"factor": 4.0, "original_max_position_embeddings": 32},
+    "mscale": {"factor": 8.0, "original_max_position_embeddings": 64, "mscale": 0.707, "mscale_all_dim": 0.707,
+               "beta_fast": 16, "beta_slow": 2},
+    "mscale-differs": {"factor": 40.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+                       "mscale_all_dim": 0.5},
+    "attention-factor": {"factor": 2.0, "original_max_position_embeddings": 128, "attention_factor": 1.25},
+    "untruncated": {"factor": 4.0, "original_max_position_embeddings": 32, "truncate": False},
+    "factor-from-lengths": {"factor": None, "original_max_position_embeddings": 256},  # DeepSeek-V3 style
+}
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("case", sorted(YARN_CASES))
+def test_yarn_frequencies_and_attention_factor_are_transformers(case):
+    """inv_freq and the cos/sin scale against transformers' own YaRN initialiser, from both config spellings."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    params = YARN_CASES[case]
+    hf = LlamaConfig(**{k: v for k, v in BASE.items() if k not in ("architectures", "model_type")},
+                     max_position_embeddings=1024,
+                     rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, **params})
+    want_inv_freq, want_scaling = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
+    v5 = model_config_from_hf({**BASE, "max_position_embeddings": 1024,
+                               "rope_parameters": {"rope_type": "yarn", "rope_theta": 10000.0, **params}})
+    v4 = model_config_from_hf({**BASE, "max_position_embeddings": 1024, "rope_theta": 10000.0,
+                               "rope_scaling": {"type": "yarn", **params}})
+    assert v4 == v5
+    np.testing.assert_array_equal(v5.rope.inv_freq(16), want_inv_freq.numpy())
+    assert v5.rope.attention_scaling == pytest.approx(want_scaling, rel=1e-12)
 
 
 def test_sharded_checkpoint_loads_like_single_file(tiny_model_dir, tmp_path):
