@@ -39,6 +39,8 @@ class EngineConfig:
     num_kv_blocks: int | None = _option(None, "KV cache blocks (default: from the memory budget)")
     gpu_memory_utilization: float = _option(0.9, "fraction of device memory (host memory on CPU) for weights "
                                                  "and the KV cache")
+    kv_cache_memory_bytes: int | None = _option(None, "bytes for the KV cache, instead of the default budget (on "
+                                                      "CPU: 4 GiB, or VLLM_CPU_KVCACHE_SPACE GiB)")
     max_num_seqs: int = _option(64, "most sequences per step")
     max_num_batched_tokens: int | None = _option(None, "most tokens per step (default: 2048 with chunked "
                                                        "prefill, else max(2048, max_model_len))")
@@ -144,6 +146,9 @@ class EngineConfig:
               f"num_kv_blocks must be None or an integer >= 2, got {self.num_kv_blocks!r}")
         check(0 < self.gpu_memory_utilization <= 1,
               f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        check(self.kv_cache_memory_bytes is None
+              or (isinstance(self.kv_cache_memory_bytes, int) and self.kv_cache_memory_bytes > 0),
+              f"kv_cache_memory_bytes must be None or a positive integer, got {self.kv_cache_memory_bytes!r}")
         check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1,
               f"max_num_seqs must be an integer >= 1, got {self.max_num_seqs!r}")
         check(self.max_num_batched_tokens is None

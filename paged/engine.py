@@ -69,6 +69,7 @@ class LLMEngine:
         self.devices, self.mesh = worker.devices, worker.mesh
         self.attention_name, self.linear_backend = worker.attention_name, worker.linear_backend
         self.weight_bytes, self.kv_pool_bytes = worker.weight_bytes, worker.kv_pool_bytes
+        self.kv_budget_note = worker.kv_budget_note  # how the pool's size was chosen
 
         self.tokenizer = load_tokenizer(config.tokenizer or worker.model_dir)
         eos = self.model_config.eos_token_ids

@@ -24,6 +24,25 @@ def kv_block_bytes(model_config, block_size: int, dtype) -> int:
     return 2 * c.num_layers * c.num_kv_heads * block_size * c.head_dim * np.dtype(dtype).itemsize
 
 
+# The KV pool a CPU host gets by default (vLLM's CPU backend defaults to 4 GiB as well): a CPU engine shares
+# its host with everything else, so it does not take most of the memory unless asked to.
+CPU_DEFAULT_KV_BYTES = 4 * 2**30
+
+
+def host_available_bytes() -> int:
+    """What the kernel says could be allocated without swapping: MemAvailable (free pages plus reclaimable
+    page cache), so identical runs see the same figure whatever the page cache holds; free pages where
+    /proc/meminfo is missing."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def kv_budget_bytes(memory_utilization: float, device=None) -> int:
     """Bytes available for the KV pool on `device` (default: the first), after what is already allocated
     (weights).
@@ -34,8 +53,29 @@ def kv_budget_bytes(memory_utilization: float, device=None) -> int:
     stats = (device or jax.devices()[0]).memory_stats() or {}
     if "bytes_limit" in stats:
         return int(stats["bytes_limit"] * memory_utilization) - int(stats.get("bytes_in_use", 0))
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(available * memory_utilization)
+    return int(host_available_bytes() * memory_utilization)
+
+
+def kv_budget(memory_utilization: float, memory_bytes: int | None, device) -> tuple[int, str]:
+    """The KV pool's byte budget on `device` and how it was chosen (for the start-up summary): the bytes
+    asked for; on CPU, VLLM_CPU_KVCACHE_SPACE (GiB) if set, else the smaller of CPU_DEFAULT_KV_BYTES and
+    `memory_utilization` of the host's available memory; elsewhere `memory_utilization` of device memory."""
+    if memory_bytes is not None:
+        return memory_bytes, f"kv_cache_memory_bytes={memory_bytes:,}"
+    if device.platform == "cpu":
+        space = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "").strip()
+        if space and space != "0":
+            try:
+                gib = float(space)
+            except ValueError:
+                raise ValueError(f"VLLM_CPU_KVCACHE_SPACE must be a number of GiB, got {space!r}") from None
+            return int(gib * 2**30), f"VLLM_CPU_KVCACHE_SPACE={space} GiB"
+        budget = kv_budget_bytes(memory_utilization, device)
+        if budget >= CPU_DEFAULT_KV_BYTES:
+            return CPU_DEFAULT_KV_BYTES, ("the CPU default of 4 GiB (set kv_cache_memory_bytes or "
+                                          "VLLM_CPU_KVCACHE_SPACE for another)")
+        return budget, f"{memory_utilization:g} of the host's available memory (under the CPU default of 4 GiB)"
+    return kv_budget_bytes(memory_utilization, device), f"gpu_memory_utilization={memory_utilization:g}"
 
 
 class ModelRunner:

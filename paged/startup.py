@@ -70,8 +70,8 @@ def summary(engine, seconds: float) -> str:
           f"in {engine.dtype.name}" + (f", quantization {cfg.quantization}" if cfg.quantization else ""),
         f"devices {placed}; attention backend {engine.attention_name}, linear backend {engine.linear_backend}",
         f"KV pool {usable:,} blocks x {cfg.block_size} tokens = {usable * cfg.block_size:,} "
-        f"tokens, {_mib(engine.kv_pool_bytes)} in {engine.kv_dtype.name}; prefix caching "
-        f"{'on' if cfg.enable_prefix_caching else 'off'}",
+        f"tokens, {_mib(engine.kv_pool_bytes)} in {engine.kv_dtype.name} (sized by {engine.kv_budget_note}); "
+        f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}",
         f"max_model_len {cfg.max_model_len}, max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens "
         f"{cfg.max_num_batched_tokens}",
         f"{num_shapes} step shapes, each compiled on first use (precompile() compiles them up front); "

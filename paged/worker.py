@@ -20,7 +20,7 @@ from paged.models.attention import resolve_backends
 from paged.models.config import ModelConfig
 from paged.models.loader import weight_bytes
 from paged.parallel import ShardedAttention, make_mesh, placement, replica_devices
-from paged.runner import BlockMover, ModelRunner, kv_block_bytes, kv_budget_bytes
+from paged.runner import BlockMover, ModelRunner, kv_block_bytes, kv_budget
 from paged.sampler import SamplerOutput
 
 logger = logging.getLogger(__name__)
@@ -84,21 +84,28 @@ class Worker:
         max_num_seqs full-length sequences use); on several hosts, what the tightest process holds."""
         if config.num_kv_blocks is not None:
             num_blocks = config.num_kv_blocks
+            self.kv_budget_note = f"num_kv_blocks={num_blocks}"
         else:
             per_block = kv_block_bytes(self.model_config, config.block_size, self.kv_dtype)
             if self.mesh is not None and jax.default_backend() != "cpu":
                 per_block //= config.tensor_parallel_size  # each device holds its KV heads' share of a block
             # The budget is read on one of this process's own devices (a multi-host mesh also holds others').
             local = next((d for d in self.devices if d.process_index == jax.process_index()), self.devices[0])
-            budget_blocks = kv_budget_bytes(config.gpu_memory_utilization, local) // per_block
-            num_blocks = int(min(budget_blocks, config.max_num_seqs * self.max_blocks_per_seq + 1))
+            budget, self.kv_budget_note = kv_budget(config.gpu_memory_utilization, config.kv_cache_memory_bytes,
+                                                    local)
+            budget_blocks = budget // per_block
+            full = config.max_num_seqs * self.max_blocks_per_seq + 1
+            if budget_blocks > full:
+                self.kv_budget_note += "; capped at max_num_seqs x max_model_len"
+            num_blocks = int(min(budget_blocks, full))
         if self.channel is not None:
             num_blocks = int(multihost_utils.process_allgather(np.int32(num_blocks)).min())
         if num_blocks - 1 < self.max_blocks_per_seq:
             raise ValueError(
                 f"the KV pool has {num_blocks - 1} usable blocks of {config.block_size} tokens, fewer than one "
-                f"sequence of max_model_len={config.max_model_len} needs ({self.max_blocks_per_seq}); raise "
-                "num_kv_blocks (or the memory budget) or lower max_model_len")
+                f"sequence of max_model_len={config.max_model_len} needs ({self.max_blocks_per_seq}; the pool was "
+                f"sized by {self.kv_budget_note}); raise num_kv_blocks or kv_cache_memory_bytes (or the memory "
+                "budget) or lower max_model_len")
         return num_blocks
 
     # ---- what the engine runs -------------------------------------------------------------------------

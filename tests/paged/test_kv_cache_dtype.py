@@ -6,7 +6,6 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-import paged.worker
 from paged import LLM, SamplingParams
 from tests.native import needs_compiler
 
@@ -38,9 +37,9 @@ def test_every_backend_draws_the_same_tokens_from_an_fp8_pool(tiny_model_dir, fp
     assert _fp8_tokens(tiny_model_dir, backend) == fp8_reference_tokens
 
 
-def test_fp8_pool_holds_twice_the_blocks_of_bfloat16(tiny_model_dir, monkeypatch):
-    monkeypatch.setattr(paged.worker, "kv_budget_bytes", lambda utilization, device=None: 2**22)
-    options = {**ENGINE, "num_kv_blocks": None, "max_num_seqs": 256, "max_model_len": 1024, "dtype": "bfloat16"}
+def test_fp8_pool_holds_twice_the_blocks_of_bfloat16(tiny_model_dir):
+    options = {**ENGINE, "num_kv_blocks": None, "max_num_seqs": 256, "max_model_len": 1024, "dtype": "bfloat16",
+               "kv_cache_memory_bytes": 2**22}
     bf16 = LLM(tiny_model_dir, **options).engine
     fp8 = LLM(tiny_model_dir, kv_cache_dtype="fp8", **options).engine
     assert fp8.block_manager.num_blocks == 2 * bf16.block_manager.num_blocks
