@@ -40,6 +40,10 @@ class AttentionMetadata:
       num_prefill_rows: int32 scalar; rows with more than one (prompts or prompt chunks).
       backend_data: whatever one backend alone needs, built from the fields above by its `prepare` hook on
         the host (None for backends that need nothing).
+      rope_lengths: int32 [T]; the sequence length each token's rotary frequencies follow, for the rope
+        scalings that depend on it (dynamic NTK, LongRoPE): its prompt's length while the prompt is computed,
+        its own position + 1 after, as transformers' one forward per prompt then per token gives. None for
+        every other model (no attention kernel reads it).
     """
 
     slot_mapping: Any
@@ -51,6 +55,7 @@ class AttentionMetadata:
     num_decode_rows: Any
     num_prefill_rows: Any
     backend_data: Any = None
+    rope_lengths: Any = None
 
     @classmethod
     def placeholder(cls) -> "AttentionMetadata":

@@ -14,7 +14,9 @@ if TYPE_CHECKING:
     from paged.models.quantization import WeightQuant
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
+# Rope types whose frequencies depend on the sequence's length (transformers recomputes them per forward).
+LENGTH_DEPENDENT_ROPE_TYPES = ("dynamic", "longrope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,10 +37,35 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    # Dynamic NTK: the length past which the base grows (the checkpoint's max_position_embeddings).
+    max_position_embeddings: int = 2048
+    # LongRoPE (Phi-3 128k): per-frequency divisors for sequences up to / past original_max_position_embeddings.
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+    @property
+    def length_dependent(self) -> bool:
+        """Whether a token's frequencies depend on its sequence's length (dynamic NTK, LongRoPE)."""
+        return self.rope_type in LENGTH_DEPENDENT_ROPE_TYPES
+
+    def length_class(self, prompt_len: int) -> str | None:
+        """What a prompt of this length rotates its tokens with, when that differs from the base frequencies
+        (None: the base): requests whose prompts differ here must not share cached K/V."""
+        if self.rope_type == "dynamic" and prompt_len > self.max_position_embeddings:
+            return f"dynamic:{prompt_len}"
+        if self.rope_type == "longrope" and prompt_len > self.original_max_position_embeddings:
+            return "longrope:long"
+        return None
 
     @property
     def attention_scaling(self) -> float:
-        """What cos and sin are multiplied by (1 except for YaRN)."""
+        """What cos and sin are multiplied by (1 except for YaRN and LongRoPE)."""
+        if self.rope_type == "longrope":
+            if self.attention_factor is not None:
+                return float(self.attention_factor)
+            if self.factor <= 1.0:
+                return 1.0
+            return math.sqrt(1 + math.log(self.factor) / math.log(self.original_max_position_embeddings))
         if self.rope_type != "yarn":
             return 1.0
         if self.attention_factor is not None:
@@ -52,11 +79,15 @@ class RopeConfig:
         return mscale_of(self.factor)
 
     def inv_freq(self, head_dim: int) -> np.ndarray:
-        """float32 [head_dim // 2], computed as transformers does (float32 powers of theta)."""
+        """float32 [head_dim // 2], computed as transformers does (float32 powers of theta). For a
+        length-dependent rope: the frequencies of sequences no longer than its threshold (dynamic: the base;
+        LongRoPE: the short factors); `models.layers.rotary_cos_sin_by_length` computes the others."""
         exponents = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
         inv_freq = (1.0 / (np.float32(self.theta) ** exponents)).astype(np.float32)
-        if self.rope_type == "default":
+        if self.rope_type in ("default", "dynamic"):
             return inv_freq
+        if self.rope_type == "longrope":
+            return self.longrope_inv_freq(head_dim, long=False)
         if self.rope_type == "linear":
             return (inv_freq / np.float32(self.factor)).astype(np.float32)
         if self.rope_type == "llama3":
@@ -65,6 +96,17 @@ class RopeConfig:
             return _yarn_inv_freq(self, inv_freq, head_dim)
         raise NotImplementedError(
             f"rope_type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+
+
+    def longrope_inv_freq(self, head_dim: int, long: bool) -> np.ndarray:
+        """float32 [head_dim // 2]: 1 / (factor_i * theta ** (2i / head_dim)) with the short or long factors."""
+        factors = self.long_factor if long else self.short_factor
+        if factors is None or len(factors) != head_dim // 2:
+            raise ValueError(f"longrope needs {head_dim // 2} {'long' if long else 'short'}_factor values (one per "
+                             f"rotary frequency), got {None if factors is None else len(factors)}")
+        shape = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+        return (np.float32(1.0) / (np.asarray(factors, np.float32) * np.float32(self.theta) ** shape)).astype(
+            np.float32)
 
 
 def _yarn_inv_freq(rope: RopeConfig, inv_freq: np.ndarray, dim: int) -> np.ndarray:
@@ -160,6 +202,30 @@ class ModelConfig:
     kv_head_replicas: int = 1
 
     @property
+    def rope_recompute_len(self) -> int | None:
+        """The sequence length at which a sequence recomputes all its K/V with the long frequencies (None: never).
+        Phi-3's LongRoPE does (transformers' Phi3ForCausalLM drops its cache when a sequence first reaches
+        original_max_position_embeddings + 1 tokens, so every key is rotated the long way from then on);
+        other models keep the keys they computed."""
+        if self.rope.rope_type == "longrope" and self.model_type in ("phi3", "phimoe"):
+            return self.rope.original_max_position_embeddings + 1
+        return None
+
+    @property
+    def max_context_len(self) -> int:
+        """The longest context its rope supports, as vLLM derives it: YaRN's original length x factor; linear
+        and dynamic scale max_position_embeddings by their factor; the rest (llama3, LongRoPE, Gemma 3, whose
+        configs already state the scaled length) max_position_embeddings."""
+        rope = self.rope
+        if self.local_rope is not None or rope.factor <= 1:
+            return self.max_position_embeddings
+        if rope.rope_type == "yarn":
+            return max(self.max_position_embeddings, int(rope.original_max_position_embeddings * rope.factor))
+        if rope.rope_type in ("linear", "dynamic"):
+            return int(self.max_position_embeddings * rope.factor)
+        return self.max_position_embeddings
+
+    @property
     def vocab_rows(self) -> int:
         """Rows the embedding and LM head tables hold (the vocabulary, padded under tensor parallelism)."""
         return self.padded_vocab_size or self.vocab_size
@@ -183,13 +249,17 @@ def _rope_from_hf(raw: dict[str, Any], layer_type: str = "full_attention") -> Ro
     merged = {**scaling, **params}
     theta = merged.get("rope_theta", raw.get("rope_theta", 10000.0))
     rope_type = merged.get("rope_type", merged.get("type", "default")) or "default"
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if rope_type not in (*SUPPORTED_ROPE_TYPES, "su"):
         raise NotImplementedError(
             f"rope scaling {rope_type!r} is not supported yet; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
-    original = int(merged.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192)))
+    if rope_type == "su":  # Phi-3's first spelling of LongRoPE
+        rope_type = "longrope"
+    original = int(merged.get("original_max_position_embeddings",
+                              raw.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))))
     factor = merged.get("factor")
-    if factor is None and rope_type == "yarn":  # DeepSeek-V3's spelling: the ratio of the two lengths
+    if factor is None and rope_type in ("yarn", "longrope"):  # DeepSeek-V3's, Phi-3's: the lengths' ratio
         factor = raw.get("max_position_embeddings", original) / original
+    factors = lambda key: None if merged.get(key) is None else tuple(float(f) for f in merged[key])  # noqa: E731
     optional = lambda key: None if merged.get(key) is None else float(merged[key])  # noqa: E731
     return RopeConfig(
         theta=float(theta),
@@ -204,6 +274,9 @@ def _rope_from_hf(raw: dict[str, Any], layer_type: str = "full_attention") -> Ro
         mscale_all_dim=optional("mscale_all_dim"),
         attention_factor=optional("attention_factor"),
         truncate=bool(merged.get("truncate", True)),
+        max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+        short_factor=factors("short_factor"),
+        long_factor=factors("long_factor"),
     )
 
 

@@ -110,6 +110,35 @@ def rotary_cos_sin(positions: jax.Array, inv_freq: np.ndarray, interleaved: bool
     return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
 
 
+def rotary_cos_sin_by_length(positions: jax.Array, lengths: jax.Array, rope, rotary_dim: int,
+                             interleaved: bool = False) -> tuple[jax.Array, jax.Array]:
+    """cos, sin float32 [T, rotary_dim] for a rope whose frequencies follow the sequence's length
+    (`rope.length_dependent`), per token: `lengths` int32 [T] is the length each token's frequencies follow
+    (AttentionMetadata.rope_lengths). As transformers computes them in float32:
+      dynamic NTK: base * ((factor * L / max_pos) - (factor - 1)) ** (d / (d - 2)), L at least max_pos;
+      LongRoPE: the long factors past original_max_position_embeddings, the short ones up to it, and the
+      attention factor on cos and sin.
+    """
+    exponents = jnp.arange(0, rotary_dim, 2, dtype=jnp.int32).astype(jnp.float32) / jnp.float32(rotary_dim)
+    if rope.rope_type == "dynamic":
+        length = jnp.maximum(lengths, rope.max_position_embeddings).astype(jnp.float32)
+        ratio = jnp.float32(rope.factor) * length / jnp.float32(rope.max_position_embeddings) \
+            - jnp.float32(rope.factor - 1)
+        base = jnp.float32(rope.theta) * ratio ** jnp.float32(rotary_dim / (rotary_dim - 2))
+        inv_freq = 1.0 / (base[:, None] ** exponents[None, :])
+    elif rope.rope_type == "longrope":
+        long = lengths > rope.original_max_position_embeddings
+        inv_freq = jnp.where(long[:, None], jnp.asarray(rope.longrope_inv_freq(rotary_dim, long=True)),
+                             jnp.asarray(rope.longrope_inv_freq(rotary_dim, long=False)))
+    else:
+        raise ValueError(f"rope_type {rope.rope_type!r} does not depend on the length")
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq
+    cos, sin = _scaled_cos_sin(angles, rope.attention_scaling)
+    if interleaved:
+        return jnp.repeat(cos, 2, axis=-1), jnp.repeat(sin, 2, axis=-1)
+    return jnp.concatenate([cos, cos], axis=-1), jnp.concatenate([sin, sin], axis=-1)
+
+
 def apply_rotary(x: jax.Array, cos: jax.Array, sin: jax.Array, interleaved: bool = False) -> jax.Array:
     """x: [T, heads, head_dim]; cos/sin: [T, rotary_dim]. Rotates the first rotary_dim dims of each head (the
     rest pass through): halves (GPT-NeoX layout) or adjacent pairs (GPT-J / GLM layout)."""

@@ -30,7 +30,8 @@ import jax.numpy as jnp
 
 from paged.models.attention import AttentionMetadata, ReferenceAttention
 from paged.models.config import ModelConfig
-from paged.models.layers import (Block, GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin, rotary_table,
+from paged.models.layers import (Block, GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin,
+                                 rotary_cos_sin_by_length, rotary_table,
                                  run_layers)
 from paged.models.linear import Embedding, LastHidden, Linear, tied_greedy_head
 from paged.models.moe import SparseMoE
@@ -184,7 +185,9 @@ class LlamaForCausalLM:
     def precomputed(self, max_positions: int) -> dict:
         """Arrays for `forward` to read beside the weights (add them to `params`): the rotary cos/sin tables
         for positions [0, max_positions), float32 [max_positions, 2, rotary_dim / 2] each."""
-        tables = {"global": rotary_table(max_positions, self.inv_freq, self.rope_scaling)}
+        # A length-dependent rope (dynamic NTK, LongRoPE) computes each token's cos/sin in the step instead.
+        tables = {} if self.config.rope.length_dependent else {
+            "global": rotary_table(max_positions, self.inv_freq, self.rope_scaling)}
         if self.local_inv_freq is not None:
             tables["local"] = rotary_table(max_positions, self.local_inv_freq, self.local_rope_scaling)
         return {"rotary": tables}
@@ -209,8 +212,12 @@ class LlamaForCausalLM:
         if cfg.embed_scale:  # Gemma: the normaliser is rounded to the model dtype first, as transformers does
             h = h * jnp.asarray(cfg.hidden_size ** 0.5, self.dtype)
         tables = params.get("rotary", {})
-        cos, sin = rotary_cos_sin(meta.positions, self.inv_freq, cfg.rotary_interleaved, tables.get("global"),
-                                  self.rope_scaling)
+        if cfg.rope.length_dependent:
+            cos, sin = rotary_cos_sin_by_length(meta.positions, meta.rope_lengths, cfg.rope,
+                                                cfg.rotary_dim or cfg.head_dim, cfg.rotary_interleaved)
+        else:
+            cos, sin = rotary_cos_sin(meta.positions, self.inv_freq, cfg.rotary_interleaved, tables.get("global"),
+                                      self.rope_scaling)
         if self.local_inv_freq is not None:
             local_cos, local_sin = rotary_cos_sin(meta.positions, self.local_inv_freq, cfg.rotary_interleaved,
                                                   tables.get("local"), self.local_rope_scaling)

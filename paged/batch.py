@@ -34,6 +34,8 @@ class Buckets:
     max_num_batched_tokens: int
     max_num_seqs: int
     min_tokens: int = 8
+    # Every step carries AttentionMetadata.rope_lengths (the model's rope depends on the sequence length).
+    rope_lengths: bool = False
 
     def token_sizes(self) -> list[int]:
         sizes, size = [], self.min_tokens
@@ -132,6 +134,7 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     token_ids = np.zeros(t_pad, np.int32)
     token_source = np.full(t_pad, -1, np.int32)
     positions = np.zeros(t_pad, np.int32)
+    rope_lengths = np.ones(t_pad, np.int32) if buckets.rope_lengths else None
     # Padded tokens write into the sink block and read as sequence 0 at position 0: harmless and NaN-free.
     slot_mapping = np.full(t_pad, SINK_BLOCK * block_manager.block_size, np.int32)
     token_seq_ids = np.zeros(t_pad, np.int32)
@@ -165,6 +168,9 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
             token_ids[offset + num_new - 1] = 0
             token_source[offset + num_new - 1] = request.placeholder_row
         positions[offset:offset + num_new] = np.arange(start, stop)
+        if rope_lengths is not None:  # a prompt's tokens follow its length; later ones their position + 1
+            floor = max(request.num_prompt_tokens, request.rope_length_floor)
+            rope_lengths[offset:offset + num_new] = np.maximum(floor, np.arange(start + 1, stop + 1))
         slot_mapping[offset:offset + num_new] = block_manager.slots(request, start, stop)
         token_seq_ids[offset:offset + num_new] = i
         offset += num_new
@@ -231,7 +237,8 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         attention=AttentionMetadata(slot_mapping=slot_mapping, positions=positions, token_seq_ids=token_seq_ids,
                                     page_tables=page_tables, query_start=query_start, seq_lens=seq_lens,
                                     num_decode_rows=np.asarray(sum(n == 1 for n in batch.num_new_tokens), np.int32),
-                                    num_prefill_rows=np.asarray(sum(n > 1 for n in batch.num_new_tokens), np.int32)),
+                                    num_prefill_rows=np.asarray(sum(n > 1 for n in batch.num_new_tokens), np.int32),
+                                    rope_lengths=rope_lengths),
         logits_indices=logits_indices,
         sampling=SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
                                   output_index=output_index, bias_ids=bias_ids, bias_values=bias_values,

@@ -178,12 +178,16 @@ class EngineConfig:
         check(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
               f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
 
-    def resolved(self, model_max_len: int) -> "EngineConfig":
-        """Fills max_model_len and max_num_batched_tokens from the model and each other."""
+    def resolved(self, model_max_len: int, max_position_embeddings: int | None = None) -> "EngineConfig":
+        """Fills max_model_len and max_num_batched_tokens from the model and each other. `model_max_len`: the
+        longest context the model supports (its max_position_embeddings, scaled by its rope's factor where
+        that extends it)."""
         max_model_len = self.max_model_len or model_max_len
         if max_model_len > model_max_len:
+            scaled = (f", scaled by its rope from max_position_embeddings={max_position_embeddings}"
+                      if max_position_embeddings not in (None, model_max_len) else "")
             raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings "
-                             f"({model_max_len})")
+                             f"({model_max_len}{scaled})")
         tokens = self.max_num_batched_tokens
         if tokens is None:
             # vLLM's default for its server (its offline LLM takes 4096 on CPU, 8192 on large GPUs). On the

@@ -62,7 +62,7 @@ class LLMEngine:
         builtin = builtin_model(model)  # the demo model and the tiny one are known by name, offline
         model_dir = builtin[0] if builtin else resolve_model_path(model)
         model_config = load_model_config(model_dir)
-        self.config = config = config.resolved(model_config.max_position_embeddings)
+        self.config = config = config.resolved(model_config.max_context_len, model_config.max_position_embeddings)
         self.worker = worker = Worker(model_dir, model_config, config, self.channel, show_progress)
         # What describes the engine (startup summary, metrics, benchmarks) is the worker's.
         self.model_config, self.dtype, self.kv_dtype = worker.model_config, worker.dtype, worker.kv_dtype
@@ -80,12 +80,17 @@ class LLMEngine:
                                     config.structured_outputs_any_whitespace,
                                     config.structured_outputs_additional_properties)
                     if self.tokenizer is not None else None)
-        self.inputs = InputProcessor(config, self.model_config.vocab_size, self.tokenizer, eos, grammars)
+        self.inputs = InputProcessor(config, self.model_config.vocab_size, self.tokenizer, eos, grammars,
+                                     self.model_config.rope.length_class)
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.max_num_seqs,
                                           worker.max_blocks_per_seq, config.enable_prefix_caching)
-        self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs)
+        self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs,
+                               rope_lengths=model_config.rope.length_dependent)
+        recompute_len = model_config.rope_recompute_len
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.enable_chunked_prefill, worker.mover if worker.mover.swap_blocks else None)
+                                   config.enable_chunked_prefill, worker.mover if worker.mover.swap_blocks else None,
+                                   rope_recompute=(recompute_len, model_config.rope.length_class(recompute_len))
+                                   if recompute_len is not None else None)
         # When every layer slides, blocks behind the widest window are released as sequences advance.
         windows = self.model_config.layer_windows
         release_window = max(windows) if windows and all(w > 0 for w in windows) else 0

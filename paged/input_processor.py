@@ -26,12 +26,15 @@ def load_tokenizer(path: str):
 
 class InputProcessor:
     def __init__(self, config: EngineConfig, vocab_size: int, tokenizer, eos_token_ids: tuple[int, ...],
-                 grammars: GrammarCompiler | None):
+                 grammars: GrammarCompiler | None, rope_length_class=lambda prompt_len: None):
+        """`rope_length_class(prompt_len)`: for a rope whose frequencies follow the length, what a prompt of
+        that length rotates with (None: the base frequencies); prompts that differ here share no cached K/V."""
         self.config = config
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.grammars = grammars
+        self.rope_length_class = rope_length_class
         self._seed_rng = np.random.default_rng(config.seed)  # unseeded requests' seeds
 
     def make_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -55,7 +58,7 @@ class InputProcessor:
                              f"within max_model_len={max_model_len}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string if provided")
-        root = prefix_root(cache_salt)
+        root = prefix_root(cache_salt, self.rope_length_class(len(prompt_token_ids)))
         params.check_vocab(vocab)
         if params.n > self.config.max_num_seqs:
             raise InvalidParameter("n", f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")
@@ -75,5 +78,5 @@ class InputProcessor:
             children.append(Request(child_id, prompt, [int(t) for t in prompt_token_ids], params, seed,
                                     detokenizer, self.eos_token_ids, index=index, length_limit=length_limit,
                                     grammar=self.grammars.matcher(constraint) if constraint is not None else None,
-                                    prefix_root=root, tenant=tenant))
+                                    prefix_root=root, tenant=tenant, cache_salt=cache_salt))
         return ParentRequest(request_id, children)

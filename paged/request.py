@@ -38,7 +38,7 @@ class Request:
                  params: SamplingParams, seed: int, detokenizer: IncrementalDetokenizer | None,
                  eos_token_ids: tuple[int, ...] = (), index: int = 0, parent: "ParentRequest | None" = None,
                  length_limit: int | None = None, grammar: "GrammarMatcher | None" = None,
-                 prefix_root: bytes | None = None, tenant: str | None = None):
+                 prefix_root: bytes | None = None, tenant: str | None = None, cache_salt: str | None = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -64,6 +64,10 @@ class Request:
         self.block_ids: list[int] = []
         # The prefix cache's chain of full blocks starts here (block_manager.prefix_root: covers the cache salt).
         self.prefix_root = prefix_root if prefix_root is not None else DEFAULT_ROOT
+        self.cache_salt = cache_salt
+        # Rotary frequencies follow at least this sequence length (a length-dependent rope; raised when the
+        # sequence switches to LongRoPE's long factors and recomputes its K/V).
+        self.rope_length_floor = 0
         self.block_hashes: list[bytes] = []  # chain keys of full blocks, memoised for the prefix cache
         self.num_registered_blocks = 0  # leading full blocks already offered to the prefix cache
         self.page_row: int | None = None  # this request's row of the page table while it holds blocks

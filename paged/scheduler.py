@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from paged.block_manager import BlockManager
+from paged.prefix_keys import prefix_root
 from paged.request import Request, RequestStatus
 from paged.waiting_queue import WaitingQueue
 
@@ -43,14 +44,17 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool, swapper=None):
+                 enable_chunked_prefill: bool, swapper=None, rope_recompute: tuple[int, str] | None = None):
         """`swapper` (optional) moves a request's K/V to host and back: swap_out(request) -> bool,
-        swap_in(request) after its blocks are allocated."""
+        swap_in(request) after its blocks are allocated. `rope_recompute` (length, rope class): a sequence
+        that reaches `length` tokens recomputes its K/V with the frequencies of that class (Phi-3's LongRoPE
+        switch to its long factors, ModelConfig.rope_recompute_len)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.swapper = swapper
+        self.rope_recompute = rope_recompute
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -72,6 +76,8 @@ class Scheduler:
             if request.length_limit is not None and request.num_tokens >= request.length_limit:
                 index += 1  # its token in flight is its last: it finishes once that token is read
                 continue
+            if self.rope_recompute is not None:
+                self._switch_rope(request)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, batch):
                 break  # `request` itself was preempted; everything after it already was
@@ -99,6 +105,8 @@ class Scheduler:
     def _admit(self, request: Request, budget: int) -> int:
         """Gives a waiting request its blocks; returns the tokens it computes now (0: it cannot start)."""
         bm = self.block_manager
+        if self.rope_recompute is not None:
+            self._switch_rope(request)
         if request.swapped_kv is not None:
             num_new = request.num_tokens - request.num_computed_tokens
             if num_new > budget:
@@ -122,6 +130,23 @@ class Scheduler:
             bm.prefix_queries += (request.num_tokens - 1) // bm.block_size
             bm.prefix_hits += cached // bm.block_size
         return num_new
+
+    def _switch_rope(self, request: Request) -> None:
+        """When `request` first reaches the recompute length, it forgets the K/V it computed with the short
+        frequencies (they stay in the prefix cache for others) and computes everything again from a chain of
+        the new rope class. A prompt that long was computed that way from the start."""
+        length, rope_class = self.rope_recompute
+        if request.rope_length_floor >= length or request.num_tokens < length:
+            return
+        request.rope_length_floor = length
+        if request.num_prompt_tokens >= length:
+            return
+        if request.swapped_kv is not None:
+            self.swapper.release(request)
+        self.block_manager.free(request)
+        request.num_computed_tokens = 0
+        request.prefix_root = prefix_root(request.cache_salt, rope_class)
+        request.block_hashes = []
 
     def _allocate_or_preempt(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
         """Finds blocks for `request`, preempting the newest running requests as needed."""

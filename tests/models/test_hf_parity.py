@@ -211,3 +211,49 @@ def test_yarn_rope_matches_transformers_past_the_original_length(name, tmp_path_
     assert llm.engine.model_config.rope.rope_type == "yarn"
     assert llm.engine.model_config.rope.attention_scaling > 1.1
     assert got == expected
+
+
+def _hf_one_by_one(directory, prompts):
+    # transformers' dynamic NTK keeps the longest length it has seen across generate calls (its frequencies
+    # only grow until a prompt shorter than the original length resets them): a fresh model per prompt.
+    return [hf_greedy(directory, [p], MAX_NEW)[0] for p in prompts]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name, rope, lengths", [
+    ("llama-gqa", {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}, [5, 13, 17, 40]),
+    ("phi3-fused", {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
+                    "short_factor": [1.0] * 8, "long_factor": [4.0, 8.0, 16.0, 32.0, 64.0, 64.0, 64.0, 64.0]},
+     [5, 13, 33, 40])],
+    ids=["dynamic", "longrope"])
+def test_length_dependent_rope_matches_transformers(name, rope, lengths, tmp_path_factory):
+    """Dynamic NTK (past max_position_embeddings = 32) and LongRoPE (past an original 24): short prompts whose
+    output crosses the length, and longer prompts computed in chunks of 16 tokens whose every token follows
+    the prompt's length, as transformers' one forward does."""
+    lengths_config = ({"max_position_embeddings": 32} if rope["rope_type"] == "dynamic" else
+                      # Phi3Config keeps its own top-level original length (4096 by default) over the rope's
+                      {"max_position_embeddings": 96, "original_max_position_embeddings": 24})
+    directory = build_checkpoint(name, str(tmp_path_factory.mktemp(f"{name}-{rope['rope_type']}")),
+                                 overrides={"rope_parameters": rope, **lengths_config})
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(2, 400, size=n).tolist() for n in lengths]
+    # The longest prompt's first 16 tokens under a short prompt: the same tokens, rotated another way.
+    shared = prompts[-1][:16] + rng.integers(2, 400, size=4).tolist()
+    expected = _hf_one_by_one(directory, prompts + [shared])
+    expected, expected_shared = expected[:-1], expected[-1]
+    llm, got = _generate(directory, prompts, block_size=8, max_num_batched_tokens=16, max_model_len=64,
+                         enable_prefix_caching=False)
+    assert llm.engine.model_config.rope.length_dependent
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"{name} {rope['rope_type']} prompt {i} (len {len(prompts[i])}): {g} != {e}"
+    # With the prefix cache, a second run finds the first's blocks, and only where they were rotated as it
+    # rotates them (the prompt's rope class is part of every block's key).
+    llm = LLM(directory, dtype="float32", block_size=8, max_num_batched_tokens=16, max_model_len=64,
+              show_progress=False)
+    params = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+    for run in range(2):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected, run
+    assert sum(o.num_cached_tokens for o in outputs) > 0
+    (out,) = llm.generate({"prompt_token_ids": shared}, params, use_tqdm=False)
+    assert out.outputs[0].token_ids == expected_shared

@@ -52,8 +52,8 @@ def test_gemma3_spellings_agree():
 
 
 def test_unsupported_rope_scaling_is_a_clear_error():
-    with pytest.raises(NotImplementedError, match="'longrope' is not supported yet; supported: .*yarn"):
-        model_config_from_hf({**BASE, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
+    with pytest.raises(NotImplementedError, match="'mrope' is not supported yet; supported: .*yarn, dynamic, longrope"):
+        model_config_from_hf({**BASE, "rope_scaling": {"rope_type": "mrope", "mrope_section": [2, 3, 3]}})
 
 
 YARN_CASES = {
@@ -159,3 +159,56 @@ def test_unknown_dtype_and_unreachable_hub_id(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(ValueError, match="could not be fetched"):
         load_model("some-org/not-a-real-model", show_progress=False)
+
+
+LONGROPE = {"short_factor": [1.0, 1.1, 1.2, 1.5, 2.0, 3.0, 4.0, 5.0],
+            "long_factor": [1.0, 1.3, 2.0, 4.0, 8.0, 12.0, 16.0, 20.0], "original_max_position_embeddings": 64}
+
+
+@pytest.mark.torch
+def test_longrope_frequencies_and_attention_factor_are_transformers():
+    """Phi-3's spellings (transformers 4: rope_scaling of type "su" or "longrope" with the original length at
+    the top level; 5: rope_parameters), against transformers' own LongRoPE initialiser."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    hf = LlamaConfig(**{k: v for k, v in BASE.items() if k not in ("architectures", "model_type")},
+                     max_position_embeddings=1024, rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                                                    **LONGROPE})
+    v5 = model_config_from_hf({**BASE, "max_position_embeddings": 1024,
+                               "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, **LONGROPE}})
+    top = {k: v for k, v in LONGROPE.items() if k != "original_max_position_embeddings"}
+    for kind in ("su", "longrope"):
+        v4 = model_config_from_hf({**BASE, "max_position_embeddings": 1024, "rope_theta": 10000.0,
+                                   "original_max_position_embeddings": 64, "rope_scaling": {"type": kind, **top}})
+        assert v4 == v5
+    rope = v5.rope
+    for seq_len, long in ((64, False), (65, True)):
+        want, scaling = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=seq_len)
+        np.testing.assert_array_equal(rope.longrope_inv_freq(16, long=long), want.numpy())
+        assert rope.attention_scaling == pytest.approx(scaling, rel=1e-12)
+    assert rope.length_class(64) is None and rope.length_class(65) == "longrope:long"
+    assert v5.max_context_len == 1024  # LongRoPE configs state the extended length themselves
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("length", [10, 128, 129, 500, 1000])
+def test_dynamic_ntk_frequencies_follow_the_length_as_transformers(length):
+    import jax.numpy as jnp
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from paged.models.layers import rotary_cos_sin_by_length
+    params = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0}
+    hf = LlamaConfig(**{k: v for k, v in BASE.items() if k not in ("architectures", "model_type")},
+                     max_position_embeddings=128, rope_parameters=params)
+    config = model_config_from_hf({**BASE, "max_position_embeddings": 128, "rope_parameters": params})
+    assert config.max_context_len == 512 and config.rope.length_dependent
+    import torch
+    want_inv_freq, _ = ROPE_INIT_FUNCTIONS["dynamic"](hf, "cpu", seq_len=torch.tensor(length))
+    positions = np.arange(0, length, max(1, length // 7))
+    want = positions[:, None].astype(np.float64) * want_inv_freq.numpy().astype(np.float64)[None, :]
+    cos, sin = rotary_cos_sin_by_length(jnp.asarray(positions), jnp.full(len(positions), length), config.rope, 16)
+    np.testing.assert_allclose(np.asarray(cos)[:, :8], np.cos(want), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(sin)[:, :8], np.sin(want), atol=2e-5)
+    if length <= 128:
+        np.testing.assert_array_equal(want_inv_freq.numpy(), config.rope.inv_freq(16))

@@ -21,7 +21,10 @@ def test_keys_follow_the_stated_derivation():
     # Written out with struct, independently of the numpy packing the module uses.
     root = _sha(b"paged.prefix-cache.v1")
     assert prefix_root() == root
-    assert prefix_root("tenant-a") == _sha(b"paged.prefix-cache.v1\x00tenant-a")
+    assert prefix_root("tenant-a") == _sha(b"paged.prefix-cache.v1\x00" + struct.pack("<I", 8) + b"tenant-a")
+    assert prefix_root(rope_class="longrope:long") == _sha(b"paged.prefix-cache.v1\x01" + struct.pack("<I", 13)
+                                                           + b"longrope:long")
+    assert prefix_root("a\x01\x05\x00\x00\x00") != prefix_root("a", "\x05")
     first = _sha(root + struct.pack("<4i", 1, 2, 3, 4))
     second = _sha(first + struct.pack("<4i", 5, 6, 7, 150_000))
     assert chain_key(root, [1, 2, 3, 4]) == first
