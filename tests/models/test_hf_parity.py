@@ -219,13 +219,18 @@ def _hf_one_by_one(directory, prompts):
     return [hf_greedy(directory, [p], MAX_NEW)[0] for p in prompts]
 
 
+DYNAMIC = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
+            "short_factor": [1.0] * 8, "long_factor": [4.0, 8.0, 16.0, 32.0, 64.0, 64.0, 64.0, 64.0]}
+
+
 @pytest.mark.torch
 @pytest.mark.parametrize("name, rope, lengths", [
-    ("llama-gqa", {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}, [5, 13, 17, 40]),
-    ("phi3-fused", {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 24,
-                    "short_factor": [1.0] * 8, "long_factor": [4.0, 8.0, 16.0, 32.0, 64.0, 64.0, 64.0, 64.0]},
-     [5, 13, 33, 40])],
-    ids=["dynamic", "longrope"])
+    ("llama-gqa", DYNAMIC, [5, 13, 17, 40]), ("qwen3-qknorm", DYNAMIC, [5, 17, 40]),
+    ("phi3-fused", LONGROPE, [5, 13, 33, 40]),
+    # Llama keeps the keys it computed with the short factors (only Phi-3 recomputes them): so does paged.
+    ("llama-gqa", LONGROPE, [5, 33])],
+    ids=["dynamic-llama", "dynamic-qwen3", "longrope-phi3", "longrope-llama"])
 def test_length_dependent_rope_matches_transformers(name, rope, lengths, tmp_path_factory):
     """Dynamic NTK (past max_position_embeddings = 32) and LongRoPE (past an original 24): short prompts whose
     output crosses the length, and longer prompts computed in chunks of 16 tokens whose every token follows
