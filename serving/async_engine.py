@@ -79,19 +79,22 @@ Command = Add | Abort | FailAll | Call | Wake
 
 
 class _Stream:
-    """One request's mailbox between the engine thread and the event loop, holding at most one item.
+    """One request's mailbox between the engine thread and the event loop: at most one unread output, then
+    at most one error.
 
     Outputs are cumulative (each holds everything so far), so a newer one replaces one not yet read: a
     client that reads slowly, or not at all, costs one output's memory however long it generates, and a
-    reader that catches up gets every token. An error is final and is never replaced.
+    reader that catches up gets every token. An error is final: it comes after the unread output (the
+    tokens made before a failure still reach the client), and nothing replaces it.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stall_timeout_s: float | None = None):
         self.loop = loop
         self.stall_timeout_s = stall_timeout_s
         self.on_stall = None  # called once, on the event loop, when the reader is found stalled
-        self._item = None
-        self._pending_since = 0.0  # when the unread item (if any) first became unread
+        self._output = None
+        self._error: BaseException | None = None
+        self._pending_since = 0.0  # when the unread output (if any) first became unread
         self._ready = asyncio.Event()
         self.num_replaced = 0  # outputs superseded before they were read (the reader was behind)
 
@@ -99,27 +102,35 @@ class _Stream:
         self.loop.call_soon_threadsafe(self._put, item)
 
     def _put(self, item) -> None:  # on the event loop
-        now = time.monotonic()
-        if self._item is None:
-            self._pending_since = now
-        elif isinstance(self._item, BaseException):
+        if self._error is not None:
             return
-        else:
-            self.num_replaced += 1
-            if (self.stall_timeout_s is not None and now - self._pending_since > self.stall_timeout_s
-                    and not getattr(item, "finished", True)):
-                item = StreamStalledError(
-                    f"the client read nothing of this stream for over {self.stall_timeout_s:g} s while output "
-                    "waited (--stream-stall-timeout-s): the request was aborted")
-                if self.on_stall is not None:
-                    self.on_stall()
-        self._item = item
         self._ready.set()
+        if isinstance(item, BaseException):
+            self._error = item
+            return
+        now = time.monotonic()
+        if self._output is None:
+            self._pending_since = now
+            self._output = item
+            return
+        self.num_replaced += 1
+        self._output = item
+        if (self.stall_timeout_s is not None and now - self._pending_since > self.stall_timeout_s
+                and not item.finished):
+            self._error = StreamStalledError(
+                f"the client read nothing of this stream for over {self.stall_timeout_s:g} s while output "
+                "waited (--stream-stall-timeout-s): the request was aborted")
+            if self.on_stall is not None:
+                self.on_stall()
 
     async def get(self):
         await self._ready.wait()
-        item, self._item = self._item, None
-        self._ready.clear()
+        if self._output is not None:
+            item, self._output = self._output, None
+        else:
+            item = self._error  # stays: an error is what every later read gets
+        if self._output is None and self._error is None:
+            self._ready.clear()
         return item
 
 
