@@ -101,11 +101,14 @@ class Worker:
         if self.channel is not None:
             num_blocks = int(multihost_utils.process_allgather(np.int32(num_blocks)).min())
         if num_blocks - 1 < self.max_blocks_per_seq:
+            block_bytes = kv_block_bytes(self.model_config, config.block_size, self.kv_dtype)
+            fits = (num_blocks - 1) * config.block_size
             raise ValueError(
                 f"the KV pool has {num_blocks - 1} usable blocks of {config.block_size} tokens, fewer than one "
                 f"sequence of max_model_len={config.max_model_len} needs ({self.max_blocks_per_seq}; the pool was "
-                f"sized by {self.kv_budget_note}); raise num_kv_blocks or kv_cache_memory_bytes (or the memory "
-                "budget) or lower max_model_len")
+                f"sized by {self.kv_budget_note}). One such sequence needs kv_cache_memory_bytes >= "
+                f"{(self.max_blocks_per_seq + 1) * block_bytes:,}; this pool fits max_model_len <= {fits}. Raise "
+                "num_kv_blocks or kv_cache_memory_bytes (or the memory budget) or lower max_model_len")
         return num_blocks
 
     # ---- what the engine runs -------------------------------------------------------------------------

@@ -43,7 +43,10 @@ def test_kv_cache_memory_bytes_sizes_the_pool_and_the_summary_says_so(tiny_model
                   kv_cache_memory_bytes=512 * 16 * 10, show_progress=False)
     assert llm.engine.block_manager.num_blocks == 10
     assert "sized by kv_cache_memory_bytes=81,920" in caplog.text
-    with pytest.raises(ValueError, match="sized by kv_cache_memory_bytes=8,192"):
+    # 8,192 bytes are one 16-token block, the reserved sink alone: nothing fits, and a 64-token sequence needs
+    # 4 blocks plus the sink.
+    with pytest.raises(ValueError, match=r"sized by kv_cache_memory_bytes=8,192\). One such sequence needs "
+                                         r"kv_cache_memory_bytes >= 40,960; this pool fits max_model_len <= 0"):
         LLM(tiny_model_dir, dtype="float32", block_size=16, max_model_len=64, kv_cache_memory_bytes=8192,
             show_progress=False)
     with pytest.raises(ValueError, match="kv_cache_memory_bytes must be None or a positive integer"):
