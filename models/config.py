@@ -285,7 +285,10 @@ def _local_rope_from_hf(raw: dict[str, Any]) -> RopeConfig | None:
     `rope_local_base_freq` without scaling (transformers 4)."""
     params = raw.get("rope_parameters") or {}
     if "sliding_attention" in params:
-        return _rope_from_hf(raw, "sliding_attention")
+        local = _rope_from_hf(raw, "sliding_attention")
+        if local.length_dependent:
+            raise NotImplementedError(f"a {local.rope_type!r} rope on the sliding layers is not supported yet")
+        return local
     if "rope_local_base_freq" in raw:
         return RopeConfig(theta=float(raw["rope_local_base_freq"]))
     return None
