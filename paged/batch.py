@@ -17,16 +17,9 @@ import numpy as np
 from paged.models.attention import AttentionMetadata
 from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.request import PLACEHOLDER, Request
+from paged.logit_adjustments import LogitAdjustments, RowAdjustment, build_adjustments, entries_bucket
 from paged.sampler import PROMPT_LOGPROBS_CHUNK, SamplingMetadata
-from paged.sampling_params import MIN_LOGIT_ADJUSTMENTS
 from paged.scheduler import ScheduledBatch
-
-
-def _next_power_of_two(n: int, minimum: int, maximum: int) -> int:
-    bucket = minimum
-    while bucket < n:
-        bucket *= 2
-    return min(bucket, maximum)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +27,12 @@ class Buckets:
     max_num_batched_tokens: int
     max_num_seqs: int
     min_tokens: int = 8
+    # The vocabulary, the longest sequence and the per-request limits bound how many entries a step's adjusted
+    # rows can list.
+    vocab_size: int = 0
+    max_model_len: int = 0
+    max_logit_bias_entries: int = 1024
+    max_stop_token_ids: int = 1024
     # Every step carries AttentionMetadata.rope_lengths (the model's rope depends on the sequence length).
     rope_lengths: bool = False
 
@@ -56,6 +55,28 @@ class Buckets:
         """Every (T, S) the engine can produce; what a full warm-up compiles."""
         return [(t, self.seqs(t)) for t in self.token_sizes()]
 
+    @property
+    def mask_words(self) -> int:
+        """int32 words of one row's grammar bitmask."""
+        return (self.vocab_size + 31) // 32
+
+    def adjustment_shapes(self) -> list[tuple[int, int]]:
+        """Every (R, E) of the adjusted rows (paged/logit_adjustments.py) a step can produce. A row lists at
+        most its distinct prompt and output tokens, its logit_bias entries and its banned stop ids (and never
+        more than the vocabulary); the few eos ids are within the margin."""
+        per_row = min(self.vocab_size,
+                      self.max_model_len + self.max_logit_bias_entries + self.max_stop_token_ids + 64)
+        shapes, rows = [], 1
+        while True:
+            rows = min(rows, self.max_num_seqs)
+            entries = 0
+            while entries < entries_bucket(rows * per_row):
+                entries = entries_bucket(entries + 1)
+                shapes.append((rows, entries))
+            if rows == self.max_num_seqs:
+                return shapes
+            rows *= 2
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -67,9 +88,13 @@ class StepInputs:
     attention: AttentionMetadata
     logits_indices: np.ndarray  # int32 [S]
     sampling: SamplingMetadata
+    # bool []: whether the fused step samples at all (False when every row is sampled apart).
+    sample_in_step: np.ndarray
+    # The rows sampled apart, or None (the runner runs them after the fused step, which never sees them).
+    adjustments: LogitAdjustments | None
     # int32 [P]: packed tokens whose logits give prompt logprobs, and int32 [P]: the prompt token each one
-    # predicts. P is 0 when no row asks for prompt logprobs (the shape every other step keeps), else the
-    # token bucket T rounded up to whole PROMPT_LOGPROBS_CHUNKs (one more compiled shape per bucket).
+    # predicts. P is 0 when no row asks for prompt logprobs, else the token bucket T rounded up to whole
+    # PROMPT_LOGPROBS_CHUNKs. The runner computes them after the fused step, from its normed hidden states.
     prompt_logprob_indices: np.ndarray
     prompt_logprob_targets: np.ndarray
 
@@ -150,13 +175,8 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     min_p = np.zeros(s_pad, np.float32)
     seeds = np.zeros(s_pad, np.uint32)
     output_index = np.zeros(s_pad, np.int32)
-    presence = np.zeros(s_pad, np.float32)
-    frequency = np.zeros(s_pad, np.float32)
-    repetition = np.ones(s_pad, np.float32)
     wants_logprobs = np.zeros(s_pad, bool)
-    penalty_rows: list[tuple[int, np.ndarray, np.ndarray]] = []
-    adjustment_rows: list[tuple[int, list[int], list[float]]] = []  # (row, token ids, biases)
-    constrained_rows = []  # (row, grammar) of rows whose sample is the next token of a constrained output
+    adjusted_rows: list[RowAdjustment] = []  # rows whose logits the request changes
 
     offset = 0
     row_offsets = []
@@ -187,39 +207,29 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         min_p[i] = params.min_p
         seeds[i] = request.seed
         output_index[i] = request.num_output_tokens
+        wants_logprobs[i] = params.logprobs is not None
         banned = []  # stop ids are banned until min_tokens
         if request.num_output_tokens < params.min_tokens:
             banned = [*params.stop_token_ids, *(() if params.ignore_eos else request.eos_token_ids)]
-        if params.logit_bias or banned:
-            adjustment_rows.append((i, [*params.logit_bias, *banned],
-                                    [*params.logit_bias.values(), *[-np.inf] * len(banned)]))
-        wants_logprobs[i] = params.logprobs is not None
-        if request.grammar is not None and stop == request.num_tokens:
-            constrained_rows.append((i, request.grammar))
-        if params.has_penalties:
-            presence[i], frequency[i] = params.presence_penalty, params.frequency_penalty
-            repetition[i] = params.repetition_penalty
-            penalty_rows.append((i, *_penalty_tokens(request)))
+        # Only a row whose sample is kept (not a prompt chunk before the last) is adjusted.
+        samples_next = stop == request.num_tokens
+        grammar = request.grammar if samples_next else None
+        if samples_next and (params.logit_bias or banned or params.has_penalties or grammar is not None):
+            adjusted = RowAdjustment(i, [*params.logit_bias, *banned],
+                                     [*params.logit_bias.values(), *[-np.inf] * len(banned)], grammar=grammar)
+            if params.has_penalties:
+                adjusted.penalties = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
+                adjusted.penalty_ids, adjusted.penalty_counts = _penalty_tokens(request)
+            adjusted_rows.append(adjusted)
     query_start[num_seqs + 1:] = offset
 
-    # Penalised rows list their distinct tokens; the width is a power-of-two bucket (1 when none).
-    width = _next_power_of_two(max((len(ids) for _, ids, _ in penalty_rows), default=1), 1, 1 << 30)
-    penalty_ids = np.full((s_pad, width), -1, np.int32)
-    penalty_counts = np.zeros((s_pad, width), np.int32)
-    for i, ids, counts in penalty_rows:
-        penalty_ids[i, :len(ids)] = ids
-        penalty_counts[i, :len(ids)] = counts
-    width = _next_power_of_two(max((len(ids) for _, ids, _ in adjustment_rows), default=1),
-                               MIN_LOGIT_ADJUSTMENTS, 1 << 30)
-    bias_ids = np.full((s_pad, width), -1, np.int32)
-    bias_values = np.zeros((s_pad, width), np.float32)
-    for i, ids, biases in adjustment_rows:
-        bias_ids[i, :len(ids)] = ids
-        bias_values[i, :len(ids)] = biases
-    # Masks only when some row is constrained: other steps keep the shape (and the work) they had without.
-    allowed_tokens = np.full((s_pad, constrained_rows[0][1].mask_words if constrained_rows else 0), -1, np.int32)
-    for i, grammar in constrained_rows:
-        grammar.fill_bitmask(allowed_tokens[i])
+    sampling = SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
+                                output_index=output_index, wants_logprobs=wants_logprobs)
+    adjustments = None
+    if adjusted_rows:  # sampled apart; the fused step treats them as plain greedy rows
+        adjustments = build_adjustments(adjusted_rows, sampling, buckets.max_num_seqs, buckets.mask_words)
+        rows_apart = [adj.row for adj in adjusted_rows]
+        temperature[rows_apart], wants_logprobs[rows_apart] = 0.0, False
     page_tables = np.where(has_row[:, None], block_manager.page_table[rows], SINK_BLOCK).astype(np.int32)
     num_prompt_rows = prompt_logprob_rows(t_pad) if spans else 0
     prompt_indices = np.zeros(num_prompt_rows, np.int32)
@@ -240,12 +250,9 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
                                     num_prefill_rows=np.asarray(sum(n > 1 for n in batch.num_new_tokens), np.int32),
                                     rope_lengths=rope_lengths),
         logits_indices=logits_indices,
-        sampling=SamplingMetadata(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
-                                  output_index=output_index, bias_ids=bias_ids, bias_values=bias_values,
-                                  presence_penalty=presence, frequency_penalty=frequency,
-                                  repetition_penalty=repetition, penalty_ids=penalty_ids,
-                                  penalty_counts=penalty_counts, wants_logprobs=wants_logprobs,
-                                  allowed_tokens=allowed_tokens),
+        sampling=sampling,
+        sample_in_step=np.asarray(len(adjusted_rows) < max(num_seqs, 1)),
+        adjustments=adjustments,
         prompt_logprob_indices=prompt_indices,
         prompt_logprob_targets=prompt_targets,
     )

@@ -112,6 +112,13 @@ class EngineConfig:
     structured_outputs_additional_properties: bool = _option(
         False, "JSON schemas that omit additionalProperties accept keys they do not declare, as JSON Schema "
                "reads them (default: such objects hold only their declared properties, as vLLM's default backend)")
+    # What one request may list: bounded so that one client cannot stall the others (stop strings are matched
+    # against each new piece of text) and so that every logit-adjustment shape exists at start-up (stop ids
+    # and logit_bias entries are entries of paged/logit_adjustments.py).
+    max_stop_strings: int = _option(128, "most stop strings one request may list")
+    max_stop_string_chars: int = _option(1024, "most characters in one stop string")
+    max_stop_token_ids: int = _option(1024, "most stop_token_ids one request may list")
+    max_logit_bias_entries: int = _option(1024, "most logit_bias entries one request may list")
     quantization: str | None = _option(None, "quantize online (int8 or fp8: weight-only, per output channel) or "
                                              "check the checkpoint's own quantization_config (gptq, awq, "
                                              "compressed-tensors, fp8); default: the checkpoint's")
@@ -123,6 +130,10 @@ class EngineConfig:
 
         check(self.tokenizer is None or isinstance(self.tokenizer, str),
               f"tokenizer must be None or a path or hub id, got {self.tokenizer!r}")
+        for name in ("max_stop_strings", "max_stop_string_chars", "max_stop_token_ids", "max_logit_bias_entries"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                  f"{name} must be an integer >= 1, got {value!r}")
         check(isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1,
               f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
         check(isinstance(self.data_parallel_size, int) and self.data_parallel_size >= 1,

@@ -85,7 +85,10 @@ class LLMEngine:
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.max_num_seqs,
                                           worker.max_blocks_per_seq, config.enable_prefix_caching)
         self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs,
-                               rope_lengths=model_config.rope.length_dependent)
+                               rope_lengths=model_config.rope.length_dependent,
+                               vocab_size=model_config.vocab_size, max_model_len=config.max_model_len,
+                               max_logit_bias_entries=config.max_logit_bias_entries,
+                               max_stop_token_ids=config.max_stop_token_ids)
         recompute_len = model_config.rope_recompute_len
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, worker.mover if worker.mover.swap_blocks else None,

@@ -59,6 +59,7 @@ class InputProcessor:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string if provided")
         root = prefix_root(cache_salt, self.rope_length_class(len(prompt_token_ids)))
+        params.check_limits(self.config)
         params.check_vocab(vocab)
         if params.n > self.config.max_num_seqs:
             raise InvalidParameter("n", f"n={params.n} exceeds max_num_seqs={self.config.max_num_seqs}")

@@ -15,7 +15,9 @@ from paged.batch import StepInputs
 from paged.multihost import CopyBlocks, Launch
 from paged.parallel import kv_pool_sharding, placement
 from paged.models.linear import LastHidden
-from paged.sampler import SamplerOutput, first_argmax, prompt_logprobs, sample
+from paged.logit_adjustments import LogitAdjustments, apply_entries
+from paged.sampler import (AdjustedSamples, SamplerOutput, SamplingMetadata, apply_token_mask, draw, first_argmax,
+                           no_samples, prompt_logprobs, sample)
 
 
 def kv_block_bytes(model_config, block_size: int, dtype) -> int:
@@ -96,6 +98,7 @@ class ModelRunner:
         zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool)
         self.kv_cache = (zeros(), zeros())
         self.num_compilations = 0
+        self.max_num_seqs = max_num_seqs
         # Each step's samples padded to one fixed width, so the next step's input of them has one shape; it
         # lives where the step's own samples come back (replicated under a mesh, else a second compile).
         self.no_tokens = jnp.zeros(max_num_seqs, jnp.int32)
@@ -106,28 +109,66 @@ class ModelRunner:
         self.argmax = cpu.argmax_rows_cpu if mesh is None and on_cpu and cpu.available()[0] else first_argmax
         # The pool is donated: XLA writes the new K/V into the same buffers instead of copying the pool.
         self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        # The rows a request adjusts (paged/logit_adjustments.py) in three small programs: the LM head and the
+        # grammar mask (per R), the entries (per R x E: the only product, and the cheapest to compile), the
+        # draw (per R).
+        self._adjusted_logits = jax.jit(self._adjusted_logits_impl)
+        self._apply_entries = jax.jit(self._apply_entries_impl)
+        self._draw_adjusted = jax.jit(self._draw_adjusted_impl, donate_argnums=(4,))
+        # Prompt logprobs from the step's normed hidden states (per token bucket).
+        self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl)
 
     def _step_impl(self, params, kv_cache, inputs: StepInputs, previous_tokens):
         self.num_compilations += 1  # runs only while tracing, i.e. once per new input shape
         source = inputs.token_source
         token_ids = jnp.where(source >= 0, previous_tokens[jnp.maximum(source, 0)], inputs.token_ids)
         # The LM head runs inside the sampler's branches: a plain-greedy step may take greedy_head's tokens.
-        num_prompt_rows = inputs.prompt_logprob_indices.shape[0]  # static: 0 unless a row wants them
-        indices = inputs.logits_indices
-        if num_prompt_rows:  # the prompt positions' hidden states come out of the same final norm
-            indices = jnp.concatenate([indices, inputs.prompt_logprob_indices])
-        last, kv_cache = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention, indices,
-                                                  self.attention)
-        if num_prompt_rows:
-            num_seqs = inputs.logits_indices.shape[0]
-            prompt_hidden, last = last.h[num_seqs:], LastHidden(last.h[:num_seqs], last.live_rows)
-        out = sample(lambda: self.model.logits(params, last), inputs.sampling, self.argmax,
-                     self.model.greedy_head(params, last))
-        if num_prompt_rows:
-            head = lambda h: self.model.logits(params, LastHidden(h, jnp.int32(h.shape[0])))
-            out = dataclasses.replace(out, prompt=prompt_logprobs(head, prompt_hidden,
-                                                                  inputs.prompt_logprob_targets))
-        return kv_cache, out, self.no_tokens.at[:out.tokens.shape[0]].set(out.tokens)
+        # Every packed token's hidden state comes out of the same final norm as the sampled rows' (a norm is
+        # cheap beside the layers): prompt logprobs read theirs from it in a program of their own, so no
+        # request option gives this step another shape.
+        num_seqs, num_tokens = inputs.logits_indices.shape[0], token_ids.shape[0]
+        indices = jnp.concatenate([inputs.logits_indices, jnp.arange(num_tokens, dtype=jnp.int32)])
+        normed, kv_cache = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention, indices,
+                                                    self.attention)
+        last, token_hidden = LastHidden(normed.h[:num_seqs], normed.live_rows), normed.h[num_seqs:]
+        # Rows sampled apart still pass through here as plain greedy rows; a step of nothing else skips it.
+        out = jax.lax.cond(inputs.sample_in_step,
+                           lambda: sample(lambda: self.model.logits(params, last), inputs.sampling, self.argmax,
+                                          self.model.greedy_head(params, last)),
+                           lambda: no_samples(num_seqs))
+        # The sampled rows' final hidden states at the fixed width, for the adjusted rows' own LM head.
+        hidden = jnp.zeros((self.max_num_seqs, last.h.shape[1]), last.h.dtype).at[:num_seqs].set(last.h)
+        return kv_cache, out, self.no_tokens.at[:num_seqs].set(out.tokens), hidden, token_hidden
+
+    def _prompt_logprobs_impl(self, params, token_hidden, indices, targets):
+        self.num_compilations += 1
+        head = lambda h: self.model.logits(params, LastHidden(h, jnp.int32(h.shape[0])))
+        return prompt_logprobs(head, jnp.take(token_hidden, indices, axis=0, mode="clip"), targets)
+
+    def _adjusted_logits_impl(self, params, hidden, rows, num_rows, allowed_tokens):
+        self.num_compilations += 1
+        h = jnp.take(hidden, rows, axis=0, mode="clip")
+        return apply_token_mask(self.model.logits(params, LastHidden(h, num_rows)), allowed_tokens)
+
+    def _apply_entries_impl(self, masked, adjustments: LogitAdjustments):
+        self.num_compilations += 1
+        return apply_entries(masked, adjustments)
+
+    def _draw_adjusted_impl(self, adjusted, masked, meta: SamplingMetadata, rows, tokens):
+        self.num_compilations += 1
+        samples = draw(adjusted, masked, meta, self.argmax)
+        return samples, tokens.at[rows].set(samples.tokens, mode="drop")
+
+    def sample_adjusted(self, hidden, tokens, adjustments: LogitAdjustments) -> tuple[AdjustedSamples, jax.Array]:
+        """Samples a step's adjusted rows from its padded hidden states; writes their tokens into the step's
+        padded tokens (what the next step reads)."""
+        a = adjustments
+        masked = self._adjusted_logits(self.params, hidden, a.rows, a.num_rows, a.allowed_tokens)
+        adjusted = self._apply_entries(masked, a)
+        samples, tokens = self._draw_adjusted(adjusted, masked, a.sampling, a.rows, tokens)
+        if tokens.sharding != self.no_tokens.sharding:  # the next step's input keeps its one placement
+            tokens = jax.device_put(tokens, self.no_tokens.sharding)
+        return AdjustedSamples(a.rows, samples), tokens
 
     def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None = None
                ) -> tuple[SamplerOutput, jax.Array]:
@@ -140,8 +181,18 @@ class ModelRunner:
         if self.publish is not None:
             self.publish(Launch(inputs, previous_tokens is not None))
         previous = self.no_tokens if previous_tokens is None else previous_tokens
-        inputs = dataclasses.replace(inputs, attention=self.attention.prepare(inputs.attention))
-        self.kv_cache, out, tokens = self._step(self.params, self.kv_cache, inputs, previous)
+        adjustments, prompt_indices, prompt_targets = (inputs.adjustments, inputs.prompt_logprob_indices,
+                                                       inputs.prompt_logprob_targets)
+        # The fused step never sees what a request asks for beyond per-row values: those shapes are their own.
+        inputs = dataclasses.replace(inputs, attention=self.attention.prepare(inputs.attention), adjustments=None,
+                                     prompt_logprob_indices=None, prompt_logprob_targets=None)
+        self.kv_cache, out, tokens, hidden, token_hidden = self._step(self.params, self.kv_cache, inputs, previous)
+        if prompt_indices.shape[0]:
+            out = dataclasses.replace(out, prompt=self._prompt_logprobs(self.params, token_hidden, prompt_indices,
+                                                                        prompt_targets))
+        if adjustments is not None:
+            adjusted, tokens = self.sample_adjusted(hidden, tokens, adjustments)
+            out = dataclasses.replace(out, adjusted=adjusted)
         return out, tokens
 
     def pool_is_intact(self) -> bool:
@@ -157,8 +208,8 @@ class ModelRunner:
 
     @staticmethod
     def fetch(out: SamplerOutput) -> SamplerOutput:
-        """Waits for a launched step; its sampler output as host numpy arrays."""
-        return jax.tree.map(np.asarray, out)
+        """Waits for a launched step; its sampler output as host numpy arrays, adjusted rows in place."""
+        return jax.tree.map(np.asarray, out).merged()
 
     def run(self, inputs: StepInputs) -> SamplerOutput:
         """Runs one step and waits for it; returns the sampler's output as host numpy arrays."""

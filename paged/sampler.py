@@ -1,24 +1,23 @@
 """Token sampling on device, fused into the jitted step so only token ids (and requested logprobs) return.
 
-Each row carries its own temperature, filters, penalties and seed; a row's random key is its seed folded
-with the number of tokens it has generated, so its samples do not depend on what else shares the batch (or
-on preemption, which recomputes but does not re-sample).
+Each row carries its own temperature, filters and seed; a row's random key is its seed folded with the number
+of tokens it has generated, so its samples do not depend on what else shares the batch (or on preemption,
+which recomputes but does not re-sample).
 
-Order of operations on a row's logits (vLLM's): the structured-output mask (tokens the row's grammar does not
-allow next go to -inf), logit biases (logit_bias, and -inf for the stop ids that
-min_tokens holds back), penalties (repetition, then frequency and presence), then greedy argmax or
-temperature -> min_p -> top_k -> top_p -> draw. Logprobs report the model's raw distribution (log-softmax of
-the logits before any of that, the grammar's mask aside), as vLLM does by default.
+Order of operations on a row's logits (vLLM's): the structured-output mask, logit biases and penalties (rows
+that ask for any of these are sampled apart: paged/logit_adjustments.py), then greedy argmax or temperature
+-> min_p -> top_k -> top_p -> draw. Logprobs report the model's raw distribution (log-softmax of the logits
+before any of that, the grammar's mask aside), as vLLM does by default.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged.sampling_params import MAX_LOGPROBS  # top logprobs per token the step can return
 
@@ -35,15 +34,7 @@ class SamplingMetadata:
       min_p: float32 [S]; 0 disables.
       seeds: uint32 [S]; the request's seed.
       output_index: int32 [S]; how many tokens the request has generated (folded into its key).
-      bias_ids: int32 [S, B]; token ids whose logits get `bias_values` added, -1 = unused.
-      bias_values: float32 [S, B]; logit_bias entries, and -inf for ids min_tokens bans.
-      presence_penalty, frequency_penalty, repetition_penalty: float32 [S] (0, 0, 1 disable).
-      penalty_ids: int32 [S, W]; distinct tokens of the row's prompt and output, -1 = unused.
-      penalty_counts: int32 [S, W]; how often each of them occurs in the output so far.
       wants_logprobs: bool [S]; whether the row asked for logprobs.
-      allowed_tokens: int32 [S, ceil(V / 32)] packed bitmask (bit i % 32 of word i // 32: token i allowed),
-        -1 words for unconstrained rows; int32 [S, 0] when no row of the step is constrained (no mask pass,
-        and the one compiled shape such steps have always had).
     """
 
     temperature: jax.Array
@@ -52,15 +43,7 @@ class SamplingMetadata:
     min_p: jax.Array
     seeds: jax.Array
     output_index: jax.Array
-    bias_ids: jax.Array
-    bias_values: jax.Array
-    presence_penalty: jax.Array
-    frequency_penalty: jax.Array
-    repetition_penalty: jax.Array
-    penalty_ids: jax.Array
-    penalty_counts: jax.Array
     wants_logprobs: jax.Array
-    allowed_tokens: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -81,7 +64,8 @@ class PromptLogprobs:
 class SamplerOutput:
     """tokens int32 [S]; token_logprobs float32 [S] and token_ranks int32 [S] of the sampled tokens;
     top_ids int32 [S, MAX_LOGPROBS] and top_logprobs float32 [S, MAX_LOGPROBS] (zeros unless requested);
-    prompt: the step's prompt logprobs, None when no row asked for them."""
+    prompt: the step's prompt logprobs, None when no row asked for them; adjusted: the samples of the rows
+    sampled apart (paged/logit_adjustments.py), None when there were none. `merged()` puts them in place."""
 
     tokens: jax.Array
     token_logprobs: jax.Array
@@ -89,22 +73,31 @@ class SamplerOutput:
     top_ids: jax.Array
     top_logprobs: jax.Array
     prompt: PromptLogprobs | None = None
+    adjusted: AdjustedSamples | None = None
+
+    def merged(self) -> SamplerOutput:
+        """On host arrays: the adjusted rows' samples written over the fused step's (which sampled them as
+        plain greedy rows, or not at all)."""
+        if self.adjusted is None:
+            return self
+        rows = np.asarray(self.adjusted.rows)
+        real = rows < len(self.tokens)
+        fields = {}
+        for name in ("tokens", "token_logprobs", "token_ranks", "top_ids", "top_logprobs"):
+            values = np.array(getattr(self, name))
+            values[rows[real]] = np.asarray(getattr(self.adjusted.samples, name))[real]
+            fields[name] = values
+        return SamplerOutput(**fields, prompt=self.prompt)
 
 
-def apply_penalties(logits: jax.Array, meta: SamplingMetadata) -> jax.Array:
-    """OpenAI/vLLM semantics: repetition divides positive (multiplies negative) logits of tokens seen in the
-    prompt or output; frequency subtracts count x penalty and presence subtracts the penalty once, for tokens
-    in the output."""
-    rows = jnp.arange(logits.shape[0])[:, None]
-    valid = meta.penalty_ids >= 0
-    ids = jnp.where(valid, meta.penalty_ids, 0)
-    seen = logits[rows, ids]
-    rep = meta.repetition_penalty[:, None]
-    penalised = jnp.where(seen > 0, seen / rep, seen * rep)
-    counts = meta.penalty_counts.astype(jnp.float32)
-    penalised -= counts * meta.frequency_penalty[:, None] + (counts > 0) * meta.presence_penalty[:, None]
-    drop = jnp.where(valid, ids, logits.shape[-1])  # out of range -> dropped
-    return logits.at[rows, drop].set(penalised, mode="drop")
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class AdjustedSamples:
+    """rows int32 [R]: the batch row of each adjusted row (padding rows hold max_num_seqs); samples: their
+    SamplerOutput of [R]."""
+
+    rows: jax.Array
+    samples: SamplerOutput
 
 
 def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
@@ -219,32 +212,29 @@ def sample(logits: jax.Array | Callable[[], jax.Array], meta: SamplingMetadata,
            greedy: Callable[[], jax.Array] | None = None) -> SamplerOutput:
     """Picks one token per row from float32 logits [S, V].
 
-    A step where every row is plain greedy (no penalties, biases or logprobs) only takes the argmax:
-    the full path's first change to the logits copies them (the raw ones stay live for logprobs), and on CPU
-    that copy and the passes over it were 1.5-6% of a decode step. `argmax`: `first_argmax` (the default) or
-    a kernel with its semantics (the runner passes the native CPU one on a single CPU device).
+    A step where every row is plain greedy (no temperature, no logprobs) only takes the argmax: the full path
+    keeps the raw logits live for logprobs beside the filtered ones, and on CPU that copy and the passes over
+    it were 1.5-6% of a decode step. `argmax`: `first_argmax` (the default) or a kernel with its semantics
+    (the runner passes the native CPU one on a single CPU device).
 
     `logits` may be a function computing them, and `greedy` a function giving the plain-greedy tokens without
     them (the LM head's fused argmax, `LlamaForCausalLM.greedy_head`): then a plain-greedy step never computes
-    the logits. A step with a constrained row (its mask applies before the argmax) always does.
+    the logits.
     """
     argmax = argmax or first_argmax
     compute = logits if callable(logits) else (lambda: logits)
-    if meta.allowed_tokens.shape[1]:  # static: some row of this step is constrained
-        unmasked, greedy = compute, None
-        compute = lambda: apply_token_mask(unmasked(), meta.allowed_tokens)
-    plain_greedy = ~(jnp.any(meta.temperature > 0) | _needs_penalty(meta) | jnp.any(meta.bias_ids >= 0)
-                     | jnp.any(meta.wants_logprobs))
+    plain_greedy = ~(jnp.any(meta.temperature > 0) | jnp.any(meta.wants_logprobs))
     if greedy is None:
-        return jax.lax.cond(plain_greedy, functools.partial(_greedy, argmax=argmax),
-                            functools.partial(_sample_full, argmax=argmax), compute(), meta)
+        return jax.lax.cond(plain_greedy, lambda l, m: SamplerOutput(argmax(l), *_no_logprobs(l.shape[0])),
+                            lambda l, m: draw(l, l, m, argmax), compute(), meta)
     rows = meta.temperature.shape[0]
     return jax.lax.cond(plain_greedy, lambda m: SamplerOutput(greedy(), *_no_logprobs(rows)),
-                        lambda m: _sample_full(compute(), m, argmax), meta)
+                        lambda m: (lambda l: draw(l, l, m, argmax))(compute()), meta)
 
 
-def _needs_penalty(meta: SamplingMetadata) -> jax.Array:
-    return jnp.any((meta.presence_penalty != 0) | (meta.frequency_penalty != 0) | (meta.repetition_penalty != 1))
+def no_samples(num_rows: int) -> SamplerOutput:
+    """What a step whose every row is sampled apart returns from the fused sampler."""
+    return SamplerOutput(jnp.zeros(num_rows, jnp.int32), *_no_logprobs(num_rows))
 
 
 def _no_logprobs(num_rows: int):
@@ -252,17 +242,10 @@ def _no_logprobs(num_rows: int):
             jnp.zeros((num_rows, MAX_LOGPROBS), jnp.int32), jnp.zeros((num_rows, MAX_LOGPROBS), jnp.float32))
 
 
-def _greedy(logits: jax.Array, meta: SamplingMetadata, argmax) -> SamplerOutput:
-    del meta
-    return SamplerOutput(argmax(logits), *_no_logprobs(logits.shape[0]))
-
-
-def _sample_full(logits: jax.Array, meta: SamplingMetadata, argmax) -> SamplerOutput:
-    raw_logits = logits
-    rows = jnp.arange(logits.shape[0])[:, None]
-    biased = jnp.where(meta.bias_ids >= 0, meta.bias_ids, logits.shape[-1])  # out of range -> dropped
-    logits = logits.at[rows, biased].add(meta.bias_values, mode="drop")  # adds up an id listed twice
-    logits = jax.lax.cond(_needs_penalty(meta), lambda l: apply_penalties(l, meta), lambda l: l, logits)
+def draw(logits: jax.Array, raw_logits: jax.Array, meta: SamplingMetadata, argmax=None) -> SamplerOutput:
+    """Greedy or random tokens from `logits` [S, V] (after any adjustment), and logprobs of `raw_logits` (the
+    distribution they report) where asked."""
+    argmax = argmax or first_argmax
     greedy_tokens = argmax(logits)
 
     def random_tokens(logits):

@@ -10,19 +10,8 @@ from paged.structured_outputs import StructuredOutputsParams
 # Must match paged.sampler.MAX_LOGPROBS (kept here so validating params does not import jax).
 MAX_LOGPROBS = 20
 
-# Stop ids that `min_tokens` must keep out of the sample and `logit_bias` entries reach the device as one
-# row of (token id, bias) per request, MIN_LOGIT_ADJUSTMENTS wide unless a step needs more (then a power of
-# two, one compiled shape per width), so the common case never changes the step's shapes.
-MIN_LOGIT_ADJUSTMENTS = 16
 # OpenAI's range for a bias; vLLM's server enforces the same.
 MAX_LOGIT_BIAS = 100.0
-# Bounds a step's (id, bias) row width, hence how many step shapes logit_bias can compile.
-MAX_LOGIT_BIAS_ENTRIES = 1024
-# Work per generated token stays bounded whatever a request lists: stop ids are a set, and min_tokens bans
-# them through the same (id, bias) row as logit_bias; stop strings are searched in each new piece of text.
-MAX_STOP_TOKEN_IDS = 1024
-MAX_STOP_STRINGS = 128
-MAX_STOP_STRING_CHARS = 1024
 
 
 class InvalidParameter(ValueError):
@@ -115,12 +104,6 @@ class SamplingParams:
               f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         check(all(isinstance(s, str) and s for s in self.stop),
               f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}")
-        check(len(self.stop) <= MAX_STOP_STRINGS,
-              f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
-        check(all(len(s) <= MAX_STOP_STRING_CHARS for s in self.stop if isinstance(s, str)),
-              f"stop strings may be at most {MAX_STOP_STRING_CHARS} characters long each")
-        check(len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS,
-              f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
               f"stop_token_ids must be non-negative integers, got {self.stop_token_ids[:8]!r}")
         check(_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
@@ -132,8 +115,6 @@ class SamplingParams:
               f"{self.repetition_penalty!r}")
         check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS),
               f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        check(len(self.logit_bias) <= MAX_LOGIT_BIAS_ENTRIES,
-              f"logit_bias may hold at most {MAX_LOGIT_BIAS_ENTRIES} entries, got {len(self.logit_bias)}")
         for token, bias in self.logit_bias.items():
             check(isinstance(token, int) and not isinstance(token, bool) and token >= 0,
                   f"logit_bias keys must be non-negative token ids, got {token!r}")
@@ -149,6 +130,23 @@ class SamplingParams:
               or (isinstance(self.prompt_logprobs, int) and not isinstance(self.prompt_logprobs, bool)
                   and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
               f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}")
+
+    def check_limits(self, config) -> None:
+        """Raises InvalidParameter where the request lists more than the engine's limits (`EngineConfig`'s
+        max_stop_strings, max_stop_string_chars, max_stop_token_ids, max_logit_bias_entries) allow."""
+        def within(field: str, count: int, limit: int, what: str, flag: str) -> None:
+            if count > limit:
+                raise InvalidParameter(field, f"{field} may hold at most {limit} {what}, got {count} "
+                                              f"(the server's --{flag} raises the limit)")
+        within("stop", len(self.stop), config.max_stop_strings, "strings", "max-stop-strings")
+        longest = max((len(s) for s in self.stop), default=0)
+        if longest > config.max_stop_string_chars:
+            raise InvalidParameter("stop", f"stop strings may be at most {config.max_stop_string_chars} characters "
+                                           f"long each, got one of {longest} (the server's --max-stop-string-chars "
+                                           "raises the limit)")
+        within("stop_token_ids", len(self.stop_token_ids), config.max_stop_token_ids, "ids", "max-stop-token-ids")
+        within("logit_bias", len(self.logit_bias), config.max_logit_bias_entries, "entries",
+               "max-logit-bias-entries")
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raises InvalidTokenIds if stop_token_ids or logit_bias name ids outside [0, vocab_size)."""

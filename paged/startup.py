@@ -84,7 +84,9 @@ def log_summary(engine, seconds: float) -> None:
     logger.info("%s", summary(engine, seconds))
 
 
-def log_precompiled(num_shapes: int, seconds: float, hits: int, misses: int, cache_dir: str | None) -> None:
-    source = (f"{hits} loaded from the compilation cache, {misses} compiled" if cache_dir
+def log_precompiled(num_shapes: int, num_sampling_shapes: int, seconds: float, hits: int, misses: int,
+                    cache_dir: str | None) -> None:
+    source = (f"{hits} programs loaded from the compilation cache, {misses} compiled" if cache_dir
               else "no persistent compilation cache")
-    logger.info("precompiled %d step shapes in %.1f s (%s)", num_shapes, seconds, source)
+    logger.info("precompiled %d step shapes and %d shapes of adjusted sampling in %.1f s (%s)", num_shapes,
+                num_sampling_shapes, seconds, source)

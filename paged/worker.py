@@ -4,6 +4,7 @@ replay of the leader's operations. The engine above it only schedules and proces
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -13,8 +14,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from paged import multihost, startup
-from paged.batch import Buckets, StepInputs, padding_inputs
+from paged.batch import Buckets, StepInputs, padding_inputs, prompt_logprob_rows
 from paged.config import KV_CACHE_DTYPES, EngineConfig
+from paged.logit_adjustments import build_adjustments
 from paged.models import get_attention_backend, load_model
 from paged.models.attention import resolve_backends
 from paged.models.config import ModelConfig
@@ -134,15 +136,26 @@ class Worker:
 
     def precompile(self, buckets: Buckets, block_manager, cache_dir: str | None, show_progress: bool = False
                    ) -> None:
-        """Compiles every (tokens, seqs) bucket ahead of traffic by running all-padding steps."""
+        """Compiles every (tokens, seqs) bucket ahead of traffic by running all-padding steps, each with its
+        prompt logprobs, and every (rows, entries) shape of the rows a request adjusts
+        (paged/logit_adjustments.py) on empty rows."""
         from paged.models.progress import progress
         shapes = buckets.all_shapes()
+        adjustment_shapes = buckets.adjustment_shapes()
         started, (hits, misses) = time.perf_counter(), startup.compilation_cache_counts()
         for t_pad, _ in progress(shapes, desc="Compiling", disable=not show_progress):
-            self.runner.run(padding_inputs(block_manager, buckets, t_pad))
+            padding = padding_inputs(block_manager, buckets, t_pad)
+            prompt_rows = np.zeros(prompt_logprob_rows(t_pad), np.int32)
+            self.runner.run(dataclasses.replace(padding, prompt_logprob_indices=prompt_rows,
+                                                prompt_logprob_targets=prompt_rows))
+        step = padding_inputs(block_manager, buckets, shapes[0][0])
+        for num_rows, num_entries in progress(adjustment_shapes, desc="Compiling sampling", disable=not show_progress):
+            adjustments = build_adjustments([], step.sampling, buckets.max_num_seqs, buckets.mask_words,
+                                            num_rows, num_entries)
+            self.runner.run(dataclasses.replace(step, adjustments=adjustments))
         now_hits, now_misses = startup.compilation_cache_counts()
-        startup.log_precompiled(len(shapes), time.perf_counter() - started, now_hits - hits, now_misses - misses,
-                                cache_dir)
+        startup.log_precompiled(len(shapes), len(adjustment_shapes), time.perf_counter() - started,
+                                now_hits - hits, now_misses - misses, cache_dir)
 
     # ---- several hosts --------------------------------------------------------------------------------
 

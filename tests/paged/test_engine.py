@@ -89,7 +89,10 @@ def test_no_compilation_after_warmup(tiny_model_dir):
 
     llm.engine.precompile()
     warm = llm.engine.num_compilations
-    assert warm == len(llm.engine.buckets.all_shapes())
+    # Per step shape, the step and its prompt logprobs; for the adjusted rows, the LM head and the draw per
+    # row count and the entries per (rows, entries) shape.
+    adjusted = llm.engine.buckets.adjustment_shapes()
+    assert warm == 2 * len(llm.engine.buckets.all_shapes()) + 2 * len({r for r, _ in adjusted}) + len(adjusted)
     traffic([1, 3, 16, 7, 2, 11, 16, 5])
     assert llm.engine.num_compilations == warm, "steady traffic must not trigger compilation"
     assert _all_blocks_free(llm.engine)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged.sampler import SamplingMetadata, filter_logits, first_argmax, sample
+from paged.logit_adjustments import RowAdjustment, apply_entries, build_adjustments, sample_adjusted
+from paged.sampler import AdjustedSamples, SamplerOutput, SamplingMetadata, filter_logits, first_argmax, sample
 
 
 def numpy_filtered_probs(logits, temperature, top_k, top_p, min_p):
@@ -56,32 +60,56 @@ def test_filtered_distribution_matches_float64_reference(seed):
 
 def _meta(n, temperature, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_index=None, banned=None,
           presence=0.0, frequency=0.0, repetition=1.0, penalty_ids=None, penalty_counts=None, logprobs=False,
-          bias_ids=None, bias_values=None, allowed_tokens=None):
-    """`banned` [n, B] ids become -inf biases; `bias_ids`/`bias_values` [n, B] are passed as they are."""
+          bias_ids=None, bias_values=None):
+    """(SamplingMetadata, the rows' adjustments). `banned` [n, B] ids become -inf biases; `bias_ids` /
+    `bias_values` [n, B] are passed as they are (-1 ids unused); `penalty_ids` / `penalty_counts` [n, W]
+    (-1 ids unused) apply to rows whose presence, frequency or repetition is set."""
     full = lambda v, dtype: jnp.full((n,), v, dtype)
     if banned is not None:
         bias_ids, bias_values = banned, np.where(np.asarray(banned) >= 0, -np.inf, 0.0)
-    if bias_ids is None:
-        bias_ids, bias_values = -np.ones((n, 4)), np.zeros((n, 4))
-    return SamplingMetadata(
+    meta = SamplingMetadata(
         temperature=full(temperature, jnp.float32), top_k=full(top_k, jnp.int32), top_p=full(top_p, jnp.float32),
         min_p=full(min_p, jnp.float32),
         seeds=jnp.asarray(seeds if seeds is not None else np.arange(n), jnp.uint32),
         output_index=jnp.asarray(output_index if output_index is not None else np.zeros(n), jnp.int32),
-        bias_ids=jnp.asarray(bias_ids, jnp.int32), bias_values=jnp.asarray(bias_values, jnp.float32),
-        presence_penalty=jnp.asarray(np.broadcast_to(presence, (n,)), jnp.float32),
-        frequency_penalty=jnp.asarray(np.broadcast_to(frequency, (n,)), jnp.float32),
-        repetition_penalty=jnp.asarray(np.broadcast_to(repetition, (n,)), jnp.float32),
-        penalty_ids=jnp.asarray(penalty_ids if penalty_ids is not None else -np.ones((n, 1)), jnp.int32),
-        penalty_counts=jnp.asarray(penalty_counts if penalty_counts is not None else np.zeros((n, 1)), jnp.int32),
-        wants_logprobs=full(logprobs, bool),
-        allowed_tokens=jnp.asarray(allowed_tokens if allowed_tokens is not None else np.zeros((n, 0)), jnp.int32))
+        wants_logprobs=full(logprobs, bool))
+    presence, frequency, repetition = (np.broadcast_to(v, (n,)) for v in (presence, frequency, repetition))
+    rows = []
+    for r in range(n):
+        ids = [] if bias_ids is None else [int(i) for i in np.asarray(bias_ids)[r] if i >= 0]
+        values = [] if bias_ids is None else [float(v) for i, v in zip(np.asarray(bias_ids)[r],
+                                                                       np.asarray(bias_values)[r]) if i >= 0]
+        adj = RowAdjustment(r, ids, values)
+        if presence[r] != 0 or frequency[r] != 0 or repetition[r] != 1:
+            used = np.asarray(penalty_ids)[r] >= 0
+            adj.penalties = (float(presence[r]), float(frequency[r]), float(repetition[r]))
+            adj.penalty_ids = np.asarray(penalty_ids)[r][used]
+            adj.penalty_counts = np.asarray(penalty_counts)[r][used]
+        if adj.bias_ids or adj.penalty_ids is not None:
+            rows.append(adj)
+    return meta, rows
+
+
+def sample_all(logits, spec) -> SamplerOutput:
+    """As a step samples: rows with adjustments apart (logit_adjustments.sample_adjusted on their gathered
+    logits), every other row in the fused sampler; the adjusted rows' samples merged in."""
+    meta, rows = spec
+    logits = jnp.asarray(logits)
+    if not rows:
+        return sample(logits, meta)
+    host = jax.tree.map(np.asarray, meta)
+    n = logits.shape[0]
+    adj = build_adjustments(rows, host, n, (logits.shape[1] + 31) // 32)
+    fused = sample(logits, meta)
+    apart = sample_adjusted(jnp.take(logits, jnp.asarray(adj.rows), axis=0, mode="clip"),
+                            jax.tree.map(jnp.asarray, adj))
+    return jax.tree.map(np.asarray, dataclasses.replace(fused, adjusted=AdjustedSamples(adj.rows, apart))).merged()
 
 
 def test_top_k_one_equals_greedy():
     logits = jnp.asarray(np.random.default_rng(0).normal(size=(16, 100)), jnp.float32)
-    greedy = sample(logits, _meta(16, 0.0)).tokens
-    top1 = sample(logits, _meta(16, 1.5, top_k=1)).tokens
+    greedy = sample_all(logits, _meta(16, 0.0)).tokens
+    top1 = sample_all(logits, _meta(16, 1.5, top_k=1)).tokens
     np.testing.assert_array_equal(np.asarray(greedy), np.argmax(np.asarray(logits), -1))
     np.testing.assert_array_equal(np.asarray(top1), np.asarray(greedy))
 
@@ -92,7 +120,7 @@ def test_samples_follow_the_distribution():
     row = rng.normal(size=8).astype(np.float32)
     n = 4000
     logits = jnp.asarray(np.tile(row, (n, 1)))
-    tokens = np.asarray(sample(logits, _meta(n, 1.0, seeds=np.full(n, 7), output_index=np.arange(n))).tokens)
+    tokens = np.asarray(sample_all(logits, _meta(n, 1.0, seeds=np.full(n, 7), output_index=np.arange(n))).tokens)
     freq = np.bincount(tokens, minlength=8) / n
     probs = np.exp(row - row.max()) / np.exp(row - row.max()).sum()
     assert np.abs(freq - probs).max() < 0.03, (freq, probs)
@@ -102,13 +130,13 @@ def test_row_key_depends_only_on_its_seed_and_index():
     rng = np.random.default_rng(4)
     logits = rng.normal(size=(8, 50)).astype(np.float32)
     seeds = rng.integers(0, 2**32, size=8)
-    a = np.asarray(sample(jnp.asarray(logits), _meta(8, 1.0, seeds=seeds)).tokens)
+    a = np.asarray(sample_all(logits, _meta(8, 1.0, seeds=seeds)).tokens)
     # Same row 3 in a different batch (other rows changed, different position): same token.
     other = rng.normal(size=(4, 50)).astype(np.float32)
     other[1] = logits[3]
     other_seeds = rng.integers(0, 2**32, size=4)
     other_seeds[1] = seeds[3]
-    b = np.asarray(sample(jnp.asarray(other), _meta(4, 1.0, seeds=other_seeds)).tokens)
+    b = np.asarray(sample_all(other, _meta(4, 1.0, seeds=other_seeds)).tokens)
     assert a[3] == b[1]
 
 
@@ -117,7 +145,7 @@ def test_banned_ids_are_never_sampled():
     logits[:, 4] = 50.0  # overwhelmingly likely, and the greedy pick
     banned = np.array([[4, -1, -1, -1], [-1, -1, -1, -1]])
     for temperature in (0.0, 1.0):
-        tokens = np.asarray(sample(jnp.asarray(logits), _meta(2, temperature, banned=banned)).tokens)
+        tokens = np.asarray(sample_all(logits, _meta(2, temperature, banned=banned)).tokens)
         assert tokens[0] != 4 and tokens[1] == 4
 
 
@@ -134,11 +162,11 @@ def test_logit_bias_shifts_greedy_and_sampled_tokens_as_float64_numpy():
         for i, v in zip(ids[r], values[r]):
             if i >= 0:
                 biased[r, i] += v
-    greedy = np.asarray(sample(jnp.asarray(logits), _meta(3, 0.0, bias_ids=ids, bias_values=values)).tokens)
+    greedy = np.asarray(sample_all(logits, _meta(3, 0.0, bias_ids=ids, bias_values=values)).tokens)
     np.testing.assert_array_equal(greedy, np.argmax(biased, axis=-1))
     assert greedy[1] != 0  # banned, whatever else was added
     n = 4000
-    tokens = np.asarray(sample(jnp.asarray(np.tile(logits[2], (n, 1))),
+    tokens = np.asarray(sample_all(np.tile(logits[2], (n, 1)),
                                _meta(n, 1.0, seeds=np.full(n, 3), output_index=np.arange(n),
                                      bias_ids=np.tile(ids[2], (n, 1)), bias_values=np.tile(values[2], (n, 1)))).tokens)
     probs = np.exp(biased[2] - biased[2].max())
@@ -157,12 +185,11 @@ def test_logit_bias_applies_before_penalties():
         want[i] = want[i] / rep if want[i] > 0 else want[i] * rep
     meta = _meta(1, 0.0, bias_ids=ids, bias_values=values, repetition=rep, penalty_ids=np.array([[0, 2]]),
                  penalty_counts=np.zeros((1, 2)), logprobs=True)
-    out = sample(jnp.asarray(logits), meta)
+    out = sample_all(logits, meta)
     assert int(np.asarray(out.tokens)[0]) == int(np.argmax(want))  # token 1: 0.5 beats 0.4 and -4.0
 
 
 def test_penalties_match_numpy_reference():
-    from paged.sampler import apply_penalties
     rng = np.random.default_rng(5)
     n, vocab = 3, 30
     logits = rng.normal(scale=2.0, size=(n, vocab)).astype(np.float32)
@@ -181,15 +208,17 @@ def test_penalties_match_numpy_reference():
             x = x / repetition[r] if x > 0 else x * repetition[r]
             c = output[r].count(t)
             want[r, t] = x - c * frequency[r] - (c > 0) * presence[r]
-    got = apply_penalties(jnp.asarray(logits), _meta(n, 1.0, presence=presence, frequency=frequency,
-                                                       repetition=repetition, penalty_ids=ids, penalty_counts=counts))
+    _, rows = _meta(n, 1.0, presence=presence, frequency=frequency, repetition=repetition, penalty_ids=ids,
+                    penalty_counts=counts)
+    adj = build_adjustments(rows, jax.tree.map(np.asarray, _meta(n, 1.0)[0]), n, 1)
+    got = apply_entries(jnp.asarray(logits), jax.tree.map(jnp.asarray, adj))
     np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=1e-6)
 
 
 def test_logprobs_are_the_raw_log_softmax():
     rng = np.random.default_rng(6)
     logits = rng.normal(scale=2.0, size=(4, 50)).astype(np.float32)
-    out = sample(jnp.asarray(logits), _meta(4, 0.7, logprobs=True, repetition=1.5,
+    out = sample_all(logits, _meta(4, 0.7, logprobs=True, repetition=1.5,
                                              penalty_ids=np.tile(np.arange(8), (4, 1)),
                                              penalty_counts=np.ones((4, 8))))
     x = logits.astype(np.float64)
@@ -227,7 +256,7 @@ def test_greedy_rows_agree_on_the_plain_and_full_paths():
     rng = np.random.default_rng(7)
     logits = rng.normal(size=(4, 50)).astype(np.float32)
     want = np.argmax(logits, axis=-1)
-    plain = sample(jnp.asarray(logits), _meta(4, 0.0))
+    plain = sample_all(logits, _meta(4, 0.0))
     np.testing.assert_array_equal(np.asarray(plain.tokens), want)
     assert not np.asarray(plain.token_logprobs).any() and not np.asarray(plain.top_ids).any()
     banned = -np.ones((4, 4))
@@ -236,6 +265,6 @@ def test_greedy_rows_agree_on_the_plain_and_full_paths():
                   _meta(4, 0.0, repetition=np.array([1.0, 1.0, 1.0, 1.2]), penalty_ids=np.full((4, 1), want[3]),
                         penalty_counts=np.ones((4, 1))),
                   _meta(4, 0.0, logprobs=True)):
-        np.testing.assert_array_equal(np.asarray(sample(jnp.asarray(logits), mixed).tokens)[:3], want[:3])
-    full = sample(jnp.asarray(logits), _meta(4, 0.0, banned=banned))
+        np.testing.assert_array_equal(np.asarray(sample_all(logits, mixed).tokens)[:3], want[:3])
+    full = sample_all(logits, _meta(4, 0.0, banned=banned))
     assert np.asarray(full.tokens)[3] != want[3]

@@ -4,6 +4,7 @@ many shapes came from the persistent compilation cache."""
 from __future__ import annotations
 
 import json
+import re
 import logging
 import os
 import subprocess
@@ -76,10 +77,11 @@ def test_precompile_says_which_shapes_came_from_the_cache(tiny_model_dir, tmp_pa
     summaries = [line for line in lines if line.startswith("engine ready")]
     assert len(summaries) == 2 and all(f"compiled steps are kept in {tmp_path / 'xla'}" in s for s in summaries)
     shapes = len(Buckets(16, 4).all_shapes())
-    assert precompiled[0].startswith(f"precompiled {shapes} step shapes") and "0 loaded from the compilation cache" \
-        in precompiled[0], precompiled
-    # The second engine compiles the same programs: every shape is a hit.
-    assert f"{shapes} loaded from the compilation cache, 0 compiled" in precompiled[1], precompiled
+    assert precompiled[0].startswith(f"precompiled {shapes} step shapes and "), precompiled
+    compiled = int(re.search(r"0 programs loaded from the compilation cache, (\d+) compiled", precompiled[0])[1])
+    assert compiled > shapes, precompiled  # the step shapes and the adjusted sampling's programs
+    # The second engine compiles the same programs: every one is a hit.
+    assert f"{compiled} programs loaded from the compilation cache, 0 compiled" in precompiled[1], precompiled
     # The default handler prints the summary to stderr (a script that configured no logging still sees it).
     assert done.stderr.count("engine ready in") == 2
 

@@ -207,7 +207,7 @@ def test_lone_surrogates_are_a_400(server, path, body, where):
 
 
 @pytest.mark.parametrize("body, field, message", [
-    ({"stop": ["x"] * 129}, "stop", "at most 128 strings"),
+    ({"stop": ["x"] * 129}, "stop", "at most 128 strings, got 129 (the server's --max-stop-strings raises"),
     ({"stop": "y" * 1025}, "stop", "at most 1024 characters"),
     ({"stop_token_ids": list(range(1025))}, "stop_token_ids", "at most 1024 ids"),
 ])
