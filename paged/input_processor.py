@@ -50,12 +50,12 @@ class InputProcessor:
         vocab, max_model_len = self.vocab_size, self.config.max_model_len
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if len(prompt_token_ids) >= max_model_len:  # first: a cheap refusal for a huge prompt
+            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
+                             f"within max_model_len={max_model_len}")
         if not all(isinstance(t, (int, np.integer)) and 0 <= t < vocab for t in prompt_token_ids):
             bad = next(t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab))
             raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
-        if len(prompt_token_ids) >= max_model_len:
-            raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
-                             f"within max_model_len={max_model_len}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string if provided")
         root = prefix_root(cache_salt, self.rope_length_class(len(prompt_token_ids)))

@@ -252,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
-    kinds = ["throughput", "serve", "memory", "device_memory", "kv_cache_dtype", "kernels", "matmul"]
+    kinds = ["throughput", "serve", "soak", "memory", "device_memory", "kv_cache_dtype", "kernels", "matmul"]
     bench = sub.add_parser("bench", help=f"benchmarks: {', '.join(kinds)} (flags after the kind)")
     bench.add_argument("kind", choices=kinds)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help of each)")

@@ -39,7 +39,7 @@ async def completions(body: CompletionRequest, raw: Request, state: State):
     prompt = body.prompt
     if isinstance(prompt, str):
         prompts = [(prompt, None)]
-    elif prompt and all(isinstance(p, int) for p in prompt):
+    elif prompt and isinstance(prompt[0], int):  # validated as one of the four shapes: the first tells which
         prompts = [(None, list(prompt))]
     elif prompt:
         prompts = [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompt]
