@@ -115,6 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
     from paged.serving.async_engine import AsyncEngine
     from paged.serving.metrics import EngineMetrics
     from paged.serving.app import build_app
+    from paged.serving.connections import header_deadline_protocol
     from paged.serving.state import ServerLimits
     from paged.sampling_params import MAX_LOGPROBS
     from paged import multihost
@@ -180,7 +181,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace_s,
-                            timeout_keep_alive=args.timeout_keep_alive)
+                            timeout_keep_alive=args.timeout_keep_alive,
+                            http=header_deadline_protocol(args.header_timeout_s))
     logging.getLogger("uvicorn.access").addFilter(RedactQuerySecrets())  # after Config has set up logging
     server.append(GracefulServer(config))
     server[0].run()
@@ -246,6 +248,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "waits (0: never; default 60)")
     serve.add_argument("--timeout-keep-alive", type=int, default=5,
                        help="close an idle keep-alive connection after this many seconds (uvicorn's; default 5)")
+    serve.add_argument("--header-timeout-s", type=float, default=30.0,
+                       help="close a connection whose request headers have not all arrived this many seconds "
+                            "after it opened, or after its previous response (0: never; default 30)")
     serve.add_argument("--precompile", action="store_true",
                        help="compile every step shape before serving (the default; --enforce-eager turns it off)")
     serve.add_argument("--shutdown-grace-s", type=int, default=30)

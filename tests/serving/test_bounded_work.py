@@ -17,7 +17,7 @@ import pytest
 from tests.serving.server_fixture import Server
 
 FLAGS = ["--block-size", "16", "--max-model-len", "1024", "--max-num-seqs", "16", "--max-reply-logprobs", "340000",
-         "--stream-stall-timeout-s", "1"]
+         "--stream-stall-timeout-s", "1", "--header-timeout-s", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +168,54 @@ def test_a_batch_whose_client_leaves_stops_being_submitted(server):
                                                                  "max_tokens": 1}, timeout=30)
     assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "prompt"
     assert "--max-prompts-per-request" in too_many.json()["error"]["message"]
+
+
+def _closed_by_server(sock: socket.socket, drip: bytes, within: float) -> float | None:
+    """Sends `drip` a byte every 0.1 s; the seconds until the server closed the connection, or None when it
+    was still open after `within` seconds."""
+    start = time.monotonic()
+    sock.settimeout(0.1)
+    for byte in drip:
+        if time.monotonic() - start > within:
+            return None
+        try:
+            sock.sendall(bytes([byte]))
+            if sock.recv(1024) == b"":
+                return time.monotonic() - start
+        except socket.timeout:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            return time.monotonic() - start
+    return None
+
+
+def test_a_connection_whose_headers_never_finish_is_closed(server):
+    """Slowloris: request headers a byte at a time, on a new connection and after a first response on a
+    kept-alive one, are cut at --header-timeout-s (1 s here); a connection that sends nothing too. Requests
+    whose headers arrive in time are untouched, however long they then run."""
+    host, port = "127.0.0.1", server.port
+    drip = b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"X-Slow: " + b"a" * 200
+    with socket.create_connection((host, port)) as sock:
+        closed_after = _closed_by_server(sock, drip, within=5)
+    assert closed_after is not None and 0.8 < closed_after < 3, closed_after
+    with socket.create_connection((host, port)) as sock:  # opened, then silent
+        sock.settimeout(5)
+        start = time.monotonic()
+        assert sock.recv(1024) == b"" and time.monotonic() - start < 3
+    with socket.create_connection((host, port)) as sock:  # one request in time, then a slow second one
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.settimeout(5)
+        assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+        closed_after = _closed_by_server(sock, drip, within=5)
+    assert closed_after is not None and closed_after < 3, closed_after
+    # A request that lasts longer than the deadline once its headers are in still completes.
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 20, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as reply:
+        lines = reply.iter_lines()
+        first = next(lines)
+        time.sleep(1.5)
+        rest = [line for line in lines if line]
+    assert first.startswith("data: ") and rest[-1] == "data: [DONE]"
 
 
 def test_credentials_in_a_query_string_never_reach_the_access_log(server):
