@@ -182,7 +182,8 @@ def _openapi(app: FastAPI) -> dict:
 
 def build_app(engine: AsyncEngine | ReplicatedEngine, served_model_name: str, metrics: EngineMetrics | None = None,
               api_keys: list[ApiKey] | None = None, model_path: str | None = None,
-              limits: ServerLimits = ServerLimits(), tool_call_parser: str | None = None) -> FastAPI:
+              limits: ServerLimits = ServerLimits(), tool_call_parser: str | None = None,
+              reasoning_parser: str | None = None) -> FastAPI:
     """The app starts the engine thread on startup and stops it (aborting what is left) on shutdown.
 
     `api_keys`: none, an open server; otherwise every route but OPEN_ROUTES needs one of them, and each key's
@@ -202,7 +203,8 @@ def build_app(engine: AsyncEngine | ReplicatedEngine, served_model_name: str, me
         engine.stop()
 
     app = FastAPI(title="paged", version="0.1.0", lifespan=lifespan)
-    app.state.paged = ServerState(engine, served_model_name, metrics, keys, model_path, limits, tool_call_parser)
+    app.state.paged = ServerState(engine, served_model_name, metrics, keys, model_path, limits, tool_call_parser,
+                                  reasoning_parser)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)

@@ -11,11 +11,12 @@ from fastapi import Request
 from paged import SamplingParams
 from paged.serving.errors import APIError
 from paged.serving.generation import (admit, chat_token_ids, check_model, check_options, check_reply_size,
-                                      check_room, compile_constraint, constraint_field, counted,
+                                      check_room, compile_constraint, constraint_field, counted, prompt_tail,
                                       refuse_unimplemented, run_to_completion, sampling_params, submit_all, usage)
 from paged.serving.json_body import json_reply
 from paged.serving.logprobs import chat_logprobs, prompt_logprobs_json
 from paged.serving.protocol import ChatCompletionRequest, message_dicts, non_text_part
+from paged.serving.reasoning import REASONING_PARSERS, ReasoningStream
 from paged.serving.sse import EventStream, StreamedChoices, merged, sse
 from paged.serving.state import ServerState, State, key_name
 from paged.serving.tool_calls import (PARSERS, ToolCallStream, constrained_calls, functions_of, tool_choice_mode,
@@ -53,15 +54,17 @@ class ToolSetup:
     parser: object | None  # auto's parser
     tools: list | None  # for the chat template
 
-    def message(self, completion) -> tuple[dict, str | None]:
-        """The assistant message of a finished choice, and its finish_reason."""
+    def message(self, completion, text: str | None = None) -> tuple[dict, str | None]:
+        """The assistant message of a finished choice, and its finish_reason. `text`: the answer, where it is
+        not the whole output (a reasoning parser took the thinking out)."""
+        text = completion.text if text is None else text
         if self.mode in ("required", "named"):
-            calls = constrained_calls(self.mode, self.name, completion.text)
-            content = None if calls else completion.text
+            calls = constrained_calls(self.mode, self.name, text)
+            content = None if calls else text
         elif self.mode == "auto":
-            content, calls = self.parser.parse(completion.text)
+            content, calls = self.parser.parse(text)
         else:
-            return {"role": "assistant", "content": completion.text}, completion.finish_reason
+            return {"role": "assistant", "content": text}, completion.finish_reason
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [call.as_dict() for call in calls]
@@ -102,6 +105,9 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
         err.param = "messages" if err.param and err.param.startswith("prompt") else err.param
         raise
     k = body.top_logprobs or 0
+    reasoning = REASONING_PARSERS.get(state.reasoning_parser)
+    # Whether the output begins inside the thinking: the parser's rule, or the prompt's own open <think>.
+    inside = reasoning is not None and reasoning.opens_in(await prompt_tail(state, ids))
 
     if not body.stream:
         (output,) = await run_to_completion(streams, raw)
@@ -109,7 +115,11 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
         def reply() -> dict:  # in a worker (serving/json_body.py)
             choices = []
             for c in output.outputs:
-                message, finish_reason = tools.message(c)
+                split = reasoning.split(c.text, inside, final=True) if reasoning is not None else None
+                message, finish_reason = tools.message(c, split.content if split is not None else None)
+                if split is not None and split.reasoning is not None:
+                    message["reasoning_content"] = split.reasoning
+                    message["content"] = message["content"] or None  # the thinking alone: no answer yet
                 choices.append({"index": c.index, "message": message,
                                 "logprobs": chat_logprobs(c, 0, len(c.token_ids), k) if body.logprobs else None,
                                 "finish_reason": finish_reason, "stop_reason": c.stop_reason})
@@ -124,6 +134,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     async def events():
         tracker = StreamedChoices(params)
         tool_streams = {i: ToolCallStream(tools.mode, tools.name, tools.parser) for i in range(params.n)}
+        thinking = {i: ReasoningStream(reasoning, inside) for i in range(params.n)} if reasoning else {}
         include_usage = body.include_usage_in_stream()
         base = {"id": request_id, "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": served_model_name}
@@ -141,6 +152,17 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
                 sent = tracker.sent_text.get(c.index, 0)
                 text, start, end = tracker.delta(c.index, c, finished)
                 finish_reason = c.finish_reason
+                answer, answer_ready = c.text, sent + len(text)  # the answer so far; how much of it may go
+                if reasoning is not None:  # the thinking goes out as reasoning_content, the rest as the answer
+                    thought, text = thinking[c.index].delta(c.text[:sent + len(text)], finished)
+                    answer = thinking[c.index].answer
+                    answer_ready = len(answer)
+                    if thought:
+                        yield sse({**base, "choices": [{
+                            "index": c.index, "delta": {"reasoning_content": thought},
+                            "logprobs": chat_logprobs(c, start, end, k) if body.logprobs else None,
+                            "finish_reason": None}], **extra})
+                        start = end  # these tokens' logprobs went with the thinking
                 if tools.mode == "none":
                     if text or start != end:
                         yield sse({**base, "choices": [{
@@ -149,7 +171,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
                             "finish_reason": None}], **extra})
                 else:
                     stream = tool_streams[c.index]
-                    for delta in stream.deltas(c.text, sent + len(text), finished):
+                    for delta in stream.deltas(answer, answer_ready, finished):
                         yield sse({**base, "choices": [{"index": c.index, "delta": delta, "logprobs": None,
                                                          "finish_reason": None}], **extra})
                     if finished and stream.calls and finish_reason != "length":

@@ -15,6 +15,7 @@ import time
 from paged.models.builtin import DEFAULT_MODEL
 from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
 from paged.serving.api_keys import parse_api_keys
+from paged.serving.reasoning import REASONING_PARSERS
 from paged.serving.tool_calls import TOOL_CALL_PARSERS
 from paged.serving.vllm_flags import add_vllm_flags, check_vllm_flags
 
@@ -163,7 +164,8 @@ def _serve(args: argparse.Namespace) -> int:
                           max_logprobs=args.max_logprobs, max_prompts_per_request=args.max_prompts_per_request,
                           max_reply_logprobs=args.max_reply_logprobs)
     app = build_app(async_engine, name, metrics, api_keys=api_keys, model_path=model, limits=limits,
-                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None)
+                    tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
+                    reasoning_parser=args.reasoning_parser)
     # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to the grace period,
     # then the app's shutdown aborts whatever is left.
     class GracefulServer(uvicorn.Server):
@@ -235,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="let the model decide when to call tools (tool_choice auto); needs --tool-call-parser")
     serve.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
                        help="how tool calls are found in the text of tool_choice=auto outputs")
+    serve.add_argument("--reasoning-parser", choices=sorted(REASONING_PARSERS), default=None,
+                       help="separate a reasoning model's thinking (<think>...</think>) into reasoning_content")
     serve.add_argument("--max-logprobs", type=int, default=20,
                        help="top logprobs a request may ask for per token (logprobs, top_logprobs, "
                             "prompt_logprobs; at most 20)")

@@ -210,6 +210,13 @@ async def chat_token_ids(state: ServerState, messages: list[dict], chat_template
         raise APIError(400, str(exc), param="messages") from None
 
 
+async def prompt_tail(state: ServerState, ids: list[int], tokens: int = 16) -> str:
+    """The text of a prompt's last tokens (whether a chat template left a <think> block open)."""
+    if state.tokenizer is None or not ids:
+        return ""
+    return await state.in_worker(state.tokenizer.decode, ids[-tokens:])
+
+
 def _prompt_param(prompts: list, index: int) -> str:
     """Which prompt an error names: `prompt`, or `prompt[i]` in a batch."""
     return "prompt" if len(prompts) == 1 else f"prompt[{index}]"

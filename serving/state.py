@@ -47,6 +47,7 @@ class ServerState:
     model_path: str | None = None
     limits: ServerLimits = ServerLimits()
     tool_call_parser: str | None = None  # finds calls in tool_choice=auto outputs; None: auto is refused
+    reasoning_parser: str | None = None  # separates a reasoning model's thinking (serving/reasoning.py)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     # Tokenization and chat templates run here, off the event loop and the engine thread.
     workers: ThreadPoolExecutor = dataclasses.field(

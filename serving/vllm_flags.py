@@ -21,6 +21,8 @@ ACCEPTED = {
     "--disable-frontend-multiprocessing": (False, "the server and the engine share one process here"),
     "--load-format": (True, "checkpoints load from safetensors"),
     "--device": (True, "jax chooses the platform (JAX_PLATFORMS picks one)"),
+    "--enable-reasoning": (False, "reasoning is separated whenever --reasoning-parser is given (as in vLLM "
+                                  "since it dropped this flag)"),
 }
 
 # flag -> (takes a value, the value that is fine, why others are refused)

@@ -1,0 +1,182 @@
+"""Reasoning parsers: the whole-reply split, and streamed deltas that add up to it however the text is cut."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from paged.serving.reasoning import REASONING_PARSERS, ReasoningStream
+
+# (output text, begins inside the thinking) -> (reasoning, content) per parser
+CASES = [
+    ("<think>step one\nstep two</think>\n\nThe answer is 4.", False,
+     {"deepseek_r1": ("step one\nstep two", "\n\nThe answer is 4."),
+      "qwen3": ("step one\nstep two", "\n\nThe answer is 4.")}),
+    ("step one</think>The answer", False,  # R1's template opened the block; Qwen3 without one: all answer
+     {"deepseek_r1": ("step one", "The answer"), "qwen3": (None, "step one</think>The answer")}),
+    ("step one</think>The answer", True,  # a Qwen3 Thinking template opened the block
+     {"deepseek_r1": ("step one", "The answer"), "qwen3": ("step one", "The answer")}),
+    ("still thinking when max_tokens ran out", False,
+     {"deepseek_r1": ("still thinking when max_tokens ran out", ""),
+      "qwen3": (None, "still thinking when max_tokens ran out")}),
+    ("<think>cut short", False, {"deepseek_r1": ("cut short", ""), "qwen3": ("cut short", "")}),
+    ("<think></think>{\"a\": 1}", False, {"deepseek_r1": ("", "{\"a\": 1}"), "qwen3": ("", "{\"a\": 1}")}),
+    ("a < b and </t is not a marker</think>ok", True,
+     {"deepseek_r1": ("a < b and </t is not a marker", "ok"), "qwen3": ("a < b and </t is not a marker", "ok")}),
+    ("<thinking is not the marker", False,
+     {"deepseek_r1": ("<thinking is not the marker", ""), "qwen3": (None, "<thinking is not the marker")}),
+    ("", False, {"deepseek_r1": ("", ""), "qwen3": (None, "")}),
+]
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("text, inside, want", CASES, ids=range(len(CASES)))
+def test_a_whole_reply_splits_at_the_markers(name, text, inside, want):
+    parser = REASONING_PARSERS[name]
+    split = parser.split(text, parser.starts_inside or inside, final=True)
+    assert (split.reasoning, split.content) == want[name]
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+@pytest.mark.parametrize("text, inside, want", CASES, ids=range(len(CASES)))
+def test_streamed_deltas_add_up_to_the_whole_split_however_the_text_is_cut(name, text, inside, want):
+    parser = REASONING_PARSERS[name]
+    rng = random.Random(len(text))
+    cuts = [sorted(rng.sample(range(1, len(text)), min(k, max(len(text) - 1, 0)))) for k in (1, 3, 8, 40)]
+    cuts.append(list(range(1, len(text))))  # a character at a time: every marker arrives split
+    for points in cuts:
+        stream = ReasoningStream(parser, parser.starts_inside or inside)
+        reasoning, content = "", ""
+        for end in [*points, len(text)]:
+            r, c = stream.delta(text[:end], final=end == len(text))
+            reasoning, content = reasoning + r, content + c
+            assert "<think>" not in reasoning + content or "<think>" in want[name][1]
+            assert "</think>" not in reasoning
+        assert (reasoning if want[name][0] is not None else None, content) == want[name], points
+
+
+def test_a_block_the_prompt_opened_is_seen_from_the_prompt():
+    qwen3 = REASONING_PARSERS["qwen3"]
+    assert qwen3.opens_in("<|im_start|>assistant\n<think>\n")
+    assert not qwen3.opens_in("<|im_start|>assistant\n")
+    assert not qwen3.opens_in("<think>old</think> answer<|im_start|>assistant\n")
+    assert REASONING_PARSERS["deepseek_r1"].opens_in("anything")
+
+
+class _ScriptedStream:
+    """A request's cumulative outputs: the script's pieces one at a time, then finished."""
+
+    def __init__(self, request_id, ids, pieces):
+        self.request_id, self.ids, self.pieces = request_id, ids, pieces
+        self.finished, self.on_done, self._sent = False, None, 0
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        from paged.outputs import CompletionOutput, RequestOutput
+        if self._sent == len(self.pieces):
+            raise StopAsyncIteration
+        self._sent += 1
+        done = self._sent == len(self.pieces)
+        text = "".join(self.pieces[:self._sent])
+        self.finished = done
+        return RequestOutput(self.request_id, None, self.ids,
+                             [CompletionOutput(0, text, list(range(3, 3 + self._sent)), "stop" if done else None)],
+                             done)
+
+    def close(self):
+        pass
+
+
+class _ScriptedEngine:
+    """What the chat route reads of an engine, answering every request with the same pieces of text (a
+    reasoning model's reply without the model)."""
+
+    started, alive, grammars = True, True, None
+
+    def __init__(self, tokenizer, pieces):
+        self.tokenizer, self.pieces = tokenizer, pieces
+        self.config = type("Config", (), {"max_model_len": 512, "max_num_seqs": 4})()
+        self.model_config = type("ModelConfig", (), {"vocab_size": len(tokenizer)})()
+
+    async def submit(self, request_id, prompt, ids, params, cache_salt=None, tenant=None):
+        return _ScriptedStream(request_id, ids, self.pieces)
+
+    def start(self):
+        pass
+
+    def stop(self):
+        pass
+
+
+PIECES = ["<th", "ink>Let me", " think.</th", "ink>\n\nThe answer", " is 4."]
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+def test_chat_replies_carry_the_thinking_apart_streamed_or_not(tiny_model_dir, name):
+    import asyncio
+    import json
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    from paged.serving.app import build_app
+
+    engine = _ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), PIECES)
+    app = build_app(engine, "tiny", reasoning_parser=name)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "2 + 2?"}], "max_tokens": 50}
+
+    async def ask(stream: bool):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as client:
+            return await client.post("/v1/chat/completions", json={**body, "stream": stream})
+
+    whole = asyncio.run(ask(False))
+    assert whole.status_code == 200, whole.text
+    message = whole.json()["choices"][0]["message"]
+    assert message["reasoning_content"] == "Let me think." and message["content"] == "\n\nThe answer is 4."
+    streamed = asyncio.run(ask(True))
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in streamed.text.splitlines()
+              if line.startswith("data: {") and json.loads(line[6:])["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "Let me think."
+    assert "".join(d.get("content", "") for d in deltas) == "\n\nThe answer is 4."
+    assert not any("<th" in d.get("content", "") + d.get("reasoning_content", "") for d in deltas)
+
+
+def test_without_a_parser_the_thinking_stays_in_the_content(tiny_model_dir):
+    import asyncio
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    from paged.serving.app import build_app
+
+    app = build_app(_ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), PIECES), "tiny")
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as client:
+            return await client.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": "2 + 2?"}], "max_tokens": 50})
+
+    message = asyncio.run(ask()).json()["choices"][0]["message"]
+    assert message["content"] == "".join(PIECES) and "reasoning_content" not in message
+
+
+def test_paged_serve_takes_the_flag_and_vllms_old_one(tiny_model_dir):
+    """The flag reaches the chat route: DeepSeek-R1's template opens the block, so a model that never closes
+    it (this random one) answers with thinking only."""
+    import httpx
+
+    from tests.serving.server_fixture import Server
+
+    server = Server(tiny_model_dir, "--reasoning-parser", "deepseek_r1", "--enable-reasoning",
+                    "--max-model-len", "128")
+    try:
+        reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        message = reply.json()["choices"][0]["message"]
+        assert message["content"] is None and message["reasoning_content"]
+    finally:
+        server.stop()
