@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from paged.serving.api_keys import ANONYMOUS, ApiKey, KeyRing
 from paged.serving.async_engine import AsyncEngine
 from paged.serving.chat import chat_completions
+from paged.serving.responses import responses
 from paged.serving.completions import completions
 from paged.serving.errors import APIError, error_response
 from paged.serving.metrics import EngineMetrics
@@ -146,6 +147,8 @@ ROUTES = [
      {"model": CompletionResponse, "content": _SSE, "description": "the completion (a stream with stream=true)"}),
     ("/v1/chat/completions", chat_completions, ["POST"],
      {"model": ChatCompletionResponse, "content": _SSE, "description": "the completion (a stream with stream=true)"}),
+    ("/v1/responses", responses, ["POST"],
+     {"content": _SSE, "description": "the response object (a stream of Responses events with stream=true)"}),
     ("/v1/models", models, ["GET"], {"model": ModelList, "description": "the served model"}),
     ("/v1/models/{model}", model, ["GET"], {"model": ModelCard, "description": "the served model"}),
     ("/version", version, ["GET"], {"description": "the server's version: {\"version\": \"...\"}"}),

@@ -245,6 +245,103 @@ class ChatCompletionRequest(_Request):
     chat_template: str | None = None
 
 
+class ResponsesRequest(_Request):
+    """OpenAI's Responses API body (POST /v1/responses), with the sampling extensions of the other routes."""
+
+    input: str | list[dict[str, Any]]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    # {"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}
+    text: dict[str, Any] | None = None
+    metadata: dict[str, str] | None = None
+    store: bool = True  # accepted; nothing is kept (previous_response_id is refused)
+    top_logprobs: int | None = Field(default=None, ge=0)
+    truncation: Literal["disabled", "auto"] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    # Not implemented: a 400 naming the field when set (`unimplemented_field`).
+    previous_response_id: str | None = None
+    conversation: str | dict[str, Any] | None = None
+    background: bool | None = None
+    include: list[str] | None = None
+    prompt: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    max_tool_calls: int | None = None
+
+    def unimplemented_field(self) -> str | None:
+        """Fields this route does not serve yet; each is a 400 naming it rather than a silent difference."""
+        if self.tools:
+            return "tools"
+        if self.tool_choice not in (None, "none", "auto"):
+            return "tool_choice"
+        if self.n != 1:
+            return "n"
+        if self.truncation == "auto":
+            return "truncation"
+        for name in ("previous_response_id", "conversation", "prompt", "max_tool_calls"):
+            if getattr(self, name) is not None:
+                return name
+        if self.background:
+            return "background"
+        if self.include:
+            return "include"
+        if self.reasoning and any(value is not None for value in self.reasoning.values()):
+            return "reasoning"
+        return super().unimplemented_field()
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """text.format as a constraint (the Responses spelling of response_format: name, schema and strict
+        beside the type)."""
+        if self.text is None or self.text.get("format") is None:
+            return super().structured_outputs_params()
+        fmt = self.text["format"]
+        if not isinstance(fmt, dict):
+            raise InvalidStructuredOutput("text", "text.format must be an object")
+        if self.response_format is not None or self.structured_outputs is not None:
+            raise InvalidStructuredOutput("text", "pass text.format or response_format / structured_outputs, "
+                                                  "not both")
+        if fmt.get("type") == "json_schema":
+            spec = {key: fmt[key] for key in ("name", "schema", "strict") if key in fmt}
+            try:
+                return response_format_params({"type": "json_schema", "json_schema": spec})
+            except InvalidStructuredOutput as exc:
+                raise InvalidStructuredOutput("text", exc.detail) from None
+        try:
+            return response_format_params({"type": fmt.get("type")})
+        except InvalidStructuredOutput as exc:
+            raise InvalidStructuredOutput("text", f"text.format: {exc.detail}") from None
+
+    def messages(self) -> list[dict[str, Any]]:
+        """`instructions` and `input` as chat-template messages (ValueError naming the item that is not a
+        text message)."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            return [*messages, {"role": "user", "content": self.input}]
+        for i, item in enumerate(self.input):
+            kind = item.get("type", "message")
+            if kind != "message":
+                raise ValueError(f"input[{i}] is a {kind!r} item; this server takes text messages only")
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise ValueError(f"input[{i}].role must be user, system, developer or assistant, got {role!r}")
+            content = item.get("content")
+            if isinstance(content, list):
+                parts = []
+                for j, part in enumerate(content):
+                    if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+                        got = part.get("type") if isinstance(part, dict) else type(part).__name__
+                        raise ValueError(f"input[{i}].content[{j}] is a {got!r} part; this server reads text only")
+                    parts.append(str(part.get("text", "")))
+                content = "".join(parts)
+            if not isinstance(content, str):
+                raise ValueError(f"input[{i}].content must be text or a list of text parts")
+            messages.append({"role": "system" if role == "developer" else role, "content": content})
+        if not messages:
+            raise ValueError("input holds no message")
+        return messages
+
+
 class TokenizeRequest(_TextOnly):
     model_config = _STRICT
 

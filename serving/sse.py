@@ -25,8 +25,11 @@ class EventStream(StreamingResponse):
     the stream has ended (an outcome of paged.serving.metrics.OUTCOMES). `X-Accel-Buffering: no` keeps a proxy
     such as nginx from holding events back."""
 
-    def __init__(self, events: AsyncIterator[str]):
+    def __init__(self, events: AsyncIterator[str], error_events=None):
+        """`error_events(err)`: the events a failure ends the stream with (default: an error chunk in the
+        chat/completions shape, then [DONE])."""
         self.on_end = None
+        self.error_events = error_events or (lambda err: [sse(error_body(err)), sse("[DONE]")])
         super().__init__(self._with_errors(events), media_type="text/event-stream",
                          headers={"X-Accel-Buffering": "no", "Cache-Control": "no-cache"})
 
@@ -41,8 +44,8 @@ class EventStream(StreamingResponse):
         except Exception as exc:  # noqa: BLE001 - reported to the client, in OpenAI's error shape
             err = api_error_of(exc)
             outcome = outcome_of(err)
-            yield sse(error_body(err))
-            yield sse("[DONE]")
+            for event in self.error_events(err):
+                yield event
         finally:
             if self.on_end is not None:
                 self.on_end(outcome)

@@ -1,0 +1,207 @@
+"""POST /v1/responses: OpenAI's Responses API over the chat path (template, sampling, structured outputs).
+
+A response's `output` is a list of items: a reasoning item first when `--reasoning-parser` found thinking,
+then the assistant message with one `output_text` part. A reply cut by max_output_tokens is `incomplete`
+(`incomplete_details.reason: "max_output_tokens"`), as OpenAI reports it.
+
+Streams follow the Responses event sequence, each event numbered: response.created, response.in_progress,
+then per item output_item.added, (content_part.added, output_text.delta..., output_text.done,
+content_part.done) or (reasoning_text.delta..., reasoning_text.done), output_item.done, and at the end
+response.completed (or response.incomplete). A failure mid-stream is an `error` event.
+
+Not served yet, each a 400 naming the field: tools and tool_choice other than none/auto, previous_response_id
+and conversation (nothing is stored), background, include, prompt templates, reasoning settings, n > 1.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from fastapi import Request
+
+from paged.serving.errors import APIError
+from paged.serving.generation import (admit, chat_token_ids, check_model, check_reply_size, check_room,
+                                      compile_constraint, counted, prompt_tail, run_to_completion, sampling_params,
+                                      submit_all)
+from paged.serving.json_body import json_reply
+from paged.serving.protocol import ResponsesRequest
+from paged.serving.reasoning import REASONING_PARSERS, ReasoningStream
+from paged.serving.sse import EventStream, StreamedChoices, merged
+from paged.serving.state import State, key_name
+
+
+@counted("responses")
+async def responses(body: ResponsesRequest, raw: Request, state: State):
+    """POST /v1/responses"""
+    check_model(state, body.model)
+    if (field := body.unimplemented_field()) is not None:
+        raise APIError(400, f"{field} is not supported by this server's Responses API yet", param=field)
+    try:
+        messages = body.messages()
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="input") from None
+    params = sampling_params(body, body.max_output_tokens, None)
+    await compile_constraint(state, params, "text" if body.text else "response_format")
+    ids = await chat_token_ids(state, messages, None, True)
+    check_room(state, [(None, ids)], body.max_output_tokens, "max_output_tokens")
+    check_reply_size(state, body, [(None, ids)], body.max_output_tokens, None, None, "top_logprobs")
+    admit(state, raw, len(ids))
+    response_id = f"resp_{uuid.uuid4().hex}"
+    try:
+        streams = await submit_all(state, [(None, ids)], params, response_id, key_name(raw), body.cache_salt, raw)
+    except APIError as err:
+        err.param = "input" if err.param and err.param.startswith("prompt") else err.param
+        raise
+    reasoning = REASONING_PARSERS.get(state.reasoning_parser)
+    inside = reasoning is not None and reasoning.opens_in(await prompt_tail(state, ids))
+    shell = _Shell(response_id, state.served_model_name, body)
+
+    if not body.stream:
+        (output,) = await run_to_completion(streams, raw)
+
+        def reply() -> dict:
+            (choice,) = output.outputs
+            split = reasoning.split(choice.text, inside, final=True) if reasoning is not None else None
+            items = []
+            if split is not None and split.reasoning is not None:
+                items.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", split.reasoning, "completed"))
+            items.append(_message_item(f"msg_{uuid.uuid4().hex}", split.content if split else choice.text,
+                                       "completed" if choice.finish_reason != "length" else "incomplete"))
+            return shell.response(_status(choice.finish_reason), items, _usage(output))
+
+        return await json_reply(state, reply)
+
+    async def events():
+        sequence = iter(range(1 << 62))
+        event = lambda kind, **fields: _event(kind, next(sequence), **fields)
+        yield event("response.created", response=shell.response("in_progress", [], None))
+        yield event("response.in_progress", response=shell.response("in_progress", [], None))
+        tracker = StreamedChoices(params)
+        thinking = ReasoningStream(reasoning, inside) if reasoning is not None else None
+        items: list[dict] = []  # output items, as they open
+        texts: dict[int, str] = {}  # output index -> its text so far
+        reasoning_index = message_index = None
+
+        def open_item(item: dict) -> tuple[int, list[str]]:
+            items.append(item)
+            index = len(items) - 1
+            texts[index] = ""
+            opened = [event("response.output_item.added", output_index=index, item=item)]
+            if item["type"] == "message":
+                opened.append(event("response.content_part.added", item_id=item["id"], output_index=index,
+                                    content_index=0, part=_text_part("")))
+            return index, opened
+
+        def close_item(index: int, status: str) -> list[str]:
+            item, text = items[index], texts[index]
+            if item["type"] == "reasoning":
+                done = [event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                              content_index=0, text=text)]
+                items[index] = _reasoning_item(item["id"], text, status)
+            else:
+                done = [event("response.output_text.done", item_id=item["id"], output_index=index,
+                              content_index=0, text=text, logprobs=[]),
+                        event("response.content_part.done", item_id=item["id"], output_index=index,
+                              content_index=0, part=_text_part(text))]
+                items[index] = _message_item(item["id"], text, status)
+            return [*done, event("response.output_item.done", output_index=index, item=items[index])]
+
+        final = None
+        async for _, output in merged(streams):
+            (choice,) = output.outputs
+            finished = choice.finish_reason is not None
+            sent = tracker.sent_text.get(0, 0)
+            text, _, _ = tracker.delta(0, choice, finished)
+            thought = ""
+            if thinking is not None:
+                thought, text = thinking.delta(choice.text[:sent + len(text)], finished)
+            if thought:
+                if reasoning_index is None:
+                    reasoning_index, opened = open_item(_reasoning_item(f"rs_{uuid.uuid4().hex}", "", "in_progress"))
+                    for e in opened:
+                        yield e
+                texts[reasoning_index] += thought
+                yield event("response.reasoning_text.delta", item_id=items[reasoning_index]["id"],
+                            output_index=reasoning_index, content_index=0, delta=thought)
+            if text or (finished and message_index is None):
+                if reasoning_index is not None and message_index is None:
+                    for e in close_item(reasoning_index, "completed"):
+                        yield e
+                if message_index is None:
+                    message_index, opened = open_item(_message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress"))
+                    for e in opened:
+                        yield e
+                if text:
+                    texts[message_index] += text
+                    yield event("response.output_text.delta", item_id=items[message_index]["id"],
+                                output_index=message_index, content_index=0, delta=text, logprobs=[])
+            final = output
+        (choice,) = final.outputs
+        status = _status(choice.finish_reason)
+        for index in range(len(items)):
+            if items[index]["status"] == "in_progress":
+                for e in close_item(index, "completed" if status == "completed" else "incomplete"):
+                    yield e
+        kind = "response.completed" if status == "completed" else "response.incomplete"
+        yield event(kind, response=shell.response(status, items, _usage(final)))
+
+    stream = EventStream(events(), error_events=lambda err: [_event(
+        "error", 0, message=err.message, code=err.code or err.type, param=err.param)])
+    return stream
+
+
+def _status(finish_reason: str | None) -> str:
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def _event(kind: str, sequence_number: int, **fields) -> str:
+    return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence_number, **fields})}\n\n"
+
+
+def _text_part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(item_id: str, text: str, status: str) -> dict:
+    content = [_text_part(text)] if status != "in_progress" else []
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [{"type": "reasoning_text", "text": text}] if status != "in_progress" else []}
+
+
+def _usage(output) -> dict:
+    prompt = len(output.prompt_token_ids)
+    generated = sum(len(c.token_ids) for c in output.outputs)
+    return {"input_tokens": prompt,
+            "input_tokens_details": {"cached_tokens": output.num_cached_tokens, "cache_write_tokens": 0},
+            "output_tokens": generated, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": prompt + generated}
+
+
+class _Shell:
+    """The response object around its output items: the request's settings echoed as OpenAI echoes them."""
+
+    def __init__(self, response_id: str, model: str, body: ResponsesRequest):
+        self.id, self.model, self.body = response_id, model, body
+        self.created_at = int(time.time())
+
+    def response(self, status: str, output: list[dict], usage: dict | None) -> dict:
+        body = self.body
+        fmt = (body.text or {}).get("format") or {"type": "text"}
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "model": self.model, "output": output, "usage": usage, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "previous_response_id": None, "reasoning": None, "store": body.store,
+            "temperature": 1.0 if body.temperature is None else body.temperature,
+            "top_p": 1.0 if body.top_p is None else body.top_p, "text": {"format": fmt},
+            "tool_choice": body.tool_choice or "auto", "tools": [], "truncation": "disabled",
+            "user": body.user,
+        }

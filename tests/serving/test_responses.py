@@ -1,0 +1,151 @@
+"""POST /v1/responses through the official openai client: replies and streams validate against the library's
+own types, say what the chat route says for the same conversation, and unserved fields are a 400."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from tests.serving.server_fixture import Server
+
+GREEDY = {"temperature": 0, "max_output_tokens": 12}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    srv = Server(tiny_model_dir, "--max-model-len", "256", "--max-num-seqs", "8")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def _chat_text(client, messages, max_tokens=12) -> str:
+    reply = client.chat.completions.create(model="tiny", messages=messages, temperature=0, max_tokens=max_tokens)
+    return reply.choices[0].message.content
+
+
+def test_a_plain_input_says_what_chat_says(client):
+    raw = client.responses.with_raw_response.create(model="tiny", input="Tell me about paged attention", **GREEDY)
+    Response.model_validate(raw.http_response.json())  # every field the library requires is there
+    response = raw.parse()
+    assert response.object == "response" and response.id.startswith("resp_")
+    (item,) = response.output
+    assert item.type == "message" and item.role == "assistant"
+    assert response.output_text == _chat_text(client, [{"role": "user", "content": "Tell me about paged attention"}])
+    assert response.usage.output_tokens == 12 and response.status == "incomplete"
+    assert response.incomplete_details.reason == "max_output_tokens"
+
+
+def test_instructions_and_message_items_become_the_conversation(client):
+    response = client.responses.create(model="tiny", instructions="Answer briefly.", input=[
+        {"role": "user", "content": "Hello"},
+        {"role": "assistant", "content": [{"type": "output_text", "text": "Hi."}]},
+        {"role": "developer", "content": "Be kind."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "What is a page?"}]},
+    ], **GREEDY)
+    want = _chat_text(client, [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "Hello"},
+                               {"role": "assistant", "content": "Hi."}, {"role": "system", "content": "Be kind."},
+                               {"role": "user", "content": "What is a page?"}])
+    assert response.output_text == want
+
+
+def test_a_json_schema_format_constrains_the_text(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    response = client.responses.create(model="tiny", input="A record, please", temperature=0, max_output_tokens=60,
+                                       text={"format": {"type": "json_schema", "name": "record", "schema": schema,
+                                                        "strict": True}})
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), schema)
+    assert response.text.format.type == "json_schema"
+
+
+def test_a_stream_is_the_responses_event_sequence(client, server):
+    import httpx
+    body = {"model": "tiny", "input": "Tell me about paged attention", "stream": True, **GREEDY}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as reply:
+        assert reply.status_code == 200
+        events = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: ")]
+    adapter = TypeAdapter(ResponseStreamEvent)
+    for event in events:
+        adapter.validate_python(event)  # each one is a type the library knows, with every required field
+    kinds = [e["type"] for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    assert streamed == events[-1]["response"]["output"][0]["content"][0]["text"]
+    assert streamed == client.responses.create(model="tiny", input="Tell me about paged attention",
+                                               **GREEDY).output_text
+    # The library's own stream helper reads a completed one (it gives no final response for an incomplete
+    # one, OpenAI's own included).
+    record = {"type": "json_schema", "name": "r", "strict": True, "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}, "required": ["n"],
+        "additionalProperties": False}}
+    with client.responses.stream(model="tiny", input="A number", temperature=0, max_output_tokens=40,
+                                 text={"format": record}) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed" and "n" in json.loads(final.output_text)
+    assert final.output_text == client.responses.create(model="tiny", input="A number", temperature=0,
+                                                        max_output_tokens=40, text={"format": record}).output_text
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"background": True}, "background"),
+    ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"reasoning": {"effort": "high"}}, "reasoning"),
+    ({"truncation": "auto"}, "truncation"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no-such-type"}}}}, "text"),
+])
+def test_what_is_not_served_is_a_400_naming_the_field(client, extra, field):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(**{"model": "tiny", "input": "hi", **extra})
+    assert caught.value.body["param"] == field, caught.value.body
+
+
+def test_reasoning_becomes_its_own_output_item(tiny_model_dir):
+    """With --reasoning-parser, the thinking is a reasoning item before the message, streamed as
+    reasoning_text events (a scripted engine stands in for a reasoning model)."""
+    import asyncio
+
+    import httpx
+    from transformers import AutoTokenizer
+
+    from paged.serving.app import build_app
+    from tests.serving.test_reasoning import PIECES, _ScriptedEngine
+
+    app = build_app(_ScriptedEngine(AutoTokenizer.from_pretrained(tiny_model_dir), PIECES), "tiny",
+                    reasoning_parser="qwen3")
+
+    async def ask(stream: bool):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as client:
+            return await client.post("/v1/responses", json={"model": "tiny", "input": "2 + 2?", "stream": stream})
+
+    response = Response.model_validate(asyncio.run(ask(False)).json())
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "Let me think."
+    assert message.type == "message" and response.output_text == "\n\nThe answer is 4."
+    events = [json.loads(line[6:]) for line in asyncio.run(ask(True)).text.splitlines() if line.startswith("data: ")]
+    for event in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(event)
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == "Let me think."
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "\n\nThe answer is 4."
+    final = events[-1]["response"]
+    assert events[-1]["type"] == "response.completed" and [i["type"] for i in final["output"]] == ["reasoning",
+                                                                                                  "message"]
