@@ -271,10 +271,6 @@ class ResponsesRequest(_Request):
 
     def unimplemented_field(self) -> str | None:
         """Fields this route does not serve yet; each is a 400 naming it rather than a silent difference."""
-        if self.tools:
-            return "tools"
-        if self.tool_choice not in (None, "none", "auto"):
-            return "tool_choice"
         if self.n != 1:
             return "n"
         if self.truncation == "auto":
@@ -312,16 +308,60 @@ class ResponsesRequest(_Request):
         except InvalidStructuredOutput as exc:
             raise InvalidStructuredOutput("text", f"text.format: {exc.detail}") from None
 
+    def chat_tools(self) -> list[dict[str, Any]] | None:
+        """`tools` in chat's shape ({"type": "function", "function": {...}}); ValueError naming a tool that is
+        not a function (built-in tools such as web_search are not served)."""
+        if not self.tools:
+            return None
+        out = []
+        for i, tool in enumerate(self.tools):
+            if not isinstance(tool, dict) or tool.get("type") != "function":
+                got = tool.get("type") if isinstance(tool, dict) else type(tool).__name__
+                raise ValueError(f"tools[{i}] is a {got!r} tool; this server calls function tools only")
+            out.append({"type": "function", "function": {key: tool[key] for key in
+                                                         ("name", "description", "parameters", "strict")
+                                                         if key in tool}})
+        return out
+
+    def chat_tool_choice(self) -> str | dict[str, Any] | None:
+        """`tool_choice` in chat's shape; ValueError for a choice of a built-in tool."""
+        choice = self.tool_choice
+        if choice is None or isinstance(choice, str):
+            return choice
+        if choice.get("type") == "function" and "function" not in choice:
+            return {"type": "function", "function": {"name": choice.get("name")}}
+        if choice.get("type") == "function":
+            return choice
+        raise ValueError(f"tool_choice of type {choice.get('type')!r} is not served; choose none, auto, required "
+                         "or a function")
+
     def messages(self) -> list[dict[str, Any]]:
-        """`instructions` and `input` as chat-template messages (ValueError naming the item that is not a
-        text message)."""
+        """`instructions` and `input` as chat-template messages: message items, the model's earlier
+        function_call items (an assistant message's tool_calls) and function_call_output items (tool
+        messages). ValueError naming an item this server does not read."""
         messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
         if isinstance(self.input, str):
             return [*messages, {"role": "user", "content": self.input}]
         for i, item in enumerate(self.input):
             kind = item.get("type", "message")
+            if kind == "function_call":
+                call = {"id": item.get("call_id"), "type": "function",
+                        "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+                if not all(isinstance(v, str) for v in (call["id"], *call["function"].values())):
+                    raise ValueError(f"input[{i}]: a function_call needs call_id, name and arguments as strings")
+                if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                    messages[-1]["tool_calls"].append(call)  # parallel calls of one turn
+                else:
+                    messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+                continue
+            if kind == "function_call_output":
+                if not isinstance(item.get("call_id"), str) or not isinstance(item.get("output"), str):
+                    raise ValueError(f"input[{i}]: a function_call_output needs call_id and output as strings")
+                messages.append({"role": "tool", "tool_call_id": item["call_id"], "content": item["output"]})
+                continue
             if kind != "message":
-                raise ValueError(f"input[{i}] is a {kind!r} item; this server takes text messages only")
+                raise ValueError(f"input[{i}] is a {kind!r} item; this server reads messages, function_call and "
+                                 "function_call_output items")
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise ValueError(f"input[{i}].role must be user, system, developer or assistant, got {role!r}")
@@ -339,6 +379,9 @@ class ResponsesRequest(_Request):
             messages.append({"role": "system" if role == "developer" else role, "content": content})
         if not messages:
             raise ValueError("input holds no message")
+        for message in messages:  # templates index a call's arguments: JSON text -> an object
+            if "tool_calls" in message:
+                message["tool_calls"] = [_with_parsed_arguments(call) for call in message["tool_calls"]]
         return messages
 
 

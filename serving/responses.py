@@ -9,8 +9,11 @@ then per item output_item.added, (content_part.added, output_text.delta..., outp
 content_part.done) or (reasoning_text.delta..., reasoning_text.done), output_item.done, and at the end
 response.completed (or response.incomplete). A failure mid-stream is an `error` event.
 
-Not served yet, each a 400 naming the field: tools and tool_choice other than none/auto, previous_response_id
-and conversation (nothing is stored), background, include, prompt templates, reasoning settings, n > 1.
+Function tools go through chat's tool path (`required` and a named function constrained by a grammar, `auto`
+parsed by the server's --tool-call-parser) and come back as `function_call` items; a later turn sends them
+back with `function_call_output` items. Not served yet, each a 400 naming the field: built-in tools,
+previous_response_id and conversation (nothing is stored), background, include, prompt templates, reasoning
+settings, n > 1.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from types import SimpleNamespace
 
 from fastapi import Request
 
+from paged.serving.chat import tool_setup
 from paged.serving.errors import APIError
 from paged.serving.generation import (admit, chat_token_ids, check_model, check_reply_size, check_room,
                                       compile_constraint, counted, prompt_tail, run_to_completion, sampling_params,
@@ -43,8 +48,17 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
     except ValueError as exc:
         raise APIError(400, str(exc), param="input") from None
     params = sampling_params(body, body.max_output_tokens, None)
-    await compile_constraint(state, params, "text" if body.text else "response_format")
-    ids = await chat_token_ids(state, messages, None, True)
+    try:  # function tools go through chat's tool path, in chat's shape
+        chat_like = SimpleNamespace(tools=body.chat_tools(), tool_choice=body.chat_tool_choice(),
+                                    parallel_tool_calls=body.parallel_tool_calls,
+                                    structured_outputs=body.structured_outputs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools") from None
+    user_constraint = params.structured_outputs is not None
+    tools = tool_setup(state, chat_like, params)
+    await compile_constraint(state, params, ("text" if body.text else "response_format") if user_constraint
+                             else "tools")
+    ids = await chat_token_ids(state, messages, None, True, tools.tools)
     check_room(state, [(None, ids)], body.max_output_tokens, "max_output_tokens")
     check_reply_size(state, body, [(None, ids)], body.max_output_tokens, None, None, "top_logprobs")
     admit(state, raw, len(ids))
@@ -67,8 +81,7 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
             items = []
             if split is not None and split.reasoning is not None:
                 items.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", split.reasoning, "completed"))
-            items.append(_message_item(f"msg_{uuid.uuid4().hex}", split.content if split else choice.text,
-                                       "completed" if choice.finish_reason != "length" else "incomplete"))
+            items += _answer_items(tools, choice, split.content if split else choice.text)
             return shell.response(_status(choice.finish_reason), items, _usage(output))
 
         return await json_reply(state, reply)
@@ -108,6 +121,26 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
                 items[index] = _message_item(item["id"], text, status)
             return [*done, event("response.output_item.done", output_index=index, item=items[index])]
 
+        def whole_item(item: dict) -> list[str]:
+            """A finished item's events: added (empty), its text or arguments as one delta, done."""
+            status = item["status"]
+            if item["type"] == "function_call":
+                items.append(item)
+                index = len(items) - 1
+                return [event("response.output_item.added", output_index=index,
+                              item={**item, "arguments": "", "status": "in_progress"}),
+                        event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                              delta=item["arguments"]),
+                        event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                              arguments=item["arguments"], name=item["name"]),
+                        event("response.output_item.done", output_index=index, item=item)]
+            index, opened = open_item(_message_item(item["id"], "", "in_progress"))
+            text = item["content"][0]["text"]
+            texts[index] = text
+            delta = [event("response.output_text.delta", item_id=item["id"], output_index=index, content_index=0,
+                           delta=text, logprobs=[])] if text else []
+            return [*opened, *delta, *close_item(index, status)]
+
         final = None
         async for _, output in merged(streams):
             (choice,) = output.outputs
@@ -125,7 +158,16 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
                 texts[reasoning_index] += thought
                 yield event("response.reasoning_text.delta", item_id=items[reasoning_index]["id"],
                             output_index=reasoning_index, content_index=0, delta=thought)
-            if text or (finished and message_index is None):
+            if tools.mode != "none":  # the answer may be calls: its items go out whole at the end
+                answer = thinking.answer if thinking is not None else choice.text
+                if finished:
+                    if reasoning_index is not None:
+                        for e in close_item(reasoning_index, "completed"):
+                            yield e
+                    for item in _answer_items(tools, choice, answer):
+                        for e in whole_item(item):
+                            yield e
+            elif text or (finished and message_index is None):
                 if reasoning_index is not None and message_index is None:
                     for e in close_item(reasoning_index, "completed"):
                         yield e
@@ -150,6 +192,21 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
     stream = EventStream(events(), error_events=lambda err: [_event(
         "error", 0, message=err.message, code=err.code or err.type, param=err.param)])
     return stream
+
+
+def _answer_items(tools, choice, answer: str) -> list[dict]:
+    """The answer's output items: the message, and with tools in play the function calls it made (auto may
+    write text around them; a reply cut short keeps the calls written so far, as chat does)."""
+    status = "incomplete" if choice.finish_reason == "length" else "completed"
+    message, _ = tools.message(choice, answer)
+    items = []
+    if message.get("content") or not message.get("tool_calls"):
+        items.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status))
+    for call in message.get("tool_calls", []):
+        items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                      "name": call["function"]["name"], "arguments": call["function"]["arguments"],
+                      "status": status})
+    return items
 
 
 def _status(finish_reason: str | None) -> str:
@@ -202,6 +259,6 @@ class _Shell:
             "previous_response_id": None, "reasoning": None, "store": body.store,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "top_p": 1.0 if body.top_p is None else body.top_p, "text": {"format": fmt},
-            "tool_choice": body.tool_choice or "auto", "tools": [], "truncation": "disabled",
+            "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "truncation": "disabled",
             "user": body.user,
         }

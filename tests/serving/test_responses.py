@@ -102,14 +102,17 @@ def test_a_stream_is_the_responses_event_sequence(client, server):
 
 
 @pytest.mark.parametrize("extra, field", [
-    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tools"),
+    # auto (the default once tools are given) needs a server started with a tool-call parser, as in vLLM
+    ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tool_choice"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"truncation": "auto"}, "truncation"),
-    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "4"}]}, "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input"),
+    ({"input": [{"type": "web_search_call", "id": "w"}]}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
     ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no-such-type"}}}}, "text"),
 ])
@@ -149,3 +152,67 @@ def test_reasoning_becomes_its_own_output_item(tiny_model_dir):
     final = events[-1]["response"]
     assert events[-1]["type"] == "response.completed" and [i["type"] for i in final["output"]] == ["reasoning",
                                                                                                   "message"]
+
+
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                          "required": ["city"], "additionalProperties": False}}
+TIME = {"type": "function", "name": "get_time", "parameters": {"type": "object", "properties": {},
+                                                               "additionalProperties": False}}
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "name": "get_weather"}])
+def test_function_tools_come_back_as_function_call_items(client, choice):
+    raw = client.responses.with_raw_response.create(model="tiny", input="Weather in Paris?", tools=[WEATHER, TIME],
+                                                     tool_choice=choice, temperature=0, max_output_tokens=80,
+                                                     parallel_tool_calls=False)
+    Response.model_validate(raw.http_response.json())
+    response = raw.parse()
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert response.status == "completed" and len(calls) == 1, response.output
+    (call,) = calls
+    assert call.call_id.startswith("call_") and call.id.startswith("fc_")
+    assert call.name == "get_weather" or choice == "required"
+    arguments = json.loads(call.arguments)
+    jsonschema.validate(arguments, (WEATHER if call.name == "get_weather" else TIME)["parameters"])
+    assert [t.name for t in response.tools] == ["get_weather", "get_time"]
+
+
+def test_a_tool_output_goes_back_into_the_next_turn(client, server):
+    first = client.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER], temperature=0,
+                                    tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60)
+    (call,) = first.output
+    follow_up = [{"role": "user", "content": "Weather in Paris?"},
+                 {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+                 {"type": "function_call_output", "call_id": call.call_id, "output": "18 C and sunny"}]
+    second = client.responses.create(model="tiny", input=follow_up, tools=[WEATHER], tool_choice="none",
+                                     temperature=0, max_output_tokens=8)
+    assert second.output[0].type == "message"
+    # The chat route given the same turns (an assistant tool call and the tool's reply) says the same.
+    chat = client.chat.completions.create(model="tiny", temperature=0, max_tokens=8, tool_choice="none",
+                                          tools=[{"type": "function", "function": {k: v for k, v in WEATHER.items()
+                                                                                   if k != "type"}}],
+                                          messages=[{"role": "user", "content": "Weather in Paris?"},
+                                                    {"role": "assistant", "content": None, "tool_calls": [{
+                                                        "id": call.call_id, "type": "function", "function": {
+                                                            "name": call.name, "arguments": call.arguments}}]},
+                                                    {"role": "tool", "tool_call_id": call.call_id,
+                                                     "content": "18 C and sunny"}])
+    assert second.output_text == chat.choices[0].message.content
+
+
+def test_a_streamed_call_arrives_as_function_call_events(client, server):
+    import httpx
+    body = {"model": "tiny", "input": "Weather in Paris?", "tools": [WEATHER], "temperature": 0,
+            "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 60, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/responses", json=body, timeout=60) as reply:
+        events = [json.loads(line[6:]) for line in reply.iter_lines() if line.startswith("data: ")]
+    for event in events:
+        TypeAdapter(ResponseStreamEvent).validate_python(event)
+    kinds = [e["type"] for e in events]
+    assert kinds[2:6] == ["response.output_item.added", "response.function_call_arguments.delta",
+                          "response.function_call_arguments.done", "response.output_item.done"]
+    assert kinds[-1] == "response.completed"
+    done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    whole = client.responses.create(**{k: v for k, v in body.items() if k != "stream"})
+    assert done["arguments"] == whole.output[0].arguments
