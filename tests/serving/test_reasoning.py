@@ -163,20 +163,39 @@ def test_without_a_parser_the_thinking_stays_in_the_content(tiny_model_dir):
     assert message["content"] == "".join(PIECES) and "reasoning_content" not in message
 
 
-def test_paged_serve_takes_the_flag_and_vllms_old_one(tiny_model_dir):
-    """The flag reaches the chat route: DeepSeek-R1's template opens the block, so a model that never closes
-    it (this random one) answers with thinking only."""
+@pytest.fixture(scope="module")
+def thinking_model(tmp_path_factory):
+    """A model whose greedy reply is `<think>Let</think>The answer is 4` (tests/serving/scripted_model.py)."""
+    from tests.serving.scripted_model import create_scripted_llama
+    return create_scripted_llama(str(tmp_path_factory.mktemp("thinking")), "<think>Let</think>The answer is 4")
+
+
+@pytest.mark.parametrize("name", sorted(REASONING_PARSERS))
+def test_a_model_that_thinks_is_split_by_paged_serve(thinking_model, name):
+    """The real engine and server, both parsers: the chat reply, its stream (a delta per token, so every
+    marker arrives whole or not at all) and the Responses reasoning item agree on the split."""
+    import json
+
     import httpx
 
     from tests.serving.server_fixture import Server
 
-    server = Server(tiny_model_dir, "--reasoning-parser", "deepseek_r1", "--enable-reasoning",
-                    "--max-model-len", "128")
+    extra = ["--enable-reasoning"] if name == "deepseek_r1" else []  # vLLM's old flag: accepted
+    server = Server(thinking_model, "--reasoning-parser", name, "--max-model-len", "128", *extra)
     try:
-        reply = httpx.post(server.url + "/v1/chat/completions", timeout=60, json={
-            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0})
-        assert reply.status_code == 200, reply.text
-        message = reply.json()["choices"][0]["message"]
-        assert message["content"] is None and message["reasoning_content"]
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "2 + 2?"}], "max_tokens": 30,
+                "temperature": 0}
+        message = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+        assert (message["reasoning_content"], message["content"]) == ("Let", "The answer is 4")
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True},
+                          timeout=60) as reply:
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in reply.iter_lines()
+                      if line.startswith("data: {")]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == "Let"
+        assert "".join(d.get("content") or "" for d in deltas) == "The answer is 4"
+        response = httpx.post(server.url + "/v1/responses", timeout=60, json={
+            "model": "tiny", "input": "2 + 2?", "temperature": 0, "max_output_tokens": 30}).json()
+        reasoning, answer = response["output"]
+        assert reasoning["content"][0]["text"] == "Let" and answer["content"][0]["text"] == "The answer is 4"
     finally:
         server.stop()
