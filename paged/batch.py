@@ -213,7 +213,7 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
             banned = [*params.stop_token_ids, *(() if params.ignore_eos else request.eos_token_ids)]
         # Only a row whose sample is kept (not a prompt chunk before the last) is adjusted.
         samples_next = stop == request.num_tokens
-        grammar = request.grammar if samples_next else None
+        grammar = request.grammar if samples_next and request.grammar_after is None else None
         if samples_next and (params.logit_bias or banned or params.has_penalties or grammar is not None):
             adjusted = RowAdjustment(i, [*params.logit_bias, *banned],
                                      [*params.logit_bias.values(), *[-np.inf] * len(banned)], grammar=grammar)

@@ -121,7 +121,13 @@ class OutputProcessor:
         delta = request.detokenizer.add(token) if request.detokenizer is not None else ""
         request.text += delta
         grammar_done = False
-        if request.grammar is not None:
+        if request.grammar is not None and request.grammar_after is not None:
+            # The grammar waits for its marker (the end of a reasoning model's thinking); only the text this
+            # token added, and the marker's length before it, can complete it.
+            marker = request.grammar_after
+            if request.text.find(marker, max(0, len(request.text) - len(delta) - len(marker) + 1)) >= 0:
+                request.grammar_after = None  # it shapes the tokens from the next one on
+        elif request.grammar is not None:
             if not request.grammar.accept(token):  # only if every token was masked (e.g. min_tokens vs. EOS)
                 logger.warning("request %s: its grammar rejected token %d (%s)", request.request_id, token,
                                request.grammar.error)

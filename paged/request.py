@@ -48,6 +48,8 @@ class Request:
         # Total tokens at which it finishes by length (max_tokens or max_model_len); None: no limit.
         self.length_limit = length_limit
         self.grammar = grammar  # where the output stands in its structured-output grammar, if it has one
+        # While set, the grammar waits: it starts with the token after the output first holds this text.
+        self.grammar_after = params.structured_outputs_after if grammar is not None else None
         self.placeholder_row = -1
         self.seed = seed
         self.index = index  # position among the n samples of its parent

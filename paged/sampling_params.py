@@ -63,6 +63,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # A JSON schema, regex, choice list or grammar the output must match (paged/structured_outputs.py).
     structured_outputs: StructuredOutputsParams | None = None
+    # The constraint applies from the token after the output first holds this text (a reasoning model's end
+    # of thinking, `</think>`: the server sets it from --reasoning-parser, so the grammar shapes the answer
+    # and not the thinking). None: from the first token.
+    structured_outputs_after: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -87,6 +91,10 @@ class SamplingParams:
                 raise InvalidParameter(message.split(" ", 1)[0].rstrip(","), message)
 
         check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        check(self.structured_outputs_after is None or (isinstance(self.structured_outputs_after, str)
+                                                        and 0 < len(self.structured_outputs_after) <= 64),
+              f"structured_outputs_after must be None or a string of 1 to 64 characters, got "
+              f"{self.structured_outputs_after!r}")
         # Every per-row value rides in an int32 or float32 array of the step (paged/batch.py): bounded by it.
         check(_is_number(self.temperature) and 0 <= self.temperature <= FLOAT32_MAX,
               f"temperature must be a finite number >= 0, got {self.temperature!r}")

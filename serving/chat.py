@@ -94,6 +94,12 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     ids = await chat_token_ids(state, message_dicts(body.messages), body.chat_template, body.add_generation_prompt,
                                tools.tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    reasoning = REASONING_PARSERS.get(state.reasoning_parser)
+    tail = await prompt_tail(state, ids) if reasoning is not None else ""
+    # Whether the output begins inside the thinking: the parser's rule, or the prompt's own open <think>.
+    inside = reasoning is not None and reasoning.opens_in(tail)
+    if reasoning is not None and params.structured_outputs is not None:  # the grammar shapes the answer only
+        params.structured_outputs_after = reasoning.constraint_after(tail)
     check_room(state, [(None, ids)], max_tokens,
                "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     check_reply_size(state, body, [(None, ids)], max_tokens, params.logprobs, body.prompt_logprobs,
@@ -105,9 +111,6 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
         err.param = "messages" if err.param and err.param.startswith("prompt") else err.param
         raise
     k = body.top_logprobs or 0
-    reasoning = REASONING_PARSERS.get(state.reasoning_parser)
-    # Whether the output begins inside the thinking: the parser's rule, or the prompt's own open <think>.
-    inside = reasoning is not None and reasoning.opens_in(await prompt_tail(state, ids))
 
     if not body.stream:
         (output,) = await run_to_completion(streams, raw)

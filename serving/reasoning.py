@@ -39,6 +39,16 @@ class ReasoningParser:
         """Whether an output after `prompt_text` begins inside the thinking."""
         return self.starts_inside or _ends_inside_block(prompt_text)
 
+    def constraint_after(self, prompt_text: str) -> str | None:
+        """Where a structured-output constraint starts in an output after `prompt_text`: after the thinking
+        (`</think>`), unless the prompt already closed the block (Qwen3 with enable_thinking=False renders an
+        empty one); None: from the first token. As vLLM does, a model that writes no thinking at all leaves
+        such a constraint waiting for a `</think>` that never comes, so a server for models that do not think
+        should not be given a reasoning parser."""
+        tail = prompt_text.rstrip()
+        closed = tail.rfind(END) > tail.rfind(START) >= 0
+        return None if closed else END
+
     def split(self, text: str, inside: bool, final: bool) -> Split:
         """Splits the output text so far. `inside`: it begins inside the thinking (`opens_in`); `final`: no
         more text comes (nothing is held back)."""

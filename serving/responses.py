@@ -61,6 +61,11 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
     ids = await chat_token_ids(state, messages, None, True, tools.tools)
     check_room(state, [(None, ids)], body.max_output_tokens, "max_output_tokens")
     check_reply_size(state, body, [(None, ids)], body.max_output_tokens, None, None, "top_logprobs")
+    reasoning = REASONING_PARSERS.get(state.reasoning_parser)
+    tail = await prompt_tail(state, ids) if reasoning is not None else ""
+    inside = reasoning is not None and reasoning.opens_in(tail)
+    if reasoning is not None and params.structured_outputs is not None:  # the grammar shapes the answer only
+        params.structured_outputs_after = reasoning.constraint_after(tail)
     admit(state, raw, len(ids))
     response_id = f"resp_{uuid.uuid4().hex}"
     try:
@@ -68,8 +73,6 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
     except APIError as err:
         err.param = "input" if err.param and err.param.startswith("prompt") else err.param
         raise
-    reasoning = REASONING_PARSERS.get(state.reasoning_parser)
-    inside = reasoning is not None and reasoning.opens_in(await prompt_tail(state, ids))
     shell = _Shell(response_id, state.served_model_name, body)
 
     if not body.stream:

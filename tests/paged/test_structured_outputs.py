@@ -304,3 +304,27 @@ def test_closing_objects_leaves_explicit_choices_and_all_of_parts_alone():
     assert all("additionalProperties" not in part for part in closed["allOf"])
     assert closed["$defs"]["D"]["additionalProperties"] is False
     assert "additionalProperties" not in schema  # the request's schema is not changed
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_a_constraint_can_start_after_a_marker(tmp_path, async_scheduling):
+    """structured_outputs_after: the output is free until it holds the marker, then the grammar shapes the
+    rest (a reasoning model's thinking, then its answer). The scripted model writes <think>Let</think> and
+    then wants "The answer is 4": the grammar turns that into an integer."""
+    from paged import LLM
+    from tests.serving.scripted_model import create_scripted_llama
+    llm = LLM(create_scripted_llama(str(tmp_path), "<think>Let</think>The answer is 4"), max_model_len=128,
+              show_progress=False, async_scheduling=async_scheduling)
+    messages = [{"role": "user", "content": "2 + 2?"}]
+    digit = {"json": {"type": "integer", "minimum": 0, "maximum": 9}}
+    free = llm.chat(messages, SamplingParams(temperature=0, max_tokens=30), use_tqdm=False)[0].outputs[0]
+    assert free.text == "<think>Let</think>The answer is 4"
+    after = llm.chat(messages, SamplingParams(temperature=0, max_tokens=30, structured_outputs=digit,
+                                              structured_outputs_after="</think>"), use_tqdm=False)[0].outputs[0]
+    thinking, _, answer = after.text.partition("</think>")
+    assert thinking == "<think>Let" and 0 <= json.loads(answer) <= 9 and after.finish_reason == "stop"
+    whole = llm.chat(messages, SamplingParams(temperature=0, max_tokens=30, structured_outputs=digit),
+                     use_tqdm=False)[0].outputs[0]
+    assert "<think>" not in whole.text and 0 <= json.loads(whole.text) <= 9  # from the first token
+    with pytest.raises(ValueError, match="structured_outputs_after"):
+        SamplingParams(structured_outputs_after="")

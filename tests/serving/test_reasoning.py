@@ -197,5 +197,26 @@ def test_a_model_that_thinks_is_split_by_paged_serve(thinking_model, name):
             "model": "tiny", "input": "2 + 2?", "temperature": 0, "max_output_tokens": 30}).json()
         reasoning, answer = response["output"]
         assert reasoning["content"][0]["text"] == "Let" and answer["content"][0]["text"] == "The answer is 4"
+        # A schema shapes the answer only: the thinking is written as the model wants, then an integer (the
+        # model's "The" is masked, so greedy takes the first token the grammar allows, then EOS).
+        digit = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 0,
+                                                                                "maximum": 9}}}
+        for stream in (False, True):
+            reply = httpx.post(server.url + "/v1/chat/completions", timeout=60,
+                               json={**body, "response_format": digit, "stream": stream})
+            if stream:
+                deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in reply.text.splitlines()
+                          if line.startswith("data: {")]
+                message = {"reasoning_content": "".join(d.get("reasoning_content") or "" for d in deltas),
+                           "content": "".join(d.get("content") or "" for d in deltas)}
+            else:
+                message = reply.json()["choices"][0]["message"]
+            assert message["reasoning_content"] == "Let", message
+            assert 0 <= json.loads(message["content"]) <= 9, message
+        structured = httpx.post(server.url + "/v1/responses", timeout=60, json={
+            "model": "tiny", "input": "2 + 2?", "temperature": 0, "max_output_tokens": 30,
+            "text": {"format": {"type": "json_schema", "name": "n", "schema": digit["json_schema"]["schema"]}}}).json()
+        reasoning, answer = structured["output"]
+        assert reasoning["content"][0]["text"] == "Let" and 0 <= json.loads(answer["content"][0]["text"]) <= 9
     finally:
         server.stop()
