@@ -49,11 +49,15 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
         raise APIError(400, str(exc), param="input") from None
     params = sampling_params(body, body.max_output_tokens, None)
     try:  # function tools go through chat's tool path, in chat's shape
-        chat_like = SimpleNamespace(tools=body.chat_tools(), tool_choice=body.chat_tool_choice(),
-                                    parallel_tool_calls=body.parallel_tool_calls,
-                                    structured_outputs=body.structured_outputs)
+        chat_tools = body.chat_tools()
     except ValueError as exc:
-        raise APIError(400, str(exc), param="tool_choice" if "tool_choice" in str(exc) else "tools") from None
+        raise APIError(400, str(exc), param="tools") from None
+    try:
+        chat_tool_choice = body.chat_tool_choice()
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tool_choice") from None
+    chat_like = SimpleNamespace(tools=chat_tools, tool_choice=chat_tool_choice,
+                                parallel_tool_calls=body.parallel_tool_calls, structured_outputs=body.structured_outputs)
     user_constraint = params.structured_outputs is not None
     tools = tool_setup(state, chat_like, params)
     await compile_constraint(state, params, ("text" if body.text else "response_format") if user_constraint
