@@ -141,6 +141,9 @@ async def _soak(args, base_url: str, pid: int) -> dict:
                      "max": float(health.max()), "non_200": int((health_status != 200).sum())},
         "rss_bytes": {"second_quarter_start": int(second_quarter[0]) if len(second_quarter) else None,
                       "end": int(rss[-1]), "max": int(rss.max())},
+        # (seconds into the run, MB) every 30 s: whether memory settles or keeps growing
+        "rss_mb_every_30s": [(round(float(t - start)), round(float(r) / 2**20, 1))
+                             for t, r in zip(times[::15], rss[::15])],
         "idle_running": _metric(metrics, "paged:num_requests_running"),
         "idle_waiting": _metric(metrics, "paged:num_requests_waiting"),
         "idle_kv_cache_usage": _metric(metrics, "paged:kv_cache_usage_perc"),
