@@ -16,7 +16,7 @@ from paged.serving.generation import (admit, chat_token_ids, check_model, check_
 from paged.serving.json_body import json_reply
 from paged.serving.logprobs import chat_logprobs, prompt_logprobs_json
 from paged.serving.protocol import ChatCompletionRequest, message_dicts, non_text_part
-from paged.serving.reasoning import REASONING_PARSERS, ReasoningStream
+from paged.serving.reasoning import ReasoningStream, prepare_reasoning
 from paged.serving.sse import EventStream, StreamedChoices, merged, sse
 from paged.serving.state import ServerState, State, key_name
 from paged.serving.tool_calls import (PARSERS, ToolCallStream, constrained_calls, functions_of, tool_choice_mode,
@@ -94,12 +94,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     ids = await chat_token_ids(state, message_dicts(body.messages), body.chat_template, body.add_generation_prompt,
                                tools.tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    reasoning = REASONING_PARSERS.get(state.reasoning_parser)
-    tail = await prompt_tail(state, ids) if reasoning is not None else ""
-    # Whether the output begins inside the thinking: the parser's rule, or the prompt's own open <think>.
-    inside = reasoning is not None and reasoning.opens_in(tail)
-    if reasoning is not None and params.structured_outputs is not None:  # the grammar shapes the answer only
-        params.structured_outputs_after = reasoning.constraint_after(tail)
+    reasoning, inside = prepare_reasoning(state.reasoning_parser, await prompt_tail(state, ids), params)
     check_room(state, [(None, ids)], max_tokens,
                "max_completion_tokens" if body.max_completion_tokens else "max_tokens")
     check_reply_size(state, body, [(None, ids)], max_tokens, params.logprobs, body.prompt_logprobs,

@@ -211,8 +211,9 @@ async def chat_token_ids(state: ServerState, messages: list[dict], chat_template
 
 
 async def prompt_tail(state: ServerState, ids: list[int], tokens: int = 16) -> str:
-    """The text of a prompt's last tokens (whether a chat template left a <think> block open)."""
-    if state.tokenizer is None or not ids:
+    """The text of a prompt's last tokens (whether a chat template left a <think> block open); "" without a
+    reasoning parser, which is the only reader."""
+    if state.reasoning_parser is None or state.tokenizer is None or not ids:
         return ""
     return await state.in_worker(state.tokenizer.decode, ids[-tokens:])
 

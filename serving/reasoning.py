@@ -22,12 +22,11 @@ START, END = "<think>", "</think>"
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """reasoning: the thinking so far (None: this output has none); content: the answer so far; settled: how
-    many characters of the text these account for (the rest may be part of a marker)."""
+    """reasoning: the thinking so far (None: this output has none); content: the answer so far (text that may
+    be part of a marker is in neither until it is settled)."""
 
     reasoning: str | None
     content: str
-    settled: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,14 +55,14 @@ class ReasoningParser:
         if text.startswith(START):
             inside, offset = True, len(START)
         elif not final and START.startswith(text):
-            return Split(None, "", 0)  # a start marker may be arriving: wait
+            return Split(None, "")  # a start marker may be arriving: wait
         if not inside:
-            return Split(None, text, len(text))
+            return Split(None, text)
         end = text.find(END, offset)
         if end >= 0:
-            return Split(text[offset:end], text[end + len(END):], len(text))
+            return Split(text[offset:end], text[end + len(END):])
         held = 0 if final else _partial_marker(text, END, offset)
-        return Split(text[offset:len(text) - held], "", len(text) - held)
+        return Split(text[offset:len(text) - held], "")
 
 
 def _ends_inside_block(prompt_text: str) -> bool:
@@ -81,6 +80,18 @@ def _partial_marker(text: str, marker: str, start: int) -> int:
 
 REASONING_PARSERS = {"deepseek_r1": ReasoningParser("deepseek_r1", starts_inside=True),
                      "qwen3": ReasoningParser("qwen3", starts_inside=False)}
+
+
+def prepare_reasoning(name: str | None, prompt_tail: str, params) -> tuple[ReasoningParser | None, bool]:
+    """For a request under the server's parser `name` (None: no parser), whose rendered prompt ends with
+    `prompt_tail`: the parser and whether the output begins inside the thinking. A structured-output
+    constraint in `params` is set to start after the thinking, so it shapes the answer only."""
+    parser = REASONING_PARSERS.get(name)
+    if parser is None:
+        return None, False
+    if params.structured_outputs is not None:
+        params.structured_outputs_after = parser.constraint_after(prompt_tail)
+    return parser, parser.opens_in(prompt_tail)
 
 
 class ReasoningStream:

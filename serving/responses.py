@@ -18,6 +18,7 @@ settings, n > 1.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
@@ -32,7 +33,7 @@ from paged.serving.generation import (admit, chat_token_ids, check_model, check_
                                       submit_all)
 from paged.serving.json_body import json_reply
 from paged.serving.protocol import ResponsesRequest
-from paged.serving.reasoning import REASONING_PARSERS, ReasoningStream
+from paged.serving.reasoning import ReasoningStream, prepare_reasoning
 from paged.serving.sse import EventStream, StreamedChoices, merged
 from paged.serving.state import State, key_name
 
@@ -65,11 +66,7 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
     ids = await chat_token_ids(state, messages, None, True, tools.tools)
     check_room(state, [(None, ids)], body.max_output_tokens, "max_output_tokens")
     check_reply_size(state, body, [(None, ids)], body.max_output_tokens, None, None, "top_logprobs")
-    reasoning = REASONING_PARSERS.get(state.reasoning_parser)
-    tail = await prompt_tail(state, ids) if reasoning is not None else ""
-    inside = reasoning is not None and reasoning.opens_in(tail)
-    if reasoning is not None and params.structured_outputs is not None:  # the grammar shapes the answer only
-        params.structured_outputs_after = reasoning.constraint_after(tail)
+    reasoning, inside = prepare_reasoning(state.reasoning_parser, await prompt_tail(state, ids), params)
     admit(state, raw, len(ids))
     response_id = f"resp_{uuid.uuid4().hex}"
     try:
@@ -94,7 +91,7 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
         return await json_reply(state, reply)
 
     async def events():
-        sequence = iter(range(1 << 62))
+        sequence = itertools.count()
         event = lambda kind, **fields: _event(kind, next(sequence), **fields)
         yield event("response.created", response=shell.response("in_progress", [], None))
         yield event("response.in_progress", response=shell.response("in_progress", [], None))
