@@ -102,7 +102,10 @@ async def _watch(base_url: str, pid: int, deadline: float, samples: list) -> Non
     async with httpx.AsyncClient(base_url=base_url, timeout=60) as client:
         while time.monotonic() < deadline:
             start = time.perf_counter()
-            status = (await client.get("/health")).status_code
+            try:
+                status = (await client.get("/health")).status_code
+            except httpx.HTTPError:
+                status = 0  # counted in health_s.non_200
             samples.append((time.monotonic(), _rss_bytes(pid), time.perf_counter() - start, status))
             await asyncio.sleep(2)
 

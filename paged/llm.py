@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import itertools
+import copy
 import dataclasses
+import itertools
 import inspect
 from typing import Sequence
 
@@ -13,6 +14,7 @@ from paged.chat import chat_prompt_token_ids
 from paged.config import EngineConfig
 from paged.engine import LLMEngine
 from paged.outputs import RequestOutput
+from paged.reasoning import REASONING_PARSERS, prepare_reasoning
 from paged.sampling_params import SamplingParams
 
 PromptType = str | dict
@@ -24,10 +26,18 @@ class LLM:
     `model="paged-tiny-llama"` builds a tiny random Llama offline (handy for trying the API).
     """
 
-    def __init__(self, model: str, show_progress: bool = True, **engine_options):
+    def __init__(self, model: str, show_progress: bool = True, reasoning_parser: str | None = None,
+                 **engine_options):
         """`engine_options`: any field of paged.EngineConfig (tokenizer, dtype, seed, block_size, max_num_seqs,
         enable_prefix_caching, attention_backend, ...; see its help text), the same options the command line
-        takes as flags."""
+        takes as flags.
+
+        `reasoning_parser` ("deepseek_r1" or "qwen3", as `paged serve --reasoning-parser`): `chat` separates a
+        reasoning model's thinking from its answer (each output's `reasoning_content` and `content`), and a
+        structured-output constraint shapes the answer only."""
+        if reasoning_parser is not None and reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got {reasoning_parser!r}")
+        self.reasoning_parser = reasoning_parser
         if engine_options.get("data_parallel_size", 1) != 1 and "data_parallel_rank" not in engine_options:
             # As with vLLM's offline data parallelism, each LLM is one replica: say which.
             raise ValueError("LLM runs one engine: with data_parallel_size > 1 pass its data_parallel_rank (one "
@@ -90,7 +100,10 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
              add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to one conversation or a list of them, then generates."""
+        """Applies the tokenizer's chat template to one conversation or a list of them, then generates.
+
+        With the LLM's `reasoning_parser`, each output's `reasoning_content` holds the thinking (None when it
+        wrote none) and `content` the answer; `text` is the whole output either way."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tokenizer = self.get_tokenizer()
         prompts = []
@@ -98,7 +111,25 @@ class LLM:
             ids = chat_prompt_token_ids(tokenizer, conversation, add_generation_prompt=add_generation_prompt,
                                         chat_template=chat_template)
             prompts.append({"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)})
-        return self.generate(prompts, sampling_params, use_tqdm)
+        if self.reasoning_parser is None:
+            return self.generate(prompts, sampling_params, use_tqdm)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} conversations")
+        # Each conversation's own copy: where its constraint starts depends on how its prompt ends.
+        sampling_params = [copy.copy(params) for params in sampling_params]
+        starts_inside = []
+        for prompt, params in zip(prompts, sampling_params):
+            tail = tokenizer.decode(prompt["prompt_token_ids"][-16:])
+            starts_inside.append(prepare_reasoning(self.reasoning_parser, tail, params)[1])
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        parser = REASONING_PARSERS[self.reasoning_parser]
+        for output, inside in zip(outputs, starts_inside):
+            for completion in output.outputs:
+                split = parser.split(completion.text, inside, final=True)
+                completion.reasoning_content, completion.content = split.reasoning, split.content
+        return outputs
 
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}

@@ -23,6 +23,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None  # the stop string or stop token id that ended it
     cumulative_logprob: float | None = None
     logprobs: list[dict[int, Logprob]] | None = None  # per token: the sampled token and the top-k
+    # LLM.chat with a reasoning_parser: the thinking (None: it wrote none) and the answer, split from `text`.
+    reasoning_content: str | None = None
+    content: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from paged.serving.api_keys import ANONYMOUS, ApiKey, KeyRing
 from paged.serving.async_engine import AsyncEngine
 from paged.serving.chat import chat_completions
-from paged.serving.responses import responses
+from paged.serving.responses import responses, stored_response
 from paged.serving.completions import completions
 from paged.serving.errors import APIError, error_response
 from paged.serving.metrics import EngineMetrics
@@ -134,7 +134,7 @@ class BearerAuth:
 _JSON_ERRORS = {status: {"model": ErrorResponse, "description": description} for status, description in (
     (400, "invalid request (the error's `param` names the field)"), (401, "missing or wrong API key"),
     (429, "over the API key's requests or tokens per minute (with Retry-After)"),
-    (404, "unknown model"), (413, "request body over the server's limit"),
+    (404, "unknown model (or stored response)"), (413, "request body over the server's limit"),
     (500, "the step carrying this request failed; the server goes on"),
     (503, "overloaded or the engine is not running (with Retry-After)"))}
 # One server-sent event: `data: {json chunk}`, the last one `data: [DONE]` (a failure: `data: {"error": ...}`).
@@ -149,6 +149,10 @@ ROUTES = [
      {"model": ChatCompletionResponse, "content": _SSE, "description": "the completion (a stream with stream=true)"}),
     ("/v1/responses", responses, ["POST"],
      {"content": _SSE, "description": "the response object (a stream of Responses events with stream=true)"}),
+    # One route for both methods, so a 405 lists both in its Allow header.
+    ("/v1/responses/{response_id}", stored_response, ["GET", "DELETE"],
+     {"description": "GET: a stored response (404 once evicted or expired, or made with another API key); "
+                     "DELETE: drops it ({\"id\": ..., \"object\": \"response\", \"deleted\": true})"}),
     ("/v1/models", models, ["GET"], {"model": ModelList, "description": "the served model"}),
     ("/v1/models/{model}", model, ["GET"], {"model": ModelCard, "description": "the served model"}),
     ("/version", version, ["GET"], {"description": "the server's version: {\"version\": \"...\"}"}),

@@ -16,7 +16,7 @@ from paged.serving.generation import (admit, chat_token_ids, check_model, check_
 from paged.serving.json_body import json_reply
 from paged.serving.logprobs import chat_logprobs, prompt_logprobs_json
 from paged.serving.protocol import ChatCompletionRequest, message_dicts, non_text_part
-from paged.serving.reasoning import ReasoningStream, prepare_reasoning
+from paged.reasoning import ReasoningStream, prepare_reasoning
 from paged.serving.sse import EventStream, StreamedChoices, merged, sse
 from paged.serving.state import ServerState, State, key_name
 from paged.serving.tool_calls import (PARSERS, ToolCallStream, constrained_calls, functions_of, tool_choice_mode,

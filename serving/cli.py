@@ -15,7 +15,7 @@ import time
 from paged.models.builtin import DEFAULT_MODEL
 from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
 from paged.serving.api_keys import parse_api_keys
-from paged.serving.reasoning import REASONING_PARSERS
+from paged.reasoning import REASONING_PARSERS
 from paged.serving.tool_calls import TOOL_CALL_PARSERS
 from paged.serving.vllm_flags import add_vllm_flags, check_vllm_flags
 
@@ -162,7 +162,9 @@ def _serve(args: argparse.Namespace) -> int:
     limits = ServerLimits(max_request_body_bytes=args.max_request_body_bytes,
                           allow_request_chat_template=args.trust_request_chat_template,
                           max_logprobs=args.max_logprobs, max_prompts_per_request=args.max_prompts_per_request,
-                          max_reply_logprobs=args.max_reply_logprobs)
+                          max_reply_logprobs=args.max_reply_logprobs,
+                          responses_store_bytes=int(args.responses_store_mb * 2**20),
+                          responses_store_ttl_s=args.responses_store_ttl_s)
     app = build_app(async_engine, name, metrics, api_keys=api_keys, model_path=model, limits=limits,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
                     reasoning_parser=args.reasoning_parser)
@@ -247,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-reply-logprobs", type=int, default=2**20,
                        help="logprob entries a non-streamed reply may carry, n x max tokens x (top logprobs + 1) "
                             "over its prompts (default: 1,048,576); streams are not bounded by this")
+    serve.add_argument("--responses-store-mb", type=float, default=64,
+                       help="memory for stored Responses (store: true), which previous_response_id continues and "
+                            "GET /v1/responses/{id} reads; the oldest go first (0: keep none; default 64)")
+    serve.add_argument("--responses-store-ttl-s", type=float, default=3600,
+                       help="forget a stored response this many seconds after it was made (default 3600)")
     serve.add_argument("--stream-stall-timeout-s", type=float, default=60.0,
                        help="abort a streamed request whose client reads nothing for this long while output "
                             "waits (0: never; default 60)")

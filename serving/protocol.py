@@ -254,14 +254,14 @@ class ResponsesRequest(_Request):
     # {"format": {"type": "text" | "json_object" | "json_schema", "name", "schema", "strict"}}
     text: dict[str, Any] | None = None
     metadata: dict[str, str] | None = None
-    store: bool = True  # accepted; nothing is kept (previous_response_id is refused)
+    store: bool = True  # kept for previous_response_id and GET /v1/responses/{id} (serving/response_store.py)
+    previous_response_id: str | None = None
     top_logprobs: int | None = Field(default=None, ge=0)
     truncation: Literal["disabled", "auto"] | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     # Not implemented: a 400 naming the field when set (`unimplemented_field`).
-    previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
     background: bool | None = None
     include: list[str] | None = None
@@ -275,7 +275,7 @@ class ResponsesRequest(_Request):
             return "n"
         if self.truncation == "auto":
             return "truncation"
-        for name in ("previous_response_id", "conversation", "prompt", "max_tool_calls"):
+        for name in ("conversation", "prompt", "max_tool_calls"):
             if getattr(self, name) is not None:
                 return name
         if self.background:
@@ -335,15 +335,23 @@ class ResponsesRequest(_Request):
         raise ValueError(f"tool_choice of type {choice.get('type')!r} is not served; choose none, auto, required "
                          "or a function")
 
-    def messages(self) -> list[dict[str, Any]]:
-        """`instructions` and `input` as chat-template messages: message items, the model's earlier
-        function_call items (an assistant message's tool_calls) and function_call_output items (tool
-        messages). ValueError naming an item this server does not read."""
-        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+    def input_items(self) -> list[dict[str, Any]]:
+        """`input` as a list of items (a string is one user message)."""
         if isinstance(self.input, str):
-            return [*messages, {"role": "user", "content": self.input}]
-        for i, item in enumerate(self.input):
+            return [{"type": "message", "role": "user", "content": self.input}]
+        return self.input
+
+    def messages(self, earlier: list[dict[str, Any]] = ()) -> list[dict[str, Any]]:
+        """`instructions`, then the `earlier` items (a stored conversation this request continues), then
+        `input`, as chat-template messages: message items, the model's earlier function_call items (an
+        assistant message's tool_calls) and function_call_output items (tool messages); reasoning items are
+        passed over (templates drop earlier turns' thinking). ValueError naming an item this server does not
+        read (`input[i]` counts from the first of this request's own items)."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        for i, item in enumerate([*earlier, *self.input_items()], start=-len(earlier)):
             kind = item.get("type", "message")
+            if kind == "reasoning":
+                continue
             if kind == "function_call":
                 call = {"id": item.get("call_id"), "type": "function",
                         "function": {"name": item.get("name"), "arguments": item.get("arguments")}}

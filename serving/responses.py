@@ -11,9 +11,12 @@ response.completed (or response.incomplete). A failure mid-stream is an `error` 
 
 Function tools go through chat's tool path (`required` and a named function constrained by a grammar, `auto`
 parsed by the server's --tool-call-parser) and come back as `function_call` items; a later turn sends them
-back with `function_call_output` items. Not served yet, each a 400 naming the field: built-in tools,
-previous_response_id and conversation (nothing is stored), background, include, prompt templates, reasoning
-settings, n > 1.
+back with `function_call_output` items.
+
+With `store` (the default) a finished response is kept (serving/response_store.py): `previous_response_id`
+continues its conversation (its input and output items come before the new input; its instructions do not),
+and `GET` / `DELETE /v1/responses/{id}` read and drop it. Not served yet, each a 400 naming the field: built-in
+tools, conversation objects, background, include, prompt templates, reasoning settings, n > 1.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from paged.serving.generation import (admit, chat_token_ids, check_model, check_
                                       submit_all)
 from paged.serving.json_body import json_reply
 from paged.serving.protocol import ResponsesRequest
-from paged.serving.reasoning import ReasoningStream, prepare_reasoning
+from paged.reasoning import ReasoningStream, prepare_reasoning
 from paged.serving.sse import EventStream, StreamedChoices, merged
+from paged.serving.tool_calls import ToolCallStream
 from paged.serving.state import State, key_name
 
 
@@ -44,8 +48,9 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
     check_model(state, body.model)
     if (field := body.unimplemented_field()) is not None:
         raise APIError(400, f"{field} is not supported by this server's Responses API yet", param=field)
+    earlier = _earlier_items(state, body, key_name(raw))
     try:
-        messages = body.messages()
+        messages = body.messages(earlier)
     except ValueError as exc:
         raise APIError(400, str(exc), param="input") from None
     params = sampling_params(body, body.max_output_tokens, None)
@@ -74,7 +79,9 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
     except APIError as err:
         err.param = "input" if err.param and err.param.startswith("prompt") else err.param
         raise
-    shell = _Shell(response_id, state.served_model_name, body)
+    store = state.response_store if body.store and state.response_store.enabled else None
+    shell = _Shell(response_id, state.served_model_name, body, stored=store is not None)
+    conversation = [*earlier, *body.input_items()]
 
     if not body.stream:
         (output,) = await run_to_completion(streams, raw)
@@ -86,7 +93,10 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
             if split is not None and split.reasoning is not None:
                 items.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", split.reasoning, "completed"))
             items += _answer_items(tools, choice, split.content if split else choice.text)
-            return shell.response(_status(choice.finish_reason), items, _usage(output))
+            response = shell.response(_status(choice.finish_reason), items, _usage(output))
+            if store is not None:
+                store.put(response, conversation, key_name(raw))
+            return response
 
         return await json_reply(state, reply)
 
@@ -145,6 +155,7 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
                            delta=text, logprobs=[])] if text else []
             return [*opened, *delta, *close_item(index, status)]
 
+        call_stream = _StreamedCall(tools, items, event)
         final = None
         async for _, output in merged(streams):
             (choice,) = output.outputs
@@ -162,7 +173,16 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
                 texts[reasoning_index] += thought
                 yield event("response.reasoning_text.delta", item_id=items[reasoning_index]["id"],
                             output_index=reasoning_index, content_index=0, delta=thought)
-            if tools.mode != "none":  # the answer may be calls: its items go out whole at the end
+            if tools.mode == "named":  # the answer is the call's arguments: they go out as they come
+                answer = thinking.answer if thinking is not None else choice.text
+                ready = len(answer) if thinking is not None else sent + len(text)
+                if answer or finished:
+                    if reasoning_index is not None and items[reasoning_index]["status"] == "in_progress":
+                        for e in close_item(reasoning_index, "completed"):
+                            yield e
+                    for e in call_stream.events(answer, ready, finished, _status(choice.finish_reason)):
+                        yield e
+            elif tools.mode != "none":  # the answer may be calls: its items go out whole at the end
                 answer = thinking.answer if thinking is not None else choice.text
                 if finished:
                     if reasoning_index is not None:
@@ -191,11 +211,40 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
                 for e in close_item(index, "completed" if status == "completed" else "incomplete"):
                     yield e
         kind = "response.completed" if status == "completed" else "response.incomplete"
-        yield event(kind, response=shell.response(status, items, _usage(final)))
+        response = shell.response(status, items, _usage(final))
+        if store is not None:
+            await state.in_worker(store.put, response, conversation, key_name(raw))
+        yield event(kind, response=response)
 
     stream = EventStream(events(), error_events=lambda err: [_event(
         "error", 0, message=err.message, code=err.code or err.type, param=err.param)])
     return stream
+
+
+async def stored_response(response_id: str, raw: Request, state: State):
+    """GET /v1/responses/{response_id}: a stored response; DELETE: drops it. A 404 once it is evicted, expired or
+    deleted, and for another API key's."""
+    key = key_name(raw)
+    if raw.method == "DELETE" and state.response_store.delete(response_id, key):
+        return {"id": response_id, "object": "response", "deleted": True}
+    entry = state.response_store.get(response_id, key) if raw.method == "GET" else None
+    if entry is None:
+        raise APIError(404, f"Response with id {response_id!r} not found", param="response_id", code="not_found")
+    return entry.response
+
+
+def _earlier_items(state: State, body: ResponsesRequest, key: str) -> list[dict]:
+    """The conversation `previous_response_id` continues: its input items, then its output items."""
+    if body.previous_response_id is None:
+        return []
+    if not state.response_store.enabled:
+        raise APIError(400, "previous_response_id needs stored responses, and this server keeps none "
+                            "(--responses-store-mb 0)", param="previous_response_id")
+    entry = state.response_store.get(body.previous_response_id, key)
+    if entry is None:
+        raise APIError(404, f"Previous response with id {body.previous_response_id!r} not found (never stored, "
+                            "or evicted)", param="previous_response_id", code="previous_response_not_found")
+    return [*entry.input_items, *entry.response["output"]]
 
 
 def _answer_items(tools, choice, answer: str) -> list[dict]:
@@ -211,6 +260,38 @@ def _answer_items(tools, choice, answer: str) -> list[dict]:
                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
                       "status": status})
     return items
+
+
+class _StreamedCall:
+    """A named function's call, streamed: output_item.added once the answer starts, its arguments as
+    function_call_arguments.delta events as they are generated, and the done events at the end."""
+
+    def __init__(self, tools, items: list[dict], event):
+        self.deltas = ToolCallStream(tools.mode, tools.name, None)
+        self.items, self.event, self.index = items, event, None
+
+    def events(self, answer: str, ready: int, finished: bool, status: str) -> list[str]:
+        out = []
+        for delta in self.deltas.deltas(answer, ready, finished):
+            (call,) = delta["tool_calls"]
+            if "id" in call:
+                self.items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
+                                   "name": call["function"]["name"], "arguments": "", "status": "in_progress"})
+                self.index = len(self.items) - 1
+                out.append(self.event("response.output_item.added", output_index=self.index,
+                                      item=self.items[self.index]))
+            elif call["function"]["arguments"]:
+                item = self.items[self.index]
+                item["arguments"] += call["function"]["arguments"]
+                out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=self.index, delta=call["function"]["arguments"]))
+        if finished:
+            item = self.items[self.index]
+            item["status"] = status
+            out += [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=self.index,
+                               arguments=item["arguments"], name=item["name"]),
+                    self.event("response.output_item.done", output_index=self.index, item=item)]
+        return out
 
 
 def _status(finish_reason: str | None) -> str:
@@ -247,8 +328,8 @@ def _usage(output) -> dict:
 class _Shell:
     """The response object around its output items: the request's settings echoed as OpenAI echoes them."""
 
-    def __init__(self, response_id: str, model: str, body: ResponsesRequest):
-        self.id, self.model, self.body = response_id, model, body
+    def __init__(self, response_id: str, model: str, body: ResponsesRequest, stored: bool):
+        self.id, self.model, self.body, self.stored = response_id, model, body, stored
         self.created_at = int(time.time())
 
     def response(self, status: str, output: list[dict], usage: dict | None) -> dict:
@@ -260,7 +341,7 @@ class _Shell:
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "metadata": body.metadata or {}, "parallel_tool_calls": body.parallel_tool_calls is not False,
-            "previous_response_id": None, "reasoning": None, "store": body.store,
+            "previous_response_id": body.previous_response_id, "reasoning": None, "store": self.stored,
             "temperature": 1.0 if body.temperature is None else body.temperature,
             "top_p": 1.0 if body.top_p is None else body.top_p, "text": {"format": fmt},
             "tool_choice": body.tool_choice or "auto", "tools": body.tools or [], "truncation": "disabled",

@@ -15,6 +15,7 @@ from paged.serving.api_keys import ANONYMOUS, KeyRing
 from paged.serving.async_engine import AsyncEngine
 from paged.serving.metrics import EngineMetrics
 from paged.serving.replicas import ReplicatedEngine
+from paged.serving.response_store import ResponseStore
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,10 @@ class ServerLimits:
     # Logprob entries a non-streamed reply may carry: n x max tokens x (top logprobs + 1), summed over its
     # prompts (a 64 x 490 x 21 reply is 46 MB of JSON). Streams send the same entries a chunk at a time.
     max_reply_logprobs: int = 2**20
+    # Stored Responses (previous_response_id, GET /v1/responses/{id}): their JSON bytes in all (0: none kept)
+    # and how long each is kept.
+    responses_store_bytes: int = 64 * 2**20
+    responses_store_ttl_s: float = 3600.0
 
 
 @dataclasses.dataclass
@@ -47,7 +52,7 @@ class ServerState:
     model_path: str | None = None
     limits: ServerLimits = ServerLimits()
     tool_call_parser: str | None = None  # finds calls in tool_choice=auto outputs; None: auto is refused
-    reasoning_parser: str | None = None  # separates a reasoning model's thinking (serving/reasoning.py)
+    reasoning_parser: str | None = None  # separates a reasoning model's thinking (paged/reasoning.py)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
     # Tokenization and chat templates run here, off the event loop and the engine thread.
     workers: ThreadPoolExecutor = dataclasses.field(
@@ -60,6 +65,10 @@ class ServerState:
         tokenizer = self.tokenizer
         longest = max((len(t) for t in tokenizer.get_vocab()), default=1) if tokenizer is not None else 1
         return self.max_model_len * max(longest, 1)
+
+    @functools.cached_property
+    def response_store(self) -> ResponseStore:
+        return ResponseStore(self.limits.responses_store_bytes, self.limits.responses_store_ttl_s)
 
     async def in_worker(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self.workers, fn, *args)

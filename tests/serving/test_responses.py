@@ -106,7 +106,6 @@ def test_a_stream_is_the_responses_event_sequence(client, server):
     ({"tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}]}, "tool_choice"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "file_search"}}, "tool_choice"),
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"background": True}, "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
@@ -210,9 +209,60 @@ def test_a_streamed_call_arrives_as_function_call_events(client, server):
     for event in events:
         TypeAdapter(ResponseStreamEvent).validate_python(event)
     kinds = [e["type"] for e in events]
-    assert kinds[2:6] == ["response.output_item.added", "response.function_call_arguments.delta",
-                          "response.function_call_arguments.done", "response.output_item.done"]
-    assert kinds[-1] == "response.completed"
+    # A named call's arguments stream as they are generated (a delta per step), as chat's do.
+    deltas = kinds.count("response.function_call_arguments.delta")
+    assert kinds[2:] == ["response.output_item.added", *["response.function_call_arguments.delta"] * deltas,
+                         "response.function_call_arguments.done", "response.output_item.done",
+                         "response.completed"] and deltas > 2, kinds
     done = next(e for e in events if e["type"] == "response.function_call_arguments.done")
+    streamed = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
     whole = client.responses.create(**{k: v for k, v in body.items() if k != "stream"})
-    assert done["arguments"] == whole.output[0].arguments
+    assert done["arguments"] == streamed == whole.output[0].arguments
+    assert events[-1]["response"]["output"][0]["call_id"] == events[2]["item"]["call_id"]
+
+
+def test_a_stored_response_is_read_back_continued_and_deleted(client):
+    first = client.responses.create(model="tiny", instructions="Answer briefly.", input="Hello", **GREEDY)
+    assert first.store and client.responses.retrieve(first.id) == first
+    second = client.responses.create(model="tiny", input="What is a page?", previous_response_id=first.id,
+                                     **GREEDY)
+    assert second.previous_response_id == first.id
+    # The earlier turn's input and output come first; its instructions do not carry over (as OpenAI's).
+    assert second.output_text == _chat_text(client, [
+        {"role": "user", "content": "Hello"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "What is a page?"}])
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.responses.create(model="tiny", input="And?", previous_response_id=first.id, **GREEDY)
+    assert caught.value.body["param"] == "previous_response_id"
+    assert client.responses.retrieve(second.id) == second  # a continuation is stored whole: it stands alone
+
+
+def test_a_tool_output_continues_a_stored_call(client):
+    first = client.responses.create(model="tiny", input="Weather in Paris?", tools=[WEATHER], temperature=0,
+                                    tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=60)
+    (call,) = first.output
+    second = client.responses.create(model="tiny", previous_response_id=first.id, tools=[WEATHER],
+                                     tool_choice="none", temperature=0, max_output_tokens=8, input=[
+                                         {"type": "function_call_output", "call_id": call.call_id,
+                                          "output": "18 C and sunny"}])
+    spelled_out = client.responses.create(model="tiny", tools=[WEATHER], tool_choice="none", temperature=0,
+                                          max_output_tokens=8, input=[
+                                              {"role": "user", "content": "Weather in Paris?"},
+                                              {"type": "function_call", "call_id": call.call_id, "name": call.name,
+                                               "arguments": call.arguments},
+                                              {"type": "function_call_output", "call_id": call.call_id,
+                                               "output": "18 C and sunny"}])
+    assert second.output_text == spelled_out.output_text
+
+
+def test_store_false_and_a_stream_are_kept_as_asked(client):
+    unstored = client.responses.create(model="tiny", input="Hello", store=False, **GREEDY)
+    assert unstored.store is False
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(unstored.id)
+    with client.responses.stream(model="tiny", input="Hello", **GREEDY) as stream:
+        *_, last = stream  # response.incomplete: the reply is cut at max_output_tokens
+    assert client.responses.retrieve(last.response.id) == last.response
