@@ -245,6 +245,10 @@ class ChatCompletionRequest(_Request):
     chat_template: str | None = None
 
 
+# The one `include` value the Responses route serves: logprobs on the output text's tokens.
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"
+
+
 class ResponsesRequest(_Request):
     """OpenAI's Responses API body (POST /v1/responses), with the sampling extensions of the other routes."""
 
@@ -280,11 +284,15 @@ class ResponsesRequest(_Request):
                 return name
         if self.background:
             return "background"
-        if self.include:
+        if set(self.include or ()) - {OUTPUT_TEXT_LOGPROBS}:
             return "include"
         if self.reasoning and any(value is not None for value in self.reasoning.values()):
             return "reasoning"
         return super().unimplemented_field()
+
+    def wants_logprobs(self) -> bool:
+        """Whether output_text parts carry their tokens' logprobs (`include`, with `top_logprobs` wide)."""
+        return OUTPUT_TEXT_LOGPROBS in (self.include or ())
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """text.format as a constraint (the Responses spelling of response_format: name, schema and strict

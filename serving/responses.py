@@ -16,11 +16,13 @@ back with `function_call_output` items.
 With `store` (the default) a finished response is kept (serving/response_store.py): `previous_response_id`
 continues its conversation (its input and output items come before the new input; its instructions do not),
 and `GET` / `DELETE /v1/responses/{id}` read and drop it. Not served yet, each a 400 naming the field: built-in
-tools, conversation objects, background, include, prompt templates, reasoning settings, n > 1.
+tools, conversation objects, background, include values but output-text logprobs, prompt templates, reasoning
+settings, n > 1.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import time
@@ -31,12 +33,13 @@ from fastapi import Request
 
 from paged.serving.chat import tool_setup
 from paged.serving.errors import APIError
-from paged.serving.generation import (admit, chat_token_ids, check_model, check_reply_size, check_room,
-                                      compile_constraint, counted, prompt_tail, run_to_completion, sampling_params,
-                                      submit_all)
+from paged.serving.generation import (admit, chat_token_ids, check_model, check_options, check_reply_size,
+                                      check_room, compile_constraint, counted, prompt_tail, run_to_completion,
+                                      sampling_params, submit_all)
 from paged.serving.json_body import json_reply
+from paged.serving.logprobs import chat_logprobs
 from paged.serving.protocol import ResponsesRequest
-from paged.reasoning import ReasoningStream, prepare_reasoning
+from paged.reasoning import END, ReasoningStream, prepare_reasoning
 from paged.serving.sse import EventStream, StreamedChoices, merged
 from paged.serving.tool_calls import ToolCallStream
 from paged.serving.state import State, key_name
@@ -53,7 +56,9 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
         messages = body.messages(earlier)
     except ValueError as exc:
         raise APIError(400, str(exc), param="input") from None
-    params = sampling_params(body, body.max_output_tokens, None)
+    check_options(state, body, body.top_logprobs, "top_logprobs")
+    k = body.top_logprobs or 0
+    params = sampling_params(body, body.max_output_tokens, k if body.wants_logprobs() else None)
     try:  # function tools go through chat's tool path, in chat's shape
         chat_tools = body.chat_tools()
     except ValueError as exc:
@@ -70,7 +75,7 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
                              else "tools")
     ids = await chat_token_ids(state, messages, None, True, tools.tools)
     check_room(state, [(None, ids)], body.max_output_tokens, "max_output_tokens")
-    check_reply_size(state, body, [(None, ids)], body.max_output_tokens, None, None, "top_logprobs")
+    check_reply_size(state, body, [(None, ids)], body.max_output_tokens, params.logprobs, None, "top_logprobs")
     reasoning, inside = prepare_reasoning(state.reasoning_parser, await prompt_tail(state, ids), params)
     admit(state, raw, len(ids))
     response_id = f"resp_{uuid.uuid4().hex}"
@@ -92,7 +97,9 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
             items = []
             if split is not None and split.reasoning is not None:
                 items.append(_reasoning_item(f"rs_{uuid.uuid4().hex}", split.reasoning, "completed"))
-            items += _answer_items(tools, choice, split.content if split else choice.text)
+            logprobs = (_answer_logprobs(choice, split is not None and split.reasoning is not None, k)
+                        if params.logprobs is not None else [])
+            items += _answer_items(tools, choice, split.content if split else choice.text, logprobs)
             response = shell.response(_status(choice.finish_reason), items, _usage(output))
             if store is not None:
                 store.put(response, conversation, key_name(raw))
@@ -109,6 +116,7 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
         thinking = ReasoningStream(reasoning, inside) if reasoning is not None else None
         items: list[dict] = []  # output items, as they open
         texts: dict[int, str] = {}  # output index -> its text so far
+        logprobs: dict[int, list] = collections.defaultdict(list)  # output index -> its tokens' logprobs
         reasoning_index = message_index = None
 
         def open_item(item: dict) -> tuple[int, list[str]]:
@@ -129,10 +137,10 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
                 items[index] = _reasoning_item(item["id"], text, status)
             else:
                 done = [event("response.output_text.done", item_id=item["id"], output_index=index,
-                              content_index=0, text=text, logprobs=[]),
+                              content_index=0, text=text, logprobs=logprobs[index]),
                         event("response.content_part.done", item_id=item["id"], output_index=index,
-                              content_index=0, part=_text_part(text))]
-                items[index] = _message_item(item["id"], text, status)
+                              content_index=0, part=_text_part(text, logprobs[index]))]
+                items[index] = _message_item(item["id"], text, status, logprobs[index])
             return [*done, event("response.output_item.done", output_index=index, item=items[index])]
 
         def whole_item(item: dict) -> list[str]:
@@ -161,10 +169,14 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
             (choice,) = output.outputs
             finished = choice.finish_reason is not None
             sent = tracker.sent_text.get(0, 0)
-            text, _, _ = tracker.delta(0, choice, finished)
+            text, start, end = tracker.delta(0, choice, finished)
             thought = ""
             if thinking is not None:
                 thought, text = thinking.delta(choice.text[:sent + len(text)], finished)
+            # This chunk's tokens' logprobs go with its answer text (a chunk that holds thinking keeps them, as
+            # chat's reasoning_content chunks do).
+            chunk_logprobs = (chat_logprobs(choice, start, end, k)["content"]
+                              if params.logprobs is not None and not thought else [])
             if thought:
                 if reasoning_index is None:
                     reasoning_index, opened = open_item(_reasoning_item(f"rs_{uuid.uuid4().hex}", "", "in_progress"))
@@ -191,7 +203,7 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
                     for item in _answer_items(tools, choice, answer):
                         for e in whole_item(item):
                             yield e
-            elif text or (finished and message_index is None):
+            elif text or chunk_logprobs or (finished and message_index is None):
                 if reasoning_index is not None and message_index is None:
                     for e in close_item(reasoning_index, "completed"):
                         yield e
@@ -199,10 +211,11 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
                     message_index, opened = open_item(_message_item(f"msg_{uuid.uuid4().hex}", "", "in_progress"))
                     for e in opened:
                         yield e
-                if text:
+                if text or chunk_logprobs:
                     texts[message_index] += text
+                    logprobs[message_index] += chunk_logprobs
                     yield event("response.output_text.delta", item_id=items[message_index]["id"],
-                                output_index=message_index, content_index=0, delta=text, logprobs=[])
+                                output_index=message_index, content_index=0, delta=text, logprobs=chunk_logprobs)
             final = output
         (choice,) = final.outputs
         status = _status(choice.finish_reason)
@@ -247,14 +260,16 @@ def _earlier_items(state: State, body: ResponsesRequest, key: str) -> list[dict]
     return [*entry.input_items, *entry.response["output"]]
 
 
-def _answer_items(tools, choice, answer: str) -> list[dict]:
+def _answer_items(tools, choice, answer: str, logprobs: list[dict] = ()) -> list[dict]:
     """The answer's output items: the message, and with tools in play the function calls it made (auto may
-    write text around them; a reply cut short keeps the calls written so far, as chat does)."""
+    write text around them; a reply cut short keeps the calls written so far, as chat does). `logprobs`: the
+    answer tokens' (with tools in play, the text is not all of them: none go out)."""
     status = "incomplete" if choice.finish_reason == "length" else "completed"
     message, _ = tools.message(choice, answer)
     items = []
     if message.get("content") or not message.get("tool_calls"):
-        items.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status))
+        items.append(_message_item(f"msg_{uuid.uuid4().hex}", message.get("content") or "", status,
+                                   list(logprobs) if tools.mode == "none" else []))
     for call in message.get("tool_calls", []):
         items.append({"type": "function_call", "id": f"fc_{uuid.uuid4().hex}", "call_id": call["id"],
                       "name": call["function"]["name"], "arguments": call["function"]["arguments"],
@@ -294,6 +309,21 @@ class _StreamedCall:
         return out
 
 
+def _answer_logprobs(choice, thought: bool, k: int) -> list[dict]:
+    """The answer's tokens' logprobs in a whole reply: after `thought` (a reasoning item was split off), the
+    tokens after the one that completes </think>."""
+    first = 0
+    if thought:
+        pieces = ""
+        first = len(choice.token_ids)
+        for j, token in enumerate(choice.token_ids):
+            pieces += choice.logprobs[j][token].decoded_token or ""
+            if END in pieces:
+                first = j + 1
+                break
+    return chat_logprobs(choice, first, len(choice.token_ids), k)["content"]
+
+
 def _status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
@@ -302,12 +332,12 @@ def _event(kind: str, sequence_number: int, **fields) -> str:
     return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': sequence_number, **fields})}\n\n"
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict] = ()) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": list(logprobs)}
 
 
-def _message_item(item_id: str, text: str, status: str) -> dict:
-    content = [_text_part(text)] if status != "in_progress" else []
+def _message_item(item_id: str, text: str, status: str, logprobs: list[dict] = ()) -> dict:
+    content = [_text_part(text, logprobs)] if status != "in_progress" else []
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
 
 

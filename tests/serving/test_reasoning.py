@@ -141,6 +141,14 @@ def test_a_model_that_thinks_is_split_by_paged_serve(thinking_model, name):
             "model": "tiny", "input": "2 + 2?", "temperature": 0, "max_output_tokens": 30}).json()
         reasoning, answer = response["output"]
         assert reasoning["content"][0]["text"] == "Let" and answer["content"][0]["text"] == "The answer is 4"
+        with_logprobs = httpx.post(server.url + "/v1/responses", timeout=60, json={
+            "model": "tiny", "input": "2 + 2?", "temperature": 0, "max_output_tokens": 30,
+            "include": ["message.output_text.logprobs"]}).json()
+        tokens = [entry["token"] for entry in with_logprobs["output"][1]["content"][0]["logprobs"]]
+        chat = httpx.post(server.url + "/v1/chat/completions", json={**body, "logprobs": True}, timeout=60).json()
+        chat_tokens = [entry["token"] for entry in chat["choices"][0]["logprobs"]["content"]]
+        # The answer's tokens only: chat's (all of them, the thinking's and EOS's too) after </think>.
+        assert tokens == chat_tokens[chat_tokens.index("</think>") + 1:] and "".join(tokens).startswith("The answer")
         # A schema shapes the answer only: the thinking is written as the model wants, then an integer (the
         # model's "The" is masked, so greedy takes the first token the grammar allows, then EOS).
         digit = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "integer", "minimum": 0,

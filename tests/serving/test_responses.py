@@ -108,6 +108,7 @@ def test_a_stream_is_the_responses_event_sequence(client, server):
     ({"tools": [{"type": "function", "name": "f"}], "tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"background": True}, "background"),
     ({"include": ["reasoning.encrypted_content"]}, "include"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"reasoning": {"effort": "high"}}, "reasoning"),
     ({"truncation": "auto"}, "truncation"),
     ({"input": [{"type": "function_call_output", "call_id": "c"}]}, "input"),
@@ -266,3 +267,20 @@ def test_store_false_and_a_stream_are_kept_as_asked(client):
     with client.responses.stream(model="tiny", input="Hello", **GREEDY) as stream:
         *_, last = stream  # response.incomplete: the reply is cut at max_output_tokens
     assert client.responses.retrieve(last.response.id) == last.response
+
+
+def test_output_text_logprobs_are_chats_streamed_or_not(client):
+    ask = dict(model="tiny", input="Tell me about paged attention", include=["message.output_text.logprobs"],
+               top_logprobs=3, **GREEDY)
+    raw = client.responses.with_raw_response.create(**ask)
+    Response.model_validate(raw.http_response.json())
+    logprobs = [entry.model_dump() for entry in raw.parse().output[0].content[0].logprobs]
+    chat = client.chat.completions.create(model="tiny", temperature=0, max_tokens=12, logprobs=True, top_logprobs=3,
+                                          messages=[{"role": "user", "content": "Tell me about paged attention"}])
+    assert logprobs == [entry.model_dump() for entry in chat.choices[0].logprobs.content]
+    assert len(logprobs) == 12 and all(len(entry["top_logprobs"]) == 3 for entry in logprobs)
+    with client.responses.stream(**ask) as stream:
+        events = list(stream)
+    streamed = [entry.model_dump() for e in events if e.type == "response.output_text.delta" for entry in e.logprobs]
+    assert streamed == logprobs
+    assert [entry.model_dump() for entry in events[-1].response.output[0].content[0].logprobs] == logprobs
