@@ -11,8 +11,8 @@ resident memory (VmRSS of its process) and the time `/health` takes. At the end 
 idle and reads its metrics.
 
 Reports the status codes by kind (the run fails on any 5xx or an unexpected code), /health latency, resident
-memory at the start of the second quarter, at the end, and its maximum, and the running requests and KV usage
-once idle (both must be 0).
+memory at the start of the second quarter, at the end, and its maximum (the run fails when it grew more than
+--max-rss-growth-mb between the two), and the running requests and KV usage once idle (both must be 0).
 """
 
 from __future__ import annotations
@@ -144,6 +144,10 @@ async def _soak(args, base_url: str, pid: int) -> dict:
                      "max": float(health.max()), "non_200": int((health_status != 200).sum())},
         "rss_bytes": {"second_quarter_start": int(second_quarter[0]) if len(second_quarter) else None,
                       "end": int(rss[-1]), "max": int(rss.max())},
+        # Growth once warm (the first quarter loads tokenizers, grammars, allocator pools): held to
+        # --max-rss-growth-mb.
+        "rss_growth_after_first_quarter_mb": round(float(rss[-1] - second_quarter[0]) / 2**20, 1)
+        if len(second_quarter) else None,
         # (seconds into the run, MB) every 30 s: whether memory settles or keeps growing
         "rss_mb_every_30s": [(round(float(t - start)), round(float(r) / 2**20, 1))
                              for t, r in zip(times[::15], rss[::15])],
@@ -161,6 +165,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--startup-timeout-s", type=float, default=600)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--max-rss-growth-mb", type=float, default=32,
+                        help="fail when resident memory grows more than this after the first quarter (default 32)")
     parser.add_argument("serve_args", nargs="*", help="extra flags for paged serve (after --)")
     args = parser.parse_args(argv)
     port = _free_port()
@@ -194,8 +200,9 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
+    growth = result["rss_growth_after_first_quarter_mb"]
     healthy = (result["server_errors"] == 0 and not result["unexpected"] and result["idle_running"] == 0
-               and result["idle_kv_cache_usage"] == 0)
+               and result["idle_kv_cache_usage"] == 0 and (growth is None or growth <= args.max_rss_growth_mb))
     return 0 if healthy else 1
 
 
