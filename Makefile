@@ -41,7 +41,7 @@ JAX_VERSION_TESTS := tests/pallas_kernels tests/models/test_linear.py tests/mode
 	$(TP)::test_tensor_parallel_gives_the_tokens_of_one_device $(TP)::test_fewer_kv_heads_than_devices_replicates_them \
 	$(TP)::test_bfloat16_pool_writes_per_shard_match_xla $(TP)::test_an_fp8_pool_splits_over_its_kv_heads \
 	tests/benchmarks/test_gpu_check.py tests/benchmarks/test_kernels_benchmark.py \
-	tests/benchmarks/test_tpu_first_run.py
+	tests/benchmarks/test_tpu_first_run.py tests/models/test_orbax_checkpoint.py
 
 # The TPU kernels under jax's TPU interpreter (minutes of emulation) run on the newest jax only (test312), as
 # TPU users run the newest jax; their lowering to Mosaic is checked on both.

@@ -24,6 +24,8 @@ from paged.models.progress import progress
 
 from paged.models.config import ModelConfig, load_model_config
 from paged.models.linear import to_declared_layout
+from paged.models.orbax_checkpoint import SavedLayout, is_orbax_checkpoint, read_layout, restore_params
+from paged.models.quantization import WeightQuant
 from paged.models.quantized_checkpoints import convert, is_online, quantize_online, quantized_suffixes, weight_quant
 from paged.models.registry import model_class
 
@@ -290,7 +292,16 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
     model_dir = resolve_model_path(model)
     config = load_model_config(model_dir)
     cls = model_class(config.architecture)
-    scheme = weight_quant(_quantization_config(model_dir), quantization)
+    saved = read_layout(model_dir) if is_orbax_checkpoint(model_dir) else None
+    if saved is not None:  # paged's own Orbax checkpoint: its quantization is in its codes already
+        scheme = WeightQuant(**saved.weight_quant) if saved.weight_quant is not None else None
+        if quantization is not None and (scheme is None or quantization != scheme.method.split("-")[0]):
+            raise ValueError(f"quantization={quantization!r}: this checkpoint was saved "
+                             f"{'with ' + scheme.method if scheme else 'unquantized'}; its quantization is fixed")
+        if dtype == "auto":
+            dtype = saved.dtype
+    else:
+        scheme = weight_quant(_quantization_config(model_dir), quantization)
     if scheme is not None:
         if cls.__name__ != "LlamaForCausalLM":
             raise NotImplementedError(f"quantized {config.architecture} models are not implemented yet")
@@ -298,16 +309,38 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
     size = int(np.prod(list(mesh.shape.values()))) if mesh is not None else 1
     if config.vocab_size % size:  # padded so the tables split evenly instead of being replicated
         config = dataclasses.replace(config, padded_vocab_size=-(-config.vocab_size // size) * size)
-    if kv_cache_scales and cls.__name__ == "LlamaForCausalLM" and _has_kv_scales(model_dir, cls.KV_SCALE_RE):
+    if saved is not None:
+        if saved.kv_scales and not kv_cache_scales:
+            raise ValueError("this checkpoint was saved with fp8 KV cache scales: restore it with kv_cache_dtype "
+                             "fp8 (or load the original checkpoint)")
+        config = dataclasses.replace(config, kv_scales=saved.kv_scales)
+    elif kv_cache_scales and cls.__name__ == "LlamaForCausalLM" and _has_kv_scales(model_dir, cls.KV_SCALE_RE):
         config = dataclasses.replace(config, kv_scales=True)
     replicas = kv_head_replicas(config, mesh)
     if replicas > 1:  # the model is built with every KV head repeated; the loader repeats k/v_proj to match
         config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * replicas, kv_head_replicas=replicas)
     np_dtype = resolve_dtype(dtype, config)
     instance = cls(config, np_dtype, linear_backend=linear_backend)
-    params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers, mesh, replicas,
-                         device)
+    if saved is not None:
+        expected = _expected(instance)
+        specs = partition_specs(instance) if mesh is not None else {}
+        placer = _Placer({}, expected, specs, True, config.num_layers, mesh, device)
+        shardings = {key: placer._sharding(specs.get(key), shape) or SingleDeviceSharding(jax.devices()[0])
+                     for key, (shape, _) in expected.items()}
+        params = restore_params(model_dir, expected, shardings, saved, saved_layout(config, np_dtype, mesh),
+                                stacked_layers)
+    else:
+        params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers, mesh,
+                             replicas, device)
     return model_dir, config, instance, params, np_dtype
+
+
+def saved_layout(config: ModelConfig, dtype: np.dtype, mesh) -> SavedLayout:
+    """The layout of the tree a model loaded with `config` holds (what an Orbax save records)."""
+    return SavedLayout(dtype=np.dtype(dtype).name, padded_vocab_size=config.padded_vocab_size or None,
+                       weight_quant=dataclasses.asdict(config.weight_quant) if config.weight_quant else None,
+                       kv_head_replicas=config.kv_head_replicas, kv_scales=config.kv_scales,
+                       tensor_parallel_size=int(np.prod(list(mesh.shape.values()))) if mesh is not None else 1)
 
 
 def _has_kv_scales(model_dir: str, pattern) -> bool:

@@ -181,6 +181,14 @@ class BlockManager:
             self.cached[h] = block
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
+    def reset_prefix_cache(self) -> int:
+        """Forgets every cached block (new weights, or a pool whose contents were released); the number
+        forgotten. Blocks stay with whoever holds them."""
+        count = len(self.cached)
+        self.block_hash.clear()
+        self.cached.clear()
+        return count
+
     # ---- device addressing ----------------------------------------------------------------------------
 
     def slots(self, request: Request, start: int, stop: int) -> np.ndarray:

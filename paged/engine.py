@@ -32,6 +32,9 @@ from paged.worker import Worker
 logger = logging.getLogger(__name__)
 
 
+ASLEEP = "the engine is asleep (its KV pool is released): call wake_up() first"
+
+
 class StepFailedError(RuntimeError):
     """A step raised; its requests (`request_ids`) were aborted and the engine goes on."""
 
@@ -108,6 +111,7 @@ class LLMEngine:
         self._in_flight: _InFlight | None = None  # the launched step not yet read back (async scheduling)
         self._scheduled: ScheduledBatch | None = None  # what the step under way scheduled (for _fail_step)
         self._trace: EngineTrace | None = None  # per-step records while start_trace() is in effect
+        self.sleeping = False  # sleep() released the KV pool
         startup.compilation_cache_counts()  # counts the persistent cache's hits from here on
         self.model_name = model  # as the user named it
         self.model_description = builtin[1] if builtin else random_weights_note(worker.model_dir)  # None for most
@@ -144,6 +148,8 @@ class LLMEngine:
         return self.inputs.make_request(request_id, prompt, prompt_token_ids, params, cache_salt, tenant)
 
     def add_request(self, request: ParentRequest) -> None:
+        if self.sleeping:
+            raise RuntimeError(ASLEEP)
         self.requests[request.request_id] = request
         self.num_constrained_requests += request.leader.grammar is not None
         self.scheduler.add(request.leader)
@@ -179,6 +185,8 @@ class LLMEngine:
         """
         if not self.is_leader:
             raise RuntimeError("this process follows process 0 in a multi-host run: call follow(), not step()")
+        if self.sleeping:
+            raise RuntimeError(ASLEEP)
         previous, self._in_flight = self._in_flight, None
         try:
             return self._step(previous)
@@ -289,6 +297,42 @@ class LLMEngine:
             raise RuntimeError("no trace is running: call start_trace() first")
         trace, self._trace = self._trace, None
         return trace
+
+    # ---- weights and memory (a training loop's hooks) ---------------------------------------------------
+
+    def save(self, path: str) -> None:
+        """Writes the loaded model (its weights as held, config and tokenizer) as an Orbax checkpoint that
+        `LLMEngine(path)` restores (models/orbax_checkpoint.py)."""
+        if self.channel is not None:
+            raise NotImplementedError("saving a multi-host run is not implemented: save from a single-host engine")
+        self.worker.save(path, self.tokenizer if self.config.tokenizer else None)
+
+    def get_params(self) -> dict:
+        """The weights the model runs on: a tree of device arrays in the model's layout (update_weights')."""
+        return self.worker.params
+
+    def update_weights(self, new: dict | str) -> None:
+        """Swaps in new weights (a tree shaped as get_params(), or a checkpoint path) on the same devices and
+        shardings, without recompiling; the prefix cache is cleared (its K/V came from the old weights)."""
+        self._check_idle("update_weights")
+        self.worker.update_weights(new)
+        self.block_manager.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Frees the KV pool's device memory (for a trainer sharing the devices); `wake_up` restores it. The
+        weights stay. Steps are refused while asleep."""
+        self._check_idle("sleep")
+        self.worker.sleep()
+        self.block_manager.reset_prefix_cache()
+        self.sleeping = True
+
+    def wake_up(self) -> None:
+        self.worker.wake_up()
+        self.sleeping = False
+
+    def _check_idle(self, what: str) -> None:
+        if self.has_unfinished_requests() or self._in_flight is not None:
+            raise RuntimeError(f"{what} needs an idle engine: finish or abort the running requests first")
 
     # ---- several hosts --------------------------------------------------------------------------------
 

@@ -131,6 +131,32 @@ class LLM:
                 completion.reasoning_content, completion.content = split.reasoning, split.content
         return outputs
 
+    # ---- weights and memory: JAX-native checkpoints and a training loop's hooks --------------------------
+
+    def save(self, path: str) -> None:
+        """Writes the loaded model as an Orbax checkpoint (weights as held: quantized codes included; config and
+        tokenizer beside them) into the new directory `path`; `LLM(path)` and `paged serve path` restore it,
+        each device reading only its shards."""
+        self.engine.save(path)
+
+    def get_params(self) -> dict:
+        """The model's weights, a tree of device arrays in its own layout (what update_weights takes)."""
+        return self.engine.get_params()
+
+    def update_weights(self, params: dict | str) -> None:
+        """Swaps in new weights, as a trainer produces them: a tree shaped as get_params() (layers stacked or
+        a list of layers), or a checkpoint path. Same devices and shardings, no recompiling; the prefix cache
+        is cleared. The engine must be idle."""
+        self.engine.update_weights(params)
+
+    def sleep(self) -> None:
+        """Releases the KV pool's device memory (vLLM's sleep mode, level 1 without moving the weights);
+        generate() is refused until wake_up()."""
+        self.engine.sleep()
+
+    def wake_up(self) -> None:
+        self.engine.wake_up()
+
     def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         with progress(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm) as bar:

@@ -95,8 +95,9 @@ class ModelRunner:
         shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         # Each device allocates only its KV heads (with a mesh), on the replica's device without one.
         pool = kv_pool_sharding(mesh) if mesh is not None else placement(None, device)
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool)
-        self.kv_cache = (zeros(), zeros())
+        self._zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool)
+        self.kv_cache = None
+        self.allocate_pool()
         self.num_compilations = 0
         self.max_num_seqs = max_num_seqs
         # Each step's samples padded to one fixed width, so the next step's input of them has one shape; it
@@ -194,6 +195,18 @@ class ModelRunner:
             adjusted, tokens = self.sample_adjusted(hidden, tokens, adjustments)
             out = dataclasses.replace(out, adjusted=adjusted)
         return out, tokens
+
+    def allocate_pool(self) -> None:
+        """The KV pool, zeroed (at start-up, and to wake up after `release_pool`)."""
+        if self.kv_cache is None:
+            self.kv_cache = (self._zeros(), self._zeros())
+
+    def release_pool(self) -> None:
+        """Frees the KV pool's device buffers; a step before `allocate_pool` is a RuntimeError."""
+        if self.kv_cache is not None:
+            for cache in self.kv_cache:
+                cache.delete()
+            self.kv_cache = None
 
     def pool_is_intact(self) -> bool:
         """False when the KV pool's buffers are gone (donated to a step that then failed) or hold a failed

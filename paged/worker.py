@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 
 import jax
@@ -20,7 +21,8 @@ from paged.logit_adjustments import build_adjustments
 from paged.models import get_attention_backend, load_model
 from paged.models.attention import resolve_backends
 from paged.models.config import ModelConfig
-from paged.models.loader import weight_bytes
+from paged.models.loader import saved_layout, weight_bytes
+from paged.models.orbax_checkpoint import save_checkpoint, stacked, unstacked
 from paged.parallel import ShardedAttention, make_mesh, placement, replica_devices
 from paged.runner import BlockMover, ModelRunner, kv_block_bytes, kv_budget
 from paged.sampler import SamplerOutput
@@ -71,6 +73,10 @@ class Worker:
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.num_blocks = self._num_blocks(config)
         precomputed = self.model.precomputed(config.max_model_len)
+        self.precomputed_keys = frozenset(precomputed)  # tables beside the weights: not saved or updated
+        self.load_options = dict(dtype=config.dtype, stacked_layers=not unroll, linear_backend=self.linear_backend,
+                                 mesh=self.mesh, quantization=config.quantization, device=self.device,
+                                 kv_cache_scales=config.kv_cache_dtype.startswith("fp8"))
         if (where := placement(self.mesh, self.device)) is not None:  # beside the weights, not copied per step
             precomputed = jax.device_put(precomputed, where)
         self.runner = ModelRunner(self.model, {**params, **precomputed}, attention, self.num_blocks,
@@ -156,6 +162,48 @@ class Worker:
         now_hits, now_misses = startup.compilation_cache_counts()
         startup.log_precompiled(len(shapes), len(adjustment_shapes), time.perf_counter() - started,
                                 now_hits - hits, now_misses - misses, cache_dir)
+
+    # ---- weights and memory ---------------------------------------------------------------------------
+
+    @property
+    def params(self) -> dict:
+        """The weights the model runs on (quantized codes and all), without the precomputed tables."""
+        return {k: v for k, v in self.runner.params.items() if k not in self.precomputed_keys}
+
+    def save(self, path: str, tokenizer=None) -> None:
+        """The weights as an Orbax checkpoint with the model's config and tokenizer (models/orbax_checkpoint.py)."""
+        layout = saved_layout(self.model_config, self.dtype, self.mesh)
+        save_checkpoint(path, self.params, self.model_dir, layout, tokenizer)
+
+    def update_weights(self, new: dict | str) -> None:
+        """Replaces the weights in place: a tree in the model's layout (`params`; layers stacked or a list of
+        layers, either), or a checkpoint path loaded with this engine's settings. Each array goes where the one
+        it replaces is, with its shape and dtype, so nothing recompiles; a mismatch is a ValueError naming it
+        before anything changes."""
+        if isinstance(new, (str, os.PathLike)):
+            new = load_model(str(new), show_progress=False, **self.load_options)[3]
+        current = self.params
+        if "layers" in new:  # either layout of the layers, as this engine holds them
+            unrolled = isinstance(current.get("layers"), list)
+            new = unstacked(new) if unrolled and not isinstance(new["layers"], list) else \
+                stacked(new) if not unrolled else new
+        want, got = jax.tree_util.tree_structure(current), jax.tree_util.tree_structure(new)
+        if want != got:
+            raise ValueError(f"the new weights' tree differs from the model's: expected {want}, got {got}")
+        for path, (old, leaf) in zip(jax.tree_util.tree_flatten_with_path(current)[0],
+                                     zip(jax.tree.leaves(current), jax.tree.leaves(new))):
+            if tuple(leaf.shape) != old.shape or np.dtype(leaf.dtype) != old.dtype:
+                raise ValueError(f"{jax.tree_util.keystr(path[0])}: expected {old.dtype}{list(old.shape)}, got "
+                                 f"{np.dtype(leaf.dtype)}{list(leaf.shape)}")
+        placed = jax.tree.map(lambda old, leaf: jax.device_put(leaf, old.sharding), current, new)
+        self.runner.params = {**self.runner.params, **placed}
+
+    def sleep(self) -> None:
+        """Releases the KV pool's device memory (its contents are lost); `wake_up` allocates it again."""
+        self.runner.release_pool()
+
+    def wake_up(self) -> None:
+        self.runner.allocate_pool()
 
     # ---- several hosts --------------------------------------------------------------------------------
 

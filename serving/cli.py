@@ -107,6 +107,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _convert(args: argparse.Namespace) -> int:
+    """Loads MODEL with the engine flags given (dtype, quantization, tensor parallel size, ...) and writes it
+    as an Orbax checkpoint that `paged serve OUT` restores (models/orbax_checkpoint.py)."""
+    from paged import LLM
+
+    check_vllm_flags(args)
+    _configure_logging("warning")
+    options = {"num_kv_blocks": 2, "max_model_len": 1, **engine_kwargs_from_cli_args(args)}  # no pool to speak of
+    started = time.perf_counter()
+    llm = LLM(args.source, show_progress=False, **options)
+    llm.save(args.out)
+    print(f"wrote {args.out} ({llm.engine.weight_bytes['total'] / 2**20:,.1f} MiB of weights in "
+          f"{time.perf_counter() - started:.1f} s)")
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -268,7 +284,16 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info")
     serve.set_defaults(func=_serve)
 
-    kinds = ["throughput", "serve", "soak", "memory", "device_memory", "kv_cache_dtype", "kernels", "matmul"]
+    convert = sub.add_parser("convert", help="write a model as an Orbax checkpoint (weights as loaded: dtype, "
+                                             "quantization) that `paged serve OUT` restores")
+    convert.add_argument("source", metavar="MODEL", help="HF checkpoint directory or hub id")
+    convert.add_argument("out", metavar="OUT", help="a new directory")
+    add_engine_arguments(convert, exclude=("data_parallel_size", "data_parallel_rank", "max_model_len",
+                                           "num_kv_blocks"))
+    add_vllm_flags(convert)
+    convert.set_defaults(func=_convert)
+
+    kinds = ["throughput", "serve", "soak", "startup", "memory", "device_memory", "kv_cache_dtype", "kernels", "matmul"]
     bench = sub.add_parser("bench", help=f"benchmarks: {', '.join(kinds)} (flags after the kind)")
     bench.add_argument("kind", choices=kinds)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help of each)")
