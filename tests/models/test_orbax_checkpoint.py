@@ -74,15 +74,22 @@ def test_a_saved_model_restores_to_the_same_weights_and_tokens(model_dir, gptq_d
         assert got[name].dtype == array.dtype and np.array_equal(got[name], array), name
 
 
-def test_a_different_layer_loop_restores_the_same_tree(model_dir, tmp_path):
-    """Saved from the unrolled loop (a list of layers), restored for the scanned one (stacked), and back."""
-    unrolled = LLM(model_dir, **SMALL, dtype="float32", layer_loop="unroll")
-    tokens = _tokens(unrolled)
-    unrolled.save(str(tmp_path / "saved"))
-    del unrolled
-    scanned = LLM(str(tmp_path / "saved"), **SMALL, layer_loop="scan")
-    assert not isinstance(scanned.get_params()["layers"], list)
-    assert _tokens(scanned) == tokens
+@pytest.mark.parametrize("saved_loop, restored_loop", [("unroll", "scan"), ("scan", "unroll")])
+def test_the_other_layer_loop_restores_the_same_tree(model_dir, tmp_path, saved_loop, restored_loop):
+    """Saved as held (a list of layers from the unrolled loop, stacked from the scanned one), restored for the
+    other loop."""
+    saved = LLM(model_dir, **SMALL, dtype="float32", layer_loop=saved_loop)
+    tokens = _tokens(saved)
+    layers = saved.get_params()["layers"]
+    saved.save(str(tmp_path / "saved"))
+    del saved
+    restored = LLM(str(tmp_path / "saved"), **SMALL, layer_loop=restored_loop)
+    assert isinstance(restored.get_params()["layers"], list) == (restored_loop == "unroll")
+    assert _tokens(restored) == tokens
+    stacked_before = layers if not isinstance(layers, list) else jax.tree.map(lambda *x: np.stack(x), *layers)
+    after = restored.get_params()["layers"]
+    stacked_after = after if not isinstance(after, list) else jax.tree.map(lambda *x: np.stack(x), *after)
+    assert jax.tree.all(jax.tree.map(np.array_equal, stacked_before, stacked_after))
 
 
 def test_what_does_not_fit_is_refused_by_name(model_dir, tmp_path):
