@@ -37,6 +37,10 @@ async def completions(body: CompletionRequest, raw: Request, state: State):
     await compile_constraint(state, params, constraint_field(body))
     tokenizer, served_model_name = state.tokenizer, state.served_model_name
     prompt = body.prompt
+    batched = not isinstance(prompt, str) and bool(prompt) and not isinstance(prompt[0], int)
+    if batched and len(prompt) > state.limits.max_prompts_per_request:  # counted before anything is copied
+        raise APIError(400, f"a request may hold at most {state.limits.max_prompts_per_request} prompts "
+                       f"(--max-prompts-per-request), got {len(prompt)}", param="prompt")
     if isinstance(prompt, str):
         prompts = [(prompt, None)]
     elif prompt and isinstance(prompt[0], int):  # validated as one of the four shapes: the first tells which
@@ -45,9 +49,6 @@ async def completions(body: CompletionRequest, raw: Request, state: State):
         prompts = [(p, None) if isinstance(p, str) else (None, list(p)) for p in prompt]
     else:
         raise APIError(400, "prompt must not be empty", param="prompt")
-    if len(prompts) > state.limits.max_prompts_per_request:
-        raise APIError(400, f"a request may hold at most {state.limits.max_prompts_per_request} prompts "
-                       f"(--max-prompts-per-request), got {len(prompts)}", param="prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     prompts = await tokenize_prompts(state, prompts)
     check_room(state, prompts, max_tokens, "max_tokens")

@@ -208,8 +208,20 @@ def response_format_params(response_format: dict[str, Any] | None) -> Structured
     raise InvalidStructuredOutput("response_format", f"type must be text, json_object or json_schema, got {kind!r}")
 
 
+# The most prompts a completions batch may hold whatever --max-prompts-per-request says: a longer one is
+# refused by its length alone, before any of its elements is looked at.
+MAX_BATCH_PROMPTS = 65536
+
+
 class CompletionRequest(_Request):
     prompt: Prompt
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _bounded_batch(cls, value):
+        if isinstance(value, list) and len(value) > MAX_BATCH_PROMPTS and value and isinstance(value[0], (str, list)):
+            raise ValueError(f"a batch holds at most {MAX_BATCH_PROMPTS} prompts, got {len(value)}")
+        return value
     max_tokens: int | None = Field(default=16, ge=0)  # 0 only with echo: the prompt's logprobs alone (vLLM's)
     logprobs: int | None = Field(default=None, ge=0)  # up to the server's --max-logprobs
     echo: bool = False
