@@ -16,8 +16,16 @@ from paged.models.builtin import DEFAULT_MODEL
 from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
 from paged.serving.api_keys import parse_api_keys
 from paged.reasoning import REASONING_PARSERS
+from paged.serving.protocol import MAX_BATCH_PROMPTS
 from paged.serving.tool_calls import TOOL_CALL_PARSERS
 from paged.serving.vllm_flags import add_vllm_flags, check_vllm_flags
+
+
+def _batch_limit(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= MAX_BATCH_PROMPTS:
+        raise argparse.ArgumentTypeError(f"must be between 1 and {MAX_BATCH_PROMPTS}, got {value}")
+    return value
 
 
 def _add_model_and_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -260,8 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-logprobs", type=int, default=20,
                        help="top logprobs a request may ask for per token (logprobs, top_logprobs, "
                             "prompt_logprobs; at most 20)")
-    serve.add_argument("--max-prompts-per-request", type=int, default=4096,
-                       help="prompts one completions request may batch (default: 4096)")
+    serve.add_argument("--max-prompts-per-request", type=_batch_limit, default=4096,
+                       help=f"prompts one completions request may batch (default: 4096; at most {MAX_BATCH_PROMPTS})")
     serve.add_argument("--max-reply-logprobs", type=int, default=2**20,
                        help="logprob entries a non-streamed reply may carry, n x max tokens x (top logprobs + 1) "
                             "over its prompts (default: 1,048,576); streams are not bounded by this")
