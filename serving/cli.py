@@ -121,7 +121,7 @@ def _convert(args: argparse.Namespace) -> int:
     from paged import LLM
 
     check_vllm_flags(args)
-    _configure_logging("warning")
+    _configure_logging("info")  # the start-up summary says what was loaded: dtype, quantization, devices
     options = {"num_kv_blocks": 2, "max_model_len": 1, **engine_kwargs_from_cli_args(args)}  # no pool to speak of
     started = time.perf_counter()
     llm = LLM(args.source, show_progress=False, **options)
