@@ -167,3 +167,11 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 10, calls_per_sample: in
         x.block_until_ready()
         best = min(best, (time.perf_counter() - start) / calls_per_sample)
     return 2 * nbytes / best
+
+
+def report(result: dict, path: str | None) -> None:
+    """Prints a benchmark's result as JSON, and writes it to `path` too when given (--json)."""
+    print(json.dumps(result, indent=2))
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)

@@ -15,13 +15,14 @@ step:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
 
 import numpy as np
+
+from paged.benchmarks.common import report
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -95,10 +96,7 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
     result = run(args)
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.json)
     return 0
 
 

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from paged.benchmarks.common import pyplot, read_jsonl_requests
+from paged.benchmarks.common import pyplot, read_jsonl_requests, report
 
 
 async def _one(client, url: str, headers: dict, payload: dict) -> dict:
@@ -161,10 +161,7 @@ def main(argv=None) -> int:
     if args.png:
         plot(result, args.png)
     result.pop("_samples")
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.json)
     return 0 if result["failed"] == 0 else 1
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import json
 import os
 import random
 import signal
@@ -31,6 +30,8 @@ import time
 
 import httpx
 import numpy as np
+
+from paged.benchmarks.common import report
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "count": {"type": "integer"}}, "required": ["name", "count"]}
@@ -196,10 +197,7 @@ def main(argv=None) -> int:
             server.wait(timeout=60)
         except subprocess.TimeoutExpired:
             server.kill()
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.json)
     growth = result["rss_growth_after_first_quarter_mb"]
     healthy = (result["server_errors"] == 0 and not result["unexpected"] and result["idle_running"] == 0
                and result["idle_kv_cache_usage"] == 0 and (growth is None or growth <= args.max_rss_growth_mb))

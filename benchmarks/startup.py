@@ -21,6 +21,8 @@ import sys
 import tempfile
 import textwrap
 
+from paged.benchmarks.common import report
+
 CHILD = textwrap.dedent("""
     import json, sys, time
     from paged import LLM
@@ -76,10 +78,7 @@ def main(argv=None) -> int:
               "seconds": {name: [round(v, 3) for v in values] for name, values in times.items()},
               "median_s": {name: round(v, 3) for name, v in medians.items()},
               "orbax_over_safetensors": round(medians["orbax"] / medians["safetensors"], 3)}
-    print(json.dumps(result, indent=2))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+    report(result, args.json)
     return 0
 
 

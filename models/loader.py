@@ -209,9 +209,9 @@ class _Placer:
         self.written: dict[tuple, int] = {}
 
     def _sharding(self, spec: PartitionSpec | None, shape: tuple[int, ...]):
-        if self.mesh is None:  # None: the default device
-            return SingleDeviceSharding(self.device) if self.device is not None else None
-        return NamedSharding(self.mesh, _divisible(spec, shape, self.mesh))
+        if self.mesh is None and self.device is None:
+            return None  # the default device
+        return _target_sharding(self.mesh, self.device, spec, shape)
 
     def place(self, key: tuple[str, ...], index: tuple[int, ...], tensor: np.ndarray) -> None:
         shape, dtype = self.expected[key]
@@ -250,6 +250,14 @@ def _slice_writer(sharding):
     in `sharding`; the indices are traced, so it compiles once per shape."""
     return jax.jit(lambda buffer, piece, *index: buffer.at[index].set(piece), donate_argnums=(0,),
                    out_shardings=sharding)
+
+
+def _target_sharding(mesh, device, spec: PartitionSpec | None, shape: tuple[int, ...]):
+    """Where a parameter lives: split over `mesh` by `spec` (splits the mesh cannot make evenly dropped), else
+    on `device` (None: the default device)."""
+    if mesh is None:
+        return SingleDeviceSharding(device if device is not None else jax.devices()[0])
+    return NamedSharding(mesh, _divisible(spec, shape, mesh))
 
 
 def _divisible(spec: PartitionSpec | None, shape: tuple[int, ...], mesh) -> PartitionSpec:
@@ -324,9 +332,8 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
     if saved is not None:
         expected = _expected(instance)
         specs = partition_specs(instance) if mesh is not None else {}
-        placer = _Placer({}, expected, specs, True, config.num_layers, mesh, device)
-        shardings = {key: placer._sharding(specs.get(key), shape) or SingleDeviceSharding(jax.devices()[0])
-                     for key, (shape, _) in expected.items()}
+        shardings = {key: _target_sharding(mesh, device, specs.get(key), shape) for key, (shape, _) in
+                     expected.items()}
         params = restore_params(model_dir, expected, shardings, saved, saved_layout(config, np_dtype, mesh),
                                 stacked_layers)
     else:

@@ -190,10 +190,9 @@ class Worker:
         want, got = jax.tree_util.tree_structure(current), jax.tree_util.tree_structure(new)
         if want != got:
             raise ValueError(f"the new weights' tree differs from the model's: expected {want}, got {got}")
-        for path, (old, leaf) in zip(jax.tree_util.tree_flatten_with_path(current)[0],
-                                     zip(jax.tree.leaves(current), jax.tree.leaves(new))):
+        for (path, old), leaf in zip(jax.tree_util.tree_flatten_with_path(current)[0], jax.tree.leaves(new)):
             if tuple(leaf.shape) != old.shape or np.dtype(leaf.dtype) != old.dtype:
-                raise ValueError(f"{jax.tree_util.keystr(path[0])}: expected {old.dtype}{list(old.shape)}, got "
+                raise ValueError(f"{jax.tree_util.keystr(path)}: expected {old.dtype}{list(old.shape)}, got "
                                  f"{np.dtype(leaf.dtype)}{list(leaf.shape)}")
         placed = jax.tree.map(lambda old, leaf: jax.device_put(leaf, old.sharding), current, new)
         self.runner.params = {**self.runner.params, **placed}
