@@ -200,6 +200,14 @@ class ModelConfig:
     # Copies of each checkpoint KV head (tensor parallelism over more devices than KV heads; set by the loader):
     # num_kv_heads counts the copies, the checkpoint holds num_kv_heads / kv_head_replicas.
     kv_head_replicas: int = 1
+    # Encoders (BERT, XLM-RoBERTa): bidirectional attention within each sequence, no KV cache; learned
+    # absolute positions starting at `position_offset` (XLM-RoBERTa's padding_idx + 1), `type_vocab_size`
+    # token-type rows (segment A / B of a pair).
+    encoder_only: bool = False
+    position_offset: int = 0
+    type_vocab_size: int = 0
+    # A sequence-classification head's labels (id2label order); empty without one.
+    labels: tuple[str, ...] = ()
 
     @property
     def rope_recompute_len(self) -> int | None:
@@ -359,10 +367,36 @@ def _gpt2_spelling(raw: dict[str, Any]) -> dict[str, Any]:
             "tie_word_embeddings": raw.get("tie_word_embeddings", True)}
 
 
+# Encoders (models/bert.py); RoBERTa's positions start after its padding id.
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
+_OFFSET_POSITIONS = ("roberta", "xlm-roberta")
+
+
+def _encoder_spelling(raw: dict[str, Any]) -> dict[str, Any]:
+    """BERT's config names -> the names read below (LayerNorm eps goes in rms_norm_eps, as for GPT-2)."""
+    offset = int(raw.get("pad_token_id", 1)) + 1 if raw.get("model_type") in _OFFSET_POSITIONS else 0
+    return {**raw, "num_key_value_heads": raw["num_attention_heads"], "rms_norm_eps": raw.get("layer_norm_eps", 1e-12),
+            "hidden_act": raw.get("hidden_act", "gelu"), "tie_word_embeddings": False,
+            "max_position_embeddings": int(raw.get("max_position_embeddings", 512)) - offset,
+            "paged_position_offset": offset}
+
+
+def _labels(raw: dict[str, Any], architecture: str) -> tuple[str, ...]:
+    """A sequence classifier's label names in id order (transformers' LABEL_i where it names none)."""
+    if not architecture.endswith("ForSequenceClassification"):
+        return ()
+    id2label = {int(k): str(v) for k, v in (raw.get("id2label") or {}).items()}
+    count = int(raw.get("num_labels") or len(id2label) or 2)
+    return tuple(id2label.get(i, f"LABEL_{i}") for i in range(max(count, len(id2label))))
+
+
 def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> ModelConfig:
     """Builds a ModelConfig from a parsed HF config.json (and optional generation_config.json)."""
     if raw.get("model_type") == "gpt2":
         raw = _gpt2_spelling(raw)
+    encoder = raw.get("model_type") in ENCODER_TYPES
+    if encoder:
+        raw = _encoder_spelling(raw)
     architectures = raw.get("architectures") or []
     if not architectures:
         raise ValueError("config.json has no 'architectures' entry; cannot tell which model to build")
@@ -414,6 +448,10 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
         eos_token_ids=eos,
         bos_token_id=raw.get("bos_token_id"),
         checkpoint_dtype=str(dtype).replace("torch.", ""),
+        encoder_only=encoder,
+        position_offset=int(raw.get("paged_position_offset", 0)),
+        type_vocab_size=int(raw.get("type_vocab_size", 0)) if encoder else 0,
+        labels=_labels(raw, architectures[0]),
     )
 
 

@@ -86,6 +86,9 @@ class LlamaForCausalLM:
         self.rope_scaling = config.rope.attention_scaling
         self.local_inv_freq = config.local_rope.inv_freq(rotary_dim) if config.local_rope else None
         self.local_rope_scaling = config.local_rope.attention_scaling if config.local_rope else 1.0
+        # A decoder saved without its LM head (sentence-transformers' Qwen3Model, gte-Qwen2's Qwen2Model): its
+        # tensors lack the "model." prefix, and it can only pool.
+        self.base_model = config.architecture.endswith("Model")
 
     # ---- checkpoint layout --------------------------------------------------------------------------
 
@@ -109,7 +112,7 @@ class LlamaForCausalLM:
         h = jnp.zeros((1, cfg.hidden_size), self.dtype)
         init = lambda module, *args: jax.eval_shape(lambda: module.init(key, *args))["params"]
         params = {"embed_tokens": init(self.embed, jnp.zeros((1,), jnp.int32)), "norm": init(self.final_norm, h)}
-        if not cfg.tie_word_embeddings:
+        if not cfg.tie_word_embeddings and not self.base_model:
             params["lm_head"] = init(self.lm_head, h)
         return params
 
@@ -118,6 +121,8 @@ class LlamaForCausalLM:
 
         The index is the layer, or (layer, expert) for an expert's matrix.
         """
+        if self.base_model and not name.startswith("model."):
+            name = "model." + name
         if name == "model.embed_tokens.weight":
             return ("embed_tokens", "embedding"), None, False
         if name == "model.norm.weight":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from paged.models.bert import BertModel
 from paged.models.gpt2 import GPT2LMHeadModel
 from paged.models.llama import LlamaForCausalLM
 
@@ -20,6 +21,27 @@ _REGISTRY = {
     "Qwen2MoeForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,
 }
+
+# Architectures that only pool (`runner="pooling"`): decoders saved without their LM head, as
+# sentence-transformers saves them (Qwen3-Embedding, gte-Qwen2), encoders, and sequence classifiers.
+_POOLING = {
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": LlamaForCausalLM,
+    "Qwen2Model": LlamaForCausalLM,
+    "Qwen3Model": LlamaForCausalLM,
+    "BertModel": BertModel,
+    "RobertaModel": BertModel,
+    "XLMRobertaModel": BertModel,
+    "BertForSequenceClassification": BertModel,
+    "RobertaForSequenceClassification": BertModel,
+    "XLMRobertaForSequenceClassification": BertModel,
+}
+_REGISTRY.update(_POOLING)
+
+
+def is_pooling_only(architecture: str) -> bool:
+    """Whether the architecture has no LM head to generate with (it can only pool)."""
+    return architecture in _POOLING
 
 
 def supported_architectures() -> list[str]:

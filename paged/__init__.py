@@ -17,7 +17,10 @@ from paged.models.attention import AttentionMetadata, register_attention_backend
 from paged.engine import EngineBrokenError, LLMEngine, StepFailedError
 from paged.config import EngineConfig
 from paged.llm import LLM
-from paged.outputs import CompletionOutput, Logprob, RequestOutput
+from paged.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
+                           EmbeddingRequestOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput,
+                           ScoringOutput, ScoringRequestOutput)
+from paged.pooling_params import PoolerConfig, PoolingParams
 from paged.sampling_params import InvalidParameter, InvalidTokenIds, SamplingParams
 from paged.structured_outputs import InvalidStructuredOutput, StructuredOutputsParams
 from paged.startup import configure_default_logging
@@ -26,7 +29,9 @@ configure_default_logging()
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LLMEngine", "AttentionMetadata", "CompletionOutput", "EngineBrokenError", "EngineConfig",
-           "InvalidParameter", "InvalidStructuredOutput", "InvalidTokenIds", "Logprob", "RequestOutput",
-           "SamplingParams", "StepFailedError", "StructuredOutputsParams", "register_attention_backend",
-           "__version__"]
+__all__ = ["LLM", "LLMEngine", "AttentionMetadata", "ClassificationOutput", "ClassificationRequestOutput",
+           "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "EngineBrokenError", "EngineConfig",
+           "InvalidParameter", "InvalidStructuredOutput", "InvalidTokenIds", "Logprob", "PoolerConfig",
+           "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "RequestOutput", "SamplingParams",
+           "ScoringOutput", "ScoringRequestOutput", "StepFailedError", "StructuredOutputsParams",
+           "register_attention_backend", "__version__"]

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from paged.models.attention import AttentionMetadata
+from paged.models.bert import TOKEN_TYPE_SHIFT
 from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.request import PLACEHOLDER, Request
 from paged.logit_adjustments import LogitAdjustments, RowAdjustment, build_adjustments, entries_bucket
@@ -184,6 +185,9 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         start, stop = request.num_computed_tokens, request.num_computed_tokens + num_new
         row_offsets.append(offset)
         token_ids[offset:offset + num_new] = request.token_ids[start:stop]
+        if request.token_type_ids is not None:  # an encoder's pair: each token's segment in its id's high bits
+            token_ids[offset:offset + num_new] |= np.asarray(request.token_type_ids[start:stop],
+                                                             np.int32) << TOKEN_TYPE_SHIFT
         if request.token_ids[stop - 1] == PLACEHOLDER:  # only the last token can still be in flight
             token_ids[offset + num_new - 1] = 0
             token_source[offset + num_new - 1] = request.placeholder_row

@@ -119,6 +119,14 @@ class EngineConfig:
     max_stop_string_chars: int = _option(1024, "most characters in one stop string")
     max_stop_token_ids: int = _option(1024, "most stop_token_ids one request may list")
     max_logit_bias_entries: int = _option(1024, "most logit_bias entries one request may list")
+    # vLLM's --runner: a pooling model returns one vector per prompt (embeddings, classifier scores) instead of
+    # generating; "auto" pools for embedding and classification architectures (BertModel, Qwen3Model,
+    # *ForSequenceClassification) and generates for the rest.
+    runner: str = _option("auto", "generate text, or pool each prompt into a vector (embeddings, scores); auto: "
+                                  "as the architecture says", ("auto", "generate", "pooling"))
+    pooler_config: str | None = _option(None, "a pooling model's settings as JSON, e.g. '{\"pooling_type\": \"MEAN\", "
+                                              "\"normalize\": true}' (pooling_type LAST/MEAN/CLS, normalize, "
+                                              "dimensions, use_activation; default: the checkpoint's)")
     quantization: str | None = _option(None, "quantize online (int8 or fp8: weight-only, per output channel) or "
                                              "check the checkpoint's own quantization_config (gptq, awq, "
                                              "compressed-tensors, fp8); default: the checkpoint's")
@@ -186,6 +194,11 @@ class EngineConfig:
         check(self.compilation_cache_dir is None or (isinstance(self.compilation_cache_dir, str)
                                                       and self.compilation_cache_dir.strip() != ""),
               f"compilation_cache_dir must be 'auto', a directory or None, got {self.compilation_cache_dir!r}")
+        check(self.runner in ("auto", "generate", "pooling"),
+              f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
+        if self.pooler_config is not None:
+            from paged.pooling_params import PoolerConfig
+            PoolerConfig.parse(self.pooler_config)  # raises ValueError naming what is wrong
         check(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
               f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
 

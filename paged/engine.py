@@ -6,7 +6,9 @@ the previous call is processed after this one is launched."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import os
 import time
 from typing import NoReturn
 
@@ -20,11 +22,15 @@ from paged.grammar import GrammarCompiler
 from paged.input_processor import InputProcessor, load_tokenizer
 from paged.models import load_model_config, resolve_model_path
 from paged.models.builtin import builtin_model, random_weights_note
+from paged.models.pooling_config import is_matryoshka, resolve_pooler
+from paged.models.registry import is_pooling_only
 from paged.output_processor import OutputProcessor
 from paged.outputs import RequestOutput
+from paged.pooler import PoolerOutput
+from paged.pooling_params import PoolerConfig, PoolingParams
 from paged.request import PLACEHOLDER, ParentRequest
 from paged.sampler import SamplerOutput
-from paged.sampling_params import SamplingParams
+from paged.sampling_params import InvalidParameter, SamplingParams
 from paged.scheduler import ScheduledBatch, Scheduler
 from paged.trace import EngineTrace, StepRecord, record_step
 from paged.worker import Worker
@@ -65,8 +71,20 @@ class LLMEngine:
         builtin = builtin_model(model)  # the demo model and the tiny one are known by name, offline
         model_dir = builtin[0] if builtin else resolve_model_path(model)
         model_config = load_model_config(model_dir)
+        self.runner_type = runner_type(config.runner, model_config.architecture, model_dir)
+        self.pooler_config: PoolerConfig | None = None  # a pooling model's settings, resolved
+        if self.runner_type == "pooling":
+            # Each prompt is pooled whole in one step: a reduction must see every token's hidden state, and
+            # neither a chunk boundary nor a cached prefix (whose hidden states are not kept) may hide some.
+            config = dataclasses.replace(config, enable_chunked_prefill=False, enable_prefix_caching=False)
+            self.pooler_config = resolve_pooler(model_dir, PoolerConfig.parse(config.pooler_config),
+                                                model_config.encoder_only)
+        # What a pooling model's vectors are: a classifier's scores, else embeddings.
+        self.pooling_task = None if self.pooler_config is None else "classify" if model_config.labels else "embed"
         self.config = config = config.resolved(model_config.max_context_len, model_config.max_position_embeddings)
-        self.worker = worker = Worker(model_dir, model_config, config, self.channel, show_progress)
+        pooling = (None if self.pooler_config is None
+                   else (self.pooler_config.pooling_type, self.pooling_task == "classify"))
+        self.worker = worker = Worker(model_dir, model_config, config, self.channel, show_progress, pooling)
         # What describes the engine (startup summary, metrics, benchmarks) is the worker's.
         self.model_config, self.dtype, self.kv_dtype = worker.model_config, worker.dtype, worker.kv_dtype
         self.devices, self.mesh = worker.devices, worker.mesh
@@ -145,7 +163,47 @@ class LLMEngine:
         it is accounted to (admission takes tenants' waiting requests in turn)."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if self.runner_type == "pooling":
+            raise ValueError(f"{self.model_name} is a pooling model ({self.pooling_task}): it returns vectors, "
+                             "it does not generate (LLM.embed / LLM.classify, or /v1/embeddings, /classify, /score, "
+                             "/rerank)")
         return self.inputs.make_request(request_id, prompt, prompt_token_ids, params, cache_salt, tenant)
+
+    def make_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                             params: PoolingParams, tenant: str | None = None,
+                             token_type_ids: list[int] | None = None) -> ParentRequest:
+        """A pooling model's request (its prompt's vector is its output); validated as make_request's.
+        `token_type_ids`: an encoder's segment of each token (a sentence pair's 0s then 1s)."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if self.runner_type != "pooling":
+            raise ValueError(f"{self.model_name} generates text; it is not a pooling model (start it with "
+                             "runner='pooling' to embed with it)")
+        task = params.task if params.task not in (None, "encode") else self.pooling_task
+        if task in ("classify", "score") and self.pooling_task != "classify":
+            raise InvalidParameter("task", f"{self.model_name} is an embedding model; it has no classifier head")
+        if task in ("embed",) and self.pooling_task != "embed":
+            raise InvalidParameter("task", f"{self.model_name} is a classifier; it returns scores, not embeddings")
+        if params.dimensions is not None:
+            self._check_dimensions(params.dimensions)
+        params = dataclasses.replace(params, task=task)
+        return self.inputs.make_pooling_request(request_id, prompt, prompt_token_ids, params, tenant, token_type_ids)
+
+    def _check_dimensions(self, dimensions: int) -> None:
+        """Matryoshka truncation only where the checkpoint allows it, and within its hidden size (as vLLM)."""
+        if self.pooling_task != "embed":
+            raise InvalidParameter("dimensions", "dimensions applies to embeddings; this model is a classifier")
+        if not self.supports_dimensions:
+            raise InvalidParameter("dimensions", f"model {self.model_name!r} does not support Matryoshka embeddings; "
+                                   f"dimensions must be unset (received dimensions={dimensions})")
+        hidden = self.model_config.hidden_size
+        if dimensions > hidden:
+            raise InvalidParameter("dimensions", f"model {self.model_name!r} only supports dimensions in range "
+                                   f"[1, {hidden}], got {dimensions}")
+
+    @functools.cached_property
+    def supports_dimensions(self) -> bool:
+        return is_matryoshka(self.worker.model_dir)
 
     def add_request(self, request: ParentRequest) -> None:
         if self.sleeping:
@@ -248,7 +306,7 @@ class LLMEngine:
         reads_back = False
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             request.num_computed_tokens += num_new
-            if request.num_computed_tokens < request.num_tokens:
+            if request.num_computed_tokens < request.num_tokens or request.pooling is not None:
                 token_index.append(-1)  # a prefill chunk: its sample is not a real next token
                 continue
             token_index.append(request.num_tokens)
@@ -261,7 +319,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         sampled = self.worker.fetch(flight.out)  # waits for the device: only token ids come back
         t1 = time.perf_counter()
-        processed = self.outputs.process(flight.batch, flight.token_index, sampled, flight.prompt_spans)
+        if isinstance(sampled, PoolerOutput):
+            processed = self.outputs.process_pooled(flight.batch, sampled.data, self.pooler_config)
+        else:
+            processed = self.outputs.process(flight.batch, flight.token_index, sampled, flight.prompt_spans)
         self.worker.copy_blocks(processed.block_copies)  # before a freed source block can be reused
         for output in processed.outputs:
             if output.finished:
@@ -402,10 +463,22 @@ class _InFlight:
 
     batch: ScheduledBatch
     token_index: list[int]
-    out: SamplerOutput
-    tokens: jax.Array  # int32 [max_num_seqs]: the samples, for the next step to read on the device
+    out: SamplerOutput | PoolerOutput
+    tokens: jax.Array | None  # int32 [max_num_seqs]: the samples, for the next step to read (None: pooled)
     reads_back: bool  # a request with penalties or a grammar has a token in flight: read it before scheduling
     prompt_spans: list[PromptLogprobSpan]  # where the step's prompt logprobs go
     record: StepRecord | None = None  # its entry in the engine trace, while one is recorded
     trace_origin: float = 0.0  # that trace's time zero (perf_counter)
 
+
+def runner_type(runner: str, architecture: str, model_dir: str) -> str:
+    """"generate" or "pooling" for the `runner` option, as vLLM resolves "auto": pooling for architectures
+    without an LM head and for sentence-transformers checkpoints, generation for the rest."""
+    pooling_only = is_pooling_only(architecture)
+    if runner == "auto":
+        sentence_transformers = os.path.exists(os.path.join(model_dir, "modules.json"))
+        return "pooling" if pooling_only or sentence_transformers else "generate"
+    if runner == "generate" and pooling_only:
+        raise ValueError(f"{architecture} has no LM head, it can only pool: use runner='pooling' (or leave runner "
+                         "at 'auto')")
+    return runner

@@ -13,6 +13,7 @@ from paged.detokenizer import IncrementalDetokenizer
 from paged.grammar import GrammarCompiler
 from paged.prefix_keys import prefix_root
 from paged.request import ParentRequest, Request
+from paged.pooling_params import PoolingParams
 from paged.sampling_params import InvalidParameter, SamplingParams
 
 
@@ -40,22 +41,12 @@ class InputProcessor:
     def make_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                      params: SamplingParams, cache_salt: str | None = None,
                      tenant: str | None = None) -> ParentRequest:
-        if prompt_token_ids is None:
-            if not isinstance(prompt, str):
-                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
-            prompt_token_ids = text_token_ids(self.tokenizer, prompt)
-        prompt_token_ids = list(prompt_token_ids)
+        prompt_token_ids = self._prompt_ids(prompt, prompt_token_ids)
         vocab, max_model_len = self.vocab_size, self.config.max_model_len
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
         if len(prompt_token_ids) >= max_model_len:  # first: a cheap refusal for a huge prompt
             raise ValueError(f"the prompt has {len(prompt_token_ids)} tokens, which leaves no room to generate "
                              f"within max_model_len={max_model_len}")
-        if not all(isinstance(t, (int, np.integer)) and 0 <= t < vocab for t in prompt_token_ids):
-            bad = next(t for t in prompt_token_ids if not (isinstance(t, (int, np.integer)) and 0 <= t < vocab))
-            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+        self._check_vocab(prompt_token_ids)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string if provided")
         root = prefix_root(cache_salt, self.rope_length_class(len(prompt_token_ids)))
@@ -81,3 +72,57 @@ class InputProcessor:
                                     grammar=self.grammars.matcher(constraint) if constraint is not None else None,
                                     prefix_root=root, tenant=tenant, cache_salt=cache_salt))
         return ParentRequest(request_id, children)
+
+    def make_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                             params: PoolingParams, tenant: str | None = None,
+                             token_type_ids: list[int] | None = None) -> ParentRequest:
+        """A pooling model's request: its prompt (cut to its last `truncate_prompt_tokens` tokens if asked),
+        computed whole in one step; its output is the pooled vector, no token is sampled."""
+        params.validate()
+        prompt_token_ids = self._prompt_ids(prompt, prompt_token_ids)
+        max_model_len = self.config.max_model_len
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = max_model_len if keep == -1 else keep
+            if keep > max_model_len:
+                raise InvalidParameter("truncate_prompt_tokens", f"truncate_prompt_tokens={keep} exceeds "
+                                       f"max_model_len={max_model_len}")
+            prompt_token_ids = prompt_token_ids[-keep:]
+            token_type_ids = token_type_ids[-keep:] if token_type_ids is not None else None
+        if len(prompt_token_ids) > max_model_len:
+            raise ValueError(f"the input has {len(prompt_token_ids)} tokens, more than max_model_len="
+                             f"{max_model_len} (truncate_prompt_tokens cuts it to its last tokens)")
+        self._check_vocab(prompt_token_ids)
+        # Never sampled: a pooling row's step reads hidden states only. Its length limit is its prompt, so the
+        # scheduler never gives it a token to generate.
+        request = Request(request_id, prompt, [int(t) for t in prompt_token_ids], _NOT_SAMPLED, 0, None,
+                          length_limit=len(prompt_token_ids), tenant=tenant)
+        request.pooling = params
+        if token_type_ids is not None and any(token_type_ids):
+            if len(token_type_ids) != len(prompt_token_ids):
+                raise ValueError(f"token_type_ids has {len(token_type_ids)} entries for {len(prompt_token_ids)} tokens")
+            request.token_type_ids = [int(t) for t in token_type_ids]
+        return ParentRequest(request_id, [request])
+
+    def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer; pass prompt_token_ids")
+            prompt_token_ids = text_token_ids(self.tokenizer, prompt)
+        prompt_token_ids = list(prompt_token_ids)
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        return prompt_token_ids
+
+    def _check_vocab(self, prompt_token_ids: list[int]) -> None:
+        vocab = self.vocab_size
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab
+                   for t in prompt_token_ids):
+            bad = next(t for t in prompt_token_ids
+                       if not (isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 0 <= t < vocab))
+            raise ValueError(f"prompt token id {bad!r} is outside the vocabulary [0, {vocab})")
+
+
+_NOT_SAMPLED = SamplingParams(max_tokens=1, temperature=0.0)

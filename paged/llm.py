@@ -13,7 +13,10 @@ from paged.models.progress import progress
 from paged.chat import chat_prompt_token_ids
 from paged.config import EngineConfig
 from paged.engine import LLMEngine
-from paged.outputs import RequestOutput
+from paged.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
+                           ScoringRequestOutput)
+from paged.pooling_params import PoolingParams
+from paged.scoring import cosine, pair_encoding, score_pairs
 from paged.reasoning import REASONING_PARSERS, prepare_reasoning
 from paged.sampling_params import SamplingParams
 
@@ -131,6 +134,93 @@ class LLM:
                 completion.reasoning_content, completion.content = split.reasoning, split.content
         return outputs
 
+    # ---- pooling models: embeddings, classification, scores (vLLM's signatures) --------------------------
+
+    def encode(self, prompts: PromptType | Sequence[PromptType],
+               pooling_params: PoolingParams | Sequence[PoolingParams] | None = None, *, use_tqdm: bool = True,
+               pooling_task: str | None = None, truncate_prompt_tokens: int | None = None
+               ) -> list[PoolingRequestOutput]:
+        """A pooling model's vector for every prompt (`outputs.data`, float32 numpy), in input order: an
+        embedding model's embeddings, a classifier's scores. Prompts as for `generate`; every one is validated
+        before any work starts."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+        if pooling_params is None or isinstance(pooling_params, PoolingParams):
+            pooling_params = [pooling_params or PoolingParams()] * len(prompts)
+        pooling_params = list(pooling_params)
+        if len(pooling_params) != len(prompts):
+            raise ValueError(f"got {len(pooling_params)} pooling_params for {len(prompts)} prompts")
+        items = []
+        for index, (prompt, params) in enumerate(zip(prompts, pooling_params)):
+            if not isinstance(params, PoolingParams):
+                raise ValueError(f"pooling_params[{index}] is a {type(params).__name__}, not PoolingParams")
+            changes = {"task": pooling_task} if pooling_task is not None else {}
+            if truncate_prompt_tokens is not None:
+                changes["truncate_prompt_tokens"] = truncate_prompt_tokens
+            text, token_ids = _split_prompt(prompt, index)
+            items.append((text, token_ids, None, dataclasses.replace(params, **changes)))
+        return self._pool(items, use_tqdm)
+
+    def embed(self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
+              pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (`outputs.embedding`, a list of floats), in input order."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="embed",
+                              truncate_prompt_tokens=truncate_prompt_tokens)
+        return [EmbeddingRequestOutput.from_base(output) for output in outputs]
+
+    def classify(self, prompts: PromptType | Sequence[PromptType], *, use_tqdm: bool = True,
+                 pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        """A classifier's per-label probabilities for each prompt (`outputs.probs`), in input order."""
+        outputs = self.encode(prompts, pooling_params, use_tqdm=use_tqdm, pooling_task="classify",
+                              truncate_prompt_tokens=truncate_prompt_tokens)
+        return [ClassificationRequestOutput.from_base(output) for output in outputs]
+
+    def score(self, data_1: str | Sequence[str], data_2: str | Sequence[str], /, *, use_tqdm: bool = True,
+              pooling_params: PoolingParams | None = None, truncate_prompt_tokens: int | None = None
+              ) -> list[ScoringRequestOutput]:
+        """Relevance of each (data_1, data_2) pair: one text against many (1 -> N) or pairwise (N -> N).
+
+        A cross-encoder (a classifier with one label) reads each pair as one input (the tokenizer's pair
+        encoding) and scores it; an embedding model scores the cosine similarity of the two embeddings."""
+        pairs = score_pairs(data_1, data_2)
+        params = pooling_params or PoolingParams()
+        if self.engine.pooling_task == "classify":
+            tokenizer = self.get_tokenizer()
+            items = []
+            for first, second in pairs:
+                encoded = pair_encoding(tokenizer, first, second)
+                items.append((None, encoded["input_ids"], encoded.get("token_type_ids"),
+                              dataclasses.replace(params, task="score",
+                                                  truncate_prompt_tokens=truncate_prompt_tokens)))
+            outputs = self._pool(items, use_tqdm)
+            if outputs and len(outputs[0].outputs.data) != 1:
+                raise ValueError(f"scoring needs a classifier with one label; this one has "
+                                 f"{len(outputs[0].outputs.data)}")
+            return [ScoringRequestOutput.from_base(o, float(o.outputs.data[0])) for o in outputs]
+        texts = list(dict.fromkeys(text for pair in pairs for text in pair))
+        vectors = dict(zip(texts, self.encode(texts, params, use_tqdm=use_tqdm, pooling_task="embed",
+                                              truncate_prompt_tokens=truncate_prompt_tokens)))
+        return [ScoringRequestOutput.from_base(vectors[second], cosine(vectors[first].outputs.data,
+                                                                       vectors[second].outputs.data))
+                for first, second in pairs]
+
+    def _pool(self, items: list, use_tqdm: bool) -> list[PoolingRequestOutput]:
+        """Runs (text, token ids, token type ids, PoolingParams) items; their outputs in order."""
+        if not self.is_leader:
+            raise RuntimeError("this process follows process 0 in a multi-host run: call follow()")
+        requests = []
+        for index, (text, token_ids, token_types, params) in enumerate(items):
+            params.validate()
+            try:
+                requests.append(self.engine.make_pooling_request(str(next(self._ids)), text, token_ids, params,
+                                                                 token_type_ids=token_types))
+            except ValueError as exc:
+                raise ValueError(f"prompt {index}: {exc}") from None
+        for request in requests:
+            self.engine.add_request(request)
+        return self._run(requests, use_tqdm, desc="Pooling")
+
     # ---- weights and memory: JAX-native checkpoints and a training loop's hooks --------------------------
 
     def save(self, path: str) -> None:
@@ -157,9 +247,9 @@ class LLM:
     def wake_up(self) -> None:
         self.engine.wake_up()
 
-    def _run(self, requests, use_tqdm: bool) -> list[RequestOutput]:
-        results: dict[str, RequestOutput] = {}
-        with progress(total=len(requests), desc="Generating", unit="req", disable=not use_tqdm) as bar:
+    def _run(self, requests, use_tqdm: bool, desc: str = "Generating") -> list:
+        results: dict = {}
+        with progress(total=len(requests), desc=desc, unit="req", disable=not use_tqdm) as bar:
             while self.engine.has_unfinished_requests():
                 for output in self.engine.step():
                     if output.finished:

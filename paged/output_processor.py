@@ -11,7 +11,10 @@ import time
 from paged.batch import PromptLogprobSpan
 from paged.block_manager import BlockManager
 from paged.detokenizer import find_stop_string
-from paged.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from paged.outputs import (CompletionOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestMetrics,
+                           RequestOutput)
+from paged.pooler import finish_embedding, finish_scores
+from paged.pooling_params import PoolerConfig
 from paged.request import ParentRequest, Request, RequestStatus
 from paged.sampler import PromptLogprobs, SamplerOutput
 from paged.scheduler import ScheduledBatch, Scheduler
@@ -71,6 +74,24 @@ class OutputProcessor:
                 request.text += request.detokenizer.flush()
             touched[parent.request_id] = parent
         return ProcessedStep([output_of(parent) for parent in touched.values()], copies)
+
+    def process_pooled(self, batch: ScheduledBatch, pooled, config: PoolerConfig) -> ProcessedStep:
+        """A pooling step's rows (float32 [S, D] host array): each request's vector finished as it asks
+        (paged/pooler.py) and the request finished with it."""
+        outputs = []
+        for row, request in enumerate(batch.requests):
+            if request.finished:
+                continue  # aborted while its step ran
+            params = request.pooling
+            vector = pooled[row]
+            vector = finish_scores(vector, params, config) if params.task in ("classify", "score") else \
+                finish_embedding(vector, params, config)
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            self.scheduler.finish(request, "stop")
+            outputs.append(PoolingRequestOutput(request.parent.request_id, PoolingOutput(vector),
+                                                request.prompt_token_ids, True, 0))
+        return ProcessedStep(outputs, [])
 
     def _record_logprobs(self, request: Request, sampled: SamplerOutput, row: int) -> None:
         k = request.params.logprobs

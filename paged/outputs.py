@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 
 @dataclasses.dataclass
@@ -53,3 +54,72 @@ class RequestOutput:
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then per prompt token
     # {token id: Logprob} holding that token and the top prompt_logprobs (vLLM's layout).
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+
+
+# ---- pooling models (vLLM's output classes) ------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class PoolingOutput:
+    """A pooling model's vector for one prompt: float32 [D] (an embedding, or a classifier's scores)."""
+
+    data: Any
+
+
+@dataclasses.dataclass
+class PoolingRequestOutput:
+    """What `LLM.encode` returns per prompt; `outputs` is a PoolingOutput (or, from `embed`, `classify` and
+    `score`, the EmbeddingOutput, ClassificationOutput or ScoringOutput built from it)."""
+
+    request_id: str
+    outputs: Any
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0
+
+
+@dataclasses.dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclasses.dataclass
+class ClassificationOutput:
+    probs: list[float]  # per label (the raw logits when the activation is turned off)
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.probs)
+
+
+@dataclasses.dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclasses.dataclass
+class EmbeddingRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
+        return cls(output.request_id, EmbeddingOutput([float(x) for x in output.outputs.data]),
+                   output.prompt_token_ids, output.finished, output.num_cached_tokens)
+
+
+@dataclasses.dataclass
+class ClassificationRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput) -> "ClassificationRequestOutput":
+        return cls(output.request_id, ClassificationOutput([float(x) for x in output.outputs.data]),
+                   output.prompt_token_ids, output.finished, output.num_cached_tokens)
+
+
+@dataclasses.dataclass
+class ScoringRequestOutput(PoolingRequestOutput):
+    @classmethod
+    def from_base(cls, output: PoolingRequestOutput, score: float) -> "ScoringRequestOutput":
+        return cls(output.request_id, ScoringOutput(float(score)), output.prompt_token_ids, output.finished,
+                   output.num_cached_tokens)

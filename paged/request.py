@@ -12,6 +12,7 @@ from paged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from paged.grammar import GrammarMatcher
+    from paged.pooling_params import PoolingParams
 
 
 # Stands in token_ids for a token the device has sampled but the host has not read yet (async scheduling):
@@ -84,6 +85,9 @@ class Request:
         # prompt's token and the top prompt_logprobs. Filled in order as the prompt is computed; the leader
         # of an n > 1 request holds them for all its samples.
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None and index == 0 else None
+        # A pooling model's request (paged/pooling_params.py): its prompt's pooled vector is its output.
+        self.pooling: "PoolingParams | None" = None
+        self.token_type_ids: list[int] | None = None  # an encoder's sentence-pair segments (None: all 0)
 
     @property
     def num_prompt_tokens(self) -> int:

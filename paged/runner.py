@@ -16,13 +16,16 @@ from paged.multihost import CopyBlocks, Launch
 from paged.parallel import kv_pool_sharding, placement
 from paged.models.linear import LastHidden
 from paged.logit_adjustments import LogitAdjustments, apply_entries
+from paged.pooler import PoolerOutput, pool_tokens
 from paged.sampler import (AdjustedSamples, SamplerOutput, SamplingMetadata, apply_token_mask, draw, first_argmax,
                            no_samples, prompt_logprobs, sample)
 
 
 def kv_block_bytes(model_config, block_size: int, dtype) -> int:
-    """Bytes one block takes across all layers, K and V."""
+    """Bytes one block takes across all layers, K and V (none for an encoder, which keeps no K/V)."""
     c = model_config
+    if c.encoder_only:
+        return 0
     return 2 * c.num_layers * c.num_kv_heads * block_size * c.head_dim * np.dtype(dtype).itemsize
 
 
@@ -82,17 +85,20 @@ def kv_budget(memory_utilization: float, memory_bytes: int | None, device) -> tu
 
 class ModelRunner:
     def __init__(self, model, params, attention, num_blocks: int, block_size: int, dtype, max_num_seqs: int,
-                 mesh=None, device=None, publish=None):
+                 mesh=None, device=None, publish=None, pooling: tuple[str, bool] | None = None):
         """`mesh`: the tensor-parallel mesh (None: one device); `device`: that one device when it is not the
         default (a data-parallel replica's); `publish(operation)`: on a multi-host leader, hands each device
-        operation's host inputs to the followers before it runs (paged/multihost.py)."""
+        operation's host inputs to the followers before it runs (paged/multihost.py); `pooling`: for a pooling
+        model, (pooling type, whether the model's classifier head follows): each step then returns pooled rows
+        (paged/pooler.py) instead of samples."""
         cfg = model.config
         self.model = model
         self.params = params
         self.attention = attention
         self.mesh = mesh
         self.publish = publish
-        shape = (cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
+        # An encoder keeps no K/V between steps: its pool has no layers (its blocks are only bookkeeping).
+        shape = (0 if cfg.encoder_only else cfg.num_layers, cfg.num_kv_heads, num_blocks, block_size, cfg.head_dim)
         # Each device allocates only its KV heads (with a mesh), on the replica's device without one.
         pool = kv_pool_sharding(mesh) if mesh is not None else placement(None, device)
         self._zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool)
@@ -109,7 +115,8 @@ class ModelRunner:
         on_cpu = (device or jax.devices()[0]).platform == "cpu"
         self.argmax = cpu.argmax_rows_cpu if mesh is None and on_cpu and cpu.available()[0] else first_argmax
         # The pool is donated: XLA writes the new K/V into the same buffers instead of copying the pool.
-        self._step = jax.jit(self._step_impl, donate_argnums=(1,))
+        self.pooling = pooling
+        self._step = jax.jit(self._step_impl if pooling is None else self._pool_step_impl, donate_argnums=(1,))
         # The rows a request adjusts (paged/logit_adjustments.py) in three small programs: the LM head and the
         # grammar mask (per R), the entries (per R x E: the only product, and the cheapest to compile), the
         # draw (per R).
@@ -140,6 +147,20 @@ class ModelRunner:
         # The sampled rows' final hidden states at the fixed width, for the adjusted rows' own LM head.
         hidden = jnp.zeros((self.max_num_seqs, last.h.shape[1]), last.h.dtype).at[:num_seqs].set(last.h)
         return kv_cache, out, self.no_tokens.at[:num_seqs].set(out.tokens), hidden, token_hidden
+
+    def _pool_step_impl(self, params, kv_cache, inputs: StepInputs):
+        """A pooling model's step: every packed token's final hidden state, reduced per row (and through the
+        classifier head where the model has one); no LM head, no sampling."""
+        self.num_compilations += 1
+        meta = inputs.attention
+        every_token = jnp.arange(inputs.token_ids.shape[0], dtype=jnp.int32)
+        normed, kv_cache = self.model.hidden_states(params, kv_cache, inputs.token_ids, meta, every_token,
+                                                    self.attention)
+        pooling_type, head = self.pooling
+        pooled = pool_tokens(normed.h, meta.token_seq_ids, meta.query_start, pooling_type)
+        if head:
+            pooled = self.model.classify(params, pooled)
+        return kv_cache, PoolerOutput(pooled)
 
     def _prompt_logprobs_impl(self, params, token_hidden, indices, targets):
         self.num_compilations += 1
@@ -181,6 +202,12 @@ class ModelRunner:
         """
         if self.publish is not None:
             self.publish(Launch(inputs, previous_tokens is not None))
+        if self.pooling is not None:
+            self.kv_cache, pooled = self._step(self.params, self.kv_cache,
+                                               dataclasses.replace(inputs, attention=self.attention.prepare(
+                                                   inputs.attention), adjustments=None, prompt_logprob_indices=None,
+                                                   prompt_logprob_targets=None))
+            return pooled, None
         previous = self.no_tokens if previous_tokens is None else previous_tokens
         adjustments, prompt_indices, prompt_targets = (inputs.adjustments, inputs.prompt_logprob_indices,
                                                        inputs.prompt_logprob_targets)
@@ -220,9 +247,10 @@ class ModelRunner:
         return True
 
     @staticmethod
-    def fetch(out: SamplerOutput) -> SamplerOutput:
-        """Waits for a launched step; its sampler output as host numpy arrays, adjusted rows in place."""
-        return jax.tree.map(np.asarray, out).merged()
+    def fetch(out: SamplerOutput | PoolerOutput) -> SamplerOutput | PoolerOutput:
+        """Waits for a launched step; its output as host numpy arrays (a sampler's with adjusted rows in place)."""
+        host = jax.tree.map(np.asarray, out)
+        return host.merged() if isinstance(host, SamplerOutput) else host
 
     def run(self, inputs: StepInputs) -> SamplerOutput:
         """Runs one step and waits for it; returns the sampler's output as host numpy arrays."""

@@ -38,9 +38,11 @@ def kv_cache_dtype(option: str, model_dtype) -> np.dtype:
 
 class Worker:
     def __init__(self, model_dir: str, model_config: ModelConfig, config: EngineConfig,
-                 channel: multihost.StepChannel | None = None, show_progress: bool = True):
+                 channel: multihost.StepChannel | None = None, show_progress: bool = True,
+                 pooling: tuple[str, bool] | None = None):
         """`config` is resolved against the model (max_model_len set); `channel` joins a multi-host run's
-        processes (the leader publishes each device operation, a follower replays them in `follow`)."""
+        processes (the leader publishes each device operation, a follower replays them in `follow`);
+        `pooling`: a pooling model's (pooling type, classifier head?), see ModelRunner."""
         platform = jax.default_backend()
         self.channel = channel
         self.devices = devices = replica_devices(config.tensor_parallel_size, config.data_parallel_size,
@@ -63,7 +65,8 @@ class Worker:
             mesh=self.mesh, quantization=config.quantization, device=self.device,
             kv_cache_scales=config.kv_cache_dtype.startswith("fp8"))
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
-        if (check := getattr(attention, "check_model", None)) is not None:  # refused now, not at the first trace
+        check = None if model_config.encoder_only else getattr(attention, "check_model", None)  # its own attention
+        if check is not None:  # refused now, not at the first trace
             check(self.model_config, self.dtype, self.kv_dtype, config.block_size)
         if self.mesh is not None:
             attention = ShardedAttention(attention, self.mesh)
@@ -81,7 +84,8 @@ class Worker:
             precomputed = jax.device_put(precomputed, where)
         self.runner = ModelRunner(self.model, {**params, **precomputed}, attention, self.num_blocks,
                                   config.block_size, self.kv_dtype, config.max_num_seqs, self.mesh, self.device,
-                                  publish=channel.publish if channel is not None and channel.leader else None)
+                                  publish=channel.publish if channel is not None and channel.leader else None,
+                                  pooling=pooling)
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.kv_dtype)
         self.kv_pool_bytes = self.num_blocks * block_bytes  # K and V over all layers, every device's share
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
@@ -101,7 +105,7 @@ class Worker:
             local = next((d for d in self.devices if d.process_index == jax.process_index()), self.devices[0])
             budget, self.kv_budget_note = kv_budget(config.gpu_memory_utilization, config.kv_cache_memory_bytes,
                                                     local)
-            budget_blocks = budget // per_block
+            budget_blocks = budget // per_block if per_block else budget  # an encoder's blocks hold nothing
             full = config.max_num_seqs * self.max_blocks_per_seq + 1
             if budget_blocks > full:
                 self.kv_budget_note += "; capped at max_num_seqs x max_model_len"
@@ -149,8 +153,13 @@ class Worker:
         shapes = buckets.all_shapes()
         adjustment_shapes = buckets.adjustment_shapes()
         started, (hits, misses) = time.perf_counter(), startup.compilation_cache_counts()
+        if self.runner.pooling is not None:  # a pooling step has no logprobs or sampling programs
+            adjustment_shapes = []
         for t_pad, _ in progress(shapes, desc="Compiling", disable=not show_progress):
             padding = padding_inputs(block_manager, buckets, t_pad)
+            if self.runner.pooling is not None:
+                self.runner.run(padding)
+                continue
             prompt_rows = np.zeros(prompt_logprob_rows(t_pad), np.int32)
             self.runner.run(dataclasses.replace(padding, prompt_logprob_indices=prompt_rows,
                                                 prompt_logprob_targets=prompt_rows))
