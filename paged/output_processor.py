@@ -89,8 +89,10 @@ class OutputProcessor:
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
             self.scheduler.finish(request, "stop")
+            metrics = RequestMetrics(request.arrival_time, request.first_scheduled_time, request.first_token_time,
+                                     time.monotonic())
             outputs.append(PoolingRequestOutput(request.parent.request_id, PoolingOutput(vector),
-                                                request.prompt_token_ids, True, 0))
+                                                request.prompt_token_ids, True, 0, metrics, params.task))
         return ProcessedStep(outputs, [])
 
     def _record_logprobs(self, request: Request, sampled: SamplerOutput, row: int) -> None:

@@ -76,6 +76,8 @@ class PoolingRequestOutput:
     prompt_token_ids: list[int]
     finished: bool = True
     num_cached_tokens: int = 0
+    metrics: RequestMetrics | None = None
+    task: str | None = None  # embed, classify or score
 
 
 @dataclasses.dataclass
@@ -106,7 +108,7 @@ class EmbeddingRequestOutput(PoolingRequestOutput):
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
         return cls(output.request_id, EmbeddingOutput([float(x) for x in output.outputs.data]),
-                   output.prompt_token_ids, output.finished, output.num_cached_tokens)
+                   output.prompt_token_ids, output.finished, output.num_cached_tokens, output.metrics, output.task)
 
 
 @dataclasses.dataclass
@@ -114,7 +116,7 @@ class ClassificationRequestOutput(PoolingRequestOutput):
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> "ClassificationRequestOutput":
         return cls(output.request_id, ClassificationOutput([float(x) for x in output.outputs.data]),
-                   output.prompt_token_ids, output.finished, output.num_cached_tokens)
+                   output.prompt_token_ids, output.finished, output.num_cached_tokens, output.metrics, output.task)
 
 
 @dataclasses.dataclass
@@ -122,4 +124,4 @@ class ScoringRequestOutput(PoolingRequestOutput):
     @classmethod
     def from_base(cls, output: PoolingRequestOutput, score: float) -> "ScoringRequestOutput":
         return cls(output.request_id, ScoringOutput(float(score)), output.prompt_token_ids, output.finished,
-                   output.num_cached_tokens)
+                   output.num_cached_tokens, output.metrics, output.task)

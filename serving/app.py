@@ -24,6 +24,7 @@ from paged.serving.completions import completions
 from paged.serving.errors import APIError, error_response
 from paged.serving.json_body import OffLoopJSONRoute
 from paged.serving.metrics import EngineMetrics
+from paged.serving.pooling import classify, embeddings, pooling, rerank, score
 from paged.serving.protocol import (ChatCompletionResponse, CompletionResponse, DetokenizeResponse, ErrorResponse,
                                     ModelCard, ModelList, TokenizeResponse)
 from paged.serving.replicas import ReplicatedEngine
@@ -110,7 +111,10 @@ class BodyLimit:
 
 # Routes open without a key: probes and scrapers (a load balancer's health check, Prometheus) carry none.
 OPEN_ROUTES = ("/health", "/metrics", "/openapi.json", "/version")
-GENERATION_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions"}
+GENERATION_ROUTES = {"/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
+                     "/v1/embeddings": "embeddings", "/pooling": "pooling", "/classify": "classify",
+                     "/score": "score", "/v1/score": "score", "/rerank": "rerank", "/v1/rerank": "rerank",
+                     "/v2/rerank": "rerank"}
 
 
 class BearerAuth:
@@ -163,6 +167,15 @@ ROUTES = [
     ("/v1/responses/{response_id}", stored_response, ["GET", "DELETE"],
      {"description": "GET: a stored response (404 once evicted or expired, or made with another API key); "
                      "DELETE: drops it ({\"id\": ..., \"object\": \"response\", \"deleted\": true})"}),
+    # A pooling model's routes (the model decides which answer: a generating model's are 400s naming the
+    # routes it serves, and the other way round).
+    ("/v1/embeddings", embeddings, ["POST"], {"description": "an embedding per input (OpenAI's shape)"}),
+    ("/pooling", pooling, ["POST"], {"description": "the pooled vector per input"}),
+    ("/classify", classify, ["POST"], {"description": "a classifier's label probabilities per input"}),
+    *[(path, score, ["POST"], {"description": "a relevance score per pair of texts"})
+      for path in ("/score", "/v1/score")],
+    *[(path, rerank, ["POST"], {"description": "the documents by relevance to the query"})
+      for path in ("/rerank", "/v1/rerank", "/v2/rerank")],
     ("/v1/models", models, ["GET"], {"model": ModelList, "description": "the served model"}),
     ("/v1/models/{model}", model, ["GET"], {"model": ModelCard, "description": "the served model"}),
     ("/version", version, ["GET"], {"description": "the server's version: {\"version\": \"...\"}"}),

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import AsyncIterator
 
-from paged import LLMEngine, RequestOutput, SamplingParams, StepFailedError
+from paged import LLMEngine, PoolingParams, RequestOutput, SamplingParams, StepFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -43,11 +43,12 @@ class Add:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int] | None
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: a pooling model's request
     stream: "_Stream"
     accepted: asyncio.Future
     cache_salt: str | None = None
     tenant: str | None = None
+    token_type_ids: list[int] | None = None  # a cross-encoder's pair segments
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,13 +204,23 @@ class Generating:
         return self.engine.model_config
 
     @property
+    def runner_type(self) -> str:
+        """"generate", or "pooling" for a model that returns vectors (paged/pooler.py)."""
+        return self.engine.runner_type
+
+    @property
+    def pooling_task(self) -> str | None:
+        """A pooling model's vectors: "embed" or "classify" (None when it generates)."""
+        return self.engine.pooling_task
+
+    @property
     def grammars(self):
         """The structured-output compiler (paged/grammar.py); None without a tokenizer."""
         return self.engine.grammars
 
     async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                     params: SamplingParams, cache_salt: str | None = None,
-                     tenant: str | None = None) -> RequestStream:
+                     params: SamplingParams | PoolingParams, cache_salt: str | None = None,
+                     tenant: str | None = None, token_type_ids: list[int] | None = None) -> RequestStream:
         raise NotImplementedError
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -272,17 +283,18 @@ class AsyncEngine(Generating):
     # ---- the async API --------------------------------------------------------------------------------
 
     async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                     params: SamplingParams, cache_salt: str | None = None,
-                     tenant: str | None = None) -> "RequestStream":
+                     params: SamplingParams | PoolingParams, cache_salt: str | None = None,
+                     tenant: str | None = None, token_type_ids: list[int] | None = None) -> "RequestStream":
         """Validates and queues one request; raises ValueError (bad input), QueueFullError or EngineDeadError.
 
-        Returns its stream of cumulative RequestOutputs. Closing the stream early (a client disconnect)
-        aborts the request and frees its blocks.
+        Returns its stream of cumulative RequestOutputs (one PoolingRequestOutput for PoolingParams). Closing
+        the stream early (a client disconnect) aborts the request and frees its blocks.
         """
         loop = asyncio.get_running_loop()
         stream = _Stream(loop, self.stream_stall_timeout_s)
         accepted = loop.create_future()
-        self._post(Add(request_id, prompt, prompt_token_ids, params, stream, accepted, cache_salt, tenant))
+        self._post(Add(request_id, prompt, prompt_token_ids, params, stream, accepted, cache_salt, tenant,
+                       token_type_ids))
         await accepted
         return RequestStream(self, request_id, stream)
 
@@ -321,8 +333,13 @@ class AsyncEngine(Generating):
                 if len(waiting) >= limit and (waiting.num_waiting(command.tenant) or limit == 0):
                     raise QueueFullError(f"the server is at capacity ({self.max_waiting_requests} requests "
                                          "waiting); retry later")
-                parent = engine.make_request(command.request_id, command.prompt, command.prompt_token_ids,
-                                             command.params, command.cache_salt, command.tenant)
+                if isinstance(command.params, PoolingParams):
+                    parent = engine.make_pooling_request(command.request_id, command.prompt,
+                                                         command.prompt_token_ids, command.params, command.tenant,
+                                                         command.token_type_ids)
+                else:
+                    parent = engine.make_request(command.request_id, command.prompt, command.prompt_token_ids,
+                                                 command.params, command.cache_salt, command.tenant)
             except (ValueError, QueueFullError) as exc:
                 _resolve(command.accepted, error=exc)
                 return

@@ -10,7 +10,7 @@ from fastapi import Request
 
 from paged import SamplingParams
 from paged.serving.errors import APIError
-from paged.serving.generation import (admit, chat_token_ids, check_model, check_options, check_reply_size,
+from paged.serving.generation import (admit, chat_token_ids, check_generating, check_model, check_options, check_reply_size,
                                       check_room, compile_constraint, constraint_field, counted, prompt_tail,
                                       refuse_unimplemented, run_to_completion, sampling_params, submit_all, usage)
 from paged.serving.json_body import json_reply
@@ -77,6 +77,7 @@ class ToolSetup:
 async def chat_completions(body: ChatCompletionRequest, raw: Request, state: State):
     """POST /v1/chat/completions"""
     check_model(state, body.model)
+    check_generating(state, "/v1/chat/completions")
     refuse_unimplemented(body)
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs=true", param="top_logprobs")

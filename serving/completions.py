@@ -9,7 +9,7 @@ from fastapi import Request
 
 from paged import RequestOutput
 from paged.serving.errors import APIError
-from paged.serving.generation import (admit, check_model, check_options, check_reply_size, check_room,
+from paged.serving.generation import (admit, check_generating, check_model, check_options, check_reply_size, check_room,
                                       compile_constraint, constraint_field, counted, refuse_unimplemented, run_to_completion,
                                       sampling_params, submit_all, tokenize_prompts, usage)
 from paged.serving.json_body import json_reply
@@ -23,6 +23,7 @@ from paged.serving.state import State, key_name
 async def completions(body: CompletionRequest, raw: Request, state: State):
     """POST /v1/completions"""
     check_model(state, body.model)
+    check_generating(state, "/v1/completions")
     refuse_unimplemented(body)
     check_options(state, body, body.logprobs, "logprobs")
     if body.max_tokens == 0 and not body.echo:

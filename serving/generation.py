@@ -11,7 +11,7 @@ import math
 from fastapi import Request
 from fastapi.responses import Response
 
-from paged import InvalidParameter, InvalidStructuredOutput, RequestOutput, SamplingParams
+from paged import InvalidParameter, InvalidStructuredOutput, PoolingParams, RequestOutput, SamplingParams
 from paged.chat import chat_prompt_token_ids, text_token_ids
 from paged.serving.api_keys import ANONYMOUS, RateLimited
 from paged.serving.async_engine import EngineDeadError, QueueFullError, RequestFailedError, RequestStream
@@ -83,6 +83,24 @@ def check_model(state: ServerState, model: str | None) -> None:
         raise APIError(404, f"the model {model[:200]!r} does not exist; this server serves "
                             f"{state.served_model_name!r}",
                        param="model", code="model_not_found")
+
+
+GENERATION_ROUTES_HINT = "/v1/completions, /v1/chat/completions or /v1/responses"
+EMBEDDING_ROUTES_HINT = "/v1/embeddings, /pooling, /score or /rerank"
+CLASSIFIER_ROUTES_HINT = "/classify, /score or /rerank"
+
+
+def pooling_routes_hint(engine) -> str:
+    """The routes a pooling model serves, for the 400 that refuses a generation route."""
+    return CLASSIFIER_ROUTES_HINT if engine.pooling_task == "classify" else EMBEDDING_ROUTES_HINT
+
+
+def check_generating(state: ServerState, route: str) -> None:
+    """A generation route on a pooling model is a 400 naming the routes it serves."""
+    engine = state.engine
+    if engine.runner_type == "pooling":
+        raise APIError(400, f"{route} generates text, and the model {state.served_model_name!r} is a pooling model "
+                            f"({engine.pooling_task}): use {pooling_routes_hint(engine)}", code="wrong_model_type")
 
 
 def refuse_unimplemented(body) -> None:
@@ -245,11 +263,12 @@ DISCONNECT_CHECK_EVERY = 32
 
 
 async def submit_all(state: ServerState, prompts: list[tuple[str | None, list[int] | None]],
-                     params: SamplingParams, request_id: str, key: str = ANONYMOUS,
-                     cache_salt: str | None = None, raw: Request | None = None) -> list[RequestStream]:
+                     params: SamplingParams | PoolingParams, request_id: str, key: str = ANONYMOUS,
+                     cache_salt: str | None = None, raw: Request | None = None,
+                     token_types: list[list[int] | None] | None = None) -> list[RequestStream]:
     """Submits every prompt; their generated tokens are counted (and charged) under API key `key`. With `raw`,
     a client that disconnects while a batch is being submitted ends it (ClientDisconnected, nothing left
-    running)."""
+    running). `token_types`: per prompt, a cross-encoder's pair segments (PoolingParams only)."""
     streams = []
     try:
         for i, (text, ids) in enumerate(prompts):
@@ -261,7 +280,8 @@ async def submit_all(state: ServerState, prompts: list[tuple[str | None, list[in
             if state.metrics is not None:
                 state.metrics.attribute(child_id, key)
             try:
-                streams.append(await state.engine.submit(child_id, text, ids, params, cache_salt, tenant=key))
+                streams.append(await state.engine.submit(child_id, text, ids, params, cache_salt, tenant=key,
+                                                         token_type_ids=token_types[i] if token_types else None))
             except BaseException:
                 if state.metrics is not None:
                     state.metrics.forget(child_id)  # refused: nothing of it is ever counted

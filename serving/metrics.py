@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 import jax
+from paged.outputs import PoolingRequestOutput
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, ProcessCollector, generate_latest
 
 # How a generation request ended, for `paged:api_requests{outcome}`: ok; aborted (the client left, or the
@@ -65,7 +66,9 @@ class EngineMetrics:
         self.itl = hist("paged:inter_token_latency_seconds", "Time between consecutive output tokens")
         self.e2e = hist("paged:e2e_request_latency_seconds", "Arrival to finish")
         self.queue_time = hist("paged:request_queue_time_seconds", "Arrival to first scheduled")
-        self.api_requests = Counter("paged:api_requests", "Generation requests by route, API key name and outcome",
+        self.pooling_requests = Counter("paged:pooling_requests", "Finished requests of a pooling model, by task "
+                                        "(embed, classify, score)", labels + ["task"], registry=r)
+        self.api_requests = Counter("paged:api_requests", "Generation and pooling requests by route, API key name and outcome",
                                     ["model_name", "key_name", "route", "outcome"], registry=r)
         self.api_tokens = Counter("paged:api_key_tokens", "Tokens by API key name: admitted prompt tokens and "
                                   "generated tokens", ["model_name", "key_name", "kind"], registry=r)
@@ -152,6 +155,9 @@ class EngineMetrics:
         now = time.monotonic()
         for output in outputs:
             key = output.request_id
+            if isinstance(output, PoolingRequestOutput):  # one output, when its vector is done
+                self._pooled(output, m, now)
+                continue
             total = sum(len(c.token_ids) for c in output.outputs)
             new = total - self._tokens_seen.get(key, 0)
             self._tokens_seen[key] = total
@@ -177,6 +183,16 @@ class EngineMetrics:
                 self._tokens_seen.pop(key, None)
                 self._last_token_time.pop(key, None)
                 self._key_of.pop(key, None)
+
+    def _pooled(self, output: PoolingRequestOutput, m: tuple[str, str], now: float) -> None:
+        self.prompt_tokens.labels(*m).inc(len(output.prompt_token_ids))
+        self.pooling_requests.labels(*m, output.task or "embed").inc()
+        self.success.labels(*m, "stop").inc()
+        if output.metrics is not None:
+            self.e2e.labels(*m).observe(now - output.metrics.arrival_time)
+            if output.metrics.first_scheduled_time is not None:
+                self.queue_time.labels(*m).observe(output.metrics.first_scheduled_time - output.metrics.arrival_time)
+        self._key_of.pop(output.request_id, None)
 
     def forget(self, request_id: str) -> None:
         """Drops per-request state of an aborted request."""

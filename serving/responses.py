@@ -33,7 +33,7 @@ from fastapi import Request
 
 from paged.serving.chat import tool_setup
 from paged.serving.errors import APIError
-from paged.serving.generation import (admit, chat_token_ids, check_model, check_options, check_reply_size,
+from paged.serving.generation import (admit, chat_token_ids, check_generating, check_model, check_options, check_reply_size,
                                       check_room, compile_constraint, counted, prompt_tail, run_to_completion,
                                       sampling_params, submit_all)
 from paged.serving.json_body import json_reply
@@ -49,6 +49,7 @@ from paged.serving.state import State, key_name
 async def responses(body: ResponsesRequest, raw: Request, state: State):
     """POST /v1/responses"""
     check_model(state, body.model)
+    check_generating(state, "/v1/responses")
     if (field := body.unimplemented_field()) is not None:
         raise APIError(400, f"{field} is not supported by this server's Responses API yet", param=field)
     earlier = _earlier_items(state, body, key_name(raw))

@@ -14,8 +14,11 @@ from paged.serving.state import State
 
 def _card(state) -> dict:
     name = state.served_model_name
+    engine = state.engine
+    task = engine.pooling_task if engine.runner_type == "pooling" else "generate"
     return {"id": name, "object": "model", "created": state.created, "owned_by": "paged",
-            "root": state.model_path or name, "parent": None, "max_model_len": state.max_model_len}
+            "root": state.model_path or name, "parent": None, "max_model_len": state.max_model_len,
+            "task": task}  # generate, embed or classify: which routes the model answers
 
 
 async def models(state: State):

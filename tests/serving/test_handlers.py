@@ -17,6 +17,7 @@ from paged.serving.protocol import ChatCompletionRequest, DetokenizeRequest
 class _Engine:  # what the handlers read of an AsyncEngine (no model is loaded)
     alive = False
     tokenizer = None
+    runner_type, pooling_task = "generate", None
 
     class config:
         max_model_len = 64
