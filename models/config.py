@@ -208,6 +208,12 @@ class ModelConfig:
     type_vocab_size: int = 0
     # A sequence-classification head's labels (id2label order); empty without one.
     labels: tuple[str, ...] = ()
+    # A causal LM read as a classifier (Qwen3-Reranker, through hf_overrides as vLLM takes it): its head is the
+    # LM head's rows of these tokens; with `two_way_softmax` one label scored as the softmax of the second
+    # token against the first (the LM's p("yes") over "no" and "yes").
+    classifier_from_tokens: tuple[str, ...] = ()
+    two_way_softmax: bool = False
+    classifier_token_ids: tuple[int, ...] = ()  # those tokens' ids (set by the loader, from the tokenizer)
 
     @property
     def rope_recompute_len(self) -> int | None:
@@ -381,10 +387,21 @@ def _encoder_spelling(raw: dict[str, Any]) -> dict[str, Any]:
             "paged_position_offset": offset}
 
 
+def _two_way_softmax(raw: dict[str, Any]) -> bool:
+    return bool(raw.get("is_original_qwen3_reranker")) or raw.get("method") == "from_2_way_softmax"
+
+
 def _labels(raw: dict[str, Any], architecture: str) -> tuple[str, ...]:
     """A sequence classifier's label names in id order (transformers' LABEL_i where it names none)."""
     if not architecture.endswith("ForSequenceClassification"):
         return ()
+    tokens = raw.get("classifier_from_token")
+    if tokens:
+        if _two_way_softmax(raw):
+            if len(tokens) != 2:
+                raise ValueError(f"a two-way softmax classifier reads two tokens (no, yes), got {tokens!r}")
+            return ("LABEL_0",)
+        return tuple(str(t) for t in tokens)
     id2label = {int(k): str(v) for k, v in (raw.get("id2label") or {}).items()}
     count = int(raw.get("num_labels") or len(id2label) or 2)
     return tuple(id2label.get(i, f"LABEL_{i}") for i in range(max(count, len(id2label))))
@@ -452,12 +469,16 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
         position_offset=int(raw.get("paged_position_offset", 0)),
         type_vocab_size=int(raw.get("type_vocab_size", 0)) if encoder else 0,
         labels=_labels(raw, architectures[0]),
+        classifier_from_tokens=tuple(str(t) for t in raw.get("classifier_from_token") or ()),
+        two_way_softmax=_two_way_softmax(raw) and bool(raw.get("classifier_from_token")),
     )
 
 
-def load_model_config(model_dir: str) -> ModelConfig:
+def load_model_config(model_dir: str, hf_overrides: dict | None = None) -> ModelConfig:
+    """The model's config.json (and generation_config.json), with `hf_overrides`' fields set over it (vLLM's
+    --hf-overrides)."""
     with open(os.path.join(model_dir, "config.json")) as f:
-        raw = json.load(f)
+        raw = {**json.load(f), **(hf_overrides or {})}
     generation = None
     gen_path = os.path.join(model_dir, "generation_config.json")
     if os.path.exists(gen_path):

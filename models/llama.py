@@ -27,6 +27,7 @@ from typing import Any, Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged.models.attention import AttentionMetadata, ReferenceAttention
 from paged.models.config import ModelConfig
@@ -89,6 +90,10 @@ class LlamaForCausalLM:
         # A decoder saved without its LM head (sentence-transformers' Qwen3Model, gte-Qwen2's Qwen2Model): its
         # tensors lack the "model." prefix, and it can only pool.
         self.base_model = config.architecture.endswith("Model")
+        # Only a causal LM generates; a sequence classifier has a `score` head over its last token instead.
+        self.has_lm_head = config.architecture.endswith("ForCausalLM") and not config.tie_word_embeddings
+        self.score = (Linear(len(config.labels), self.dtype, backend=linear_backend, out_dtype=jnp.float32)
+                      if config.labels else None)
 
     # ---- checkpoint layout --------------------------------------------------------------------------
 
@@ -112,8 +117,10 @@ class LlamaForCausalLM:
         h = jnp.zeros((1, cfg.hidden_size), self.dtype)
         init = lambda module, *args: jax.eval_shape(lambda: module.init(key, *args))["params"]
         params = {"embed_tokens": init(self.embed, jnp.zeros((1,), jnp.int32)), "norm": init(self.final_norm, h)}
-        if not cfg.tie_word_embeddings and not self.base_model:
+        if self.has_lm_head:
             params["lm_head"] = init(self.lm_head, h)
+        if self.score is not None:
+            params["score"] = init(self.score, h)
         return params
 
     def checkpoint_target(self, name: str) -> tuple[tuple[str, ...], int | None, bool] | None:
@@ -129,6 +136,8 @@ class LlamaForCausalLM:
             return ("norm", "scale"), None, False
         if name == "lm_head.weight":
             return ("lm_head", "kernel"), None, True
+        if name == "score.weight":
+            return ("score", "kernel"), None, True
         if scale := self.KV_SCALE_RE.match(name):
             which = scale.group(2) or scale.group(3)
             return ("layers", "self_attn", f"{which}_scale"), int(scale.group(1)), False
@@ -170,10 +179,23 @@ class LlamaForCausalLM:
             half = cfg.intermediate_size
             parts = (("gate_proj", fused[:half]), ("up_proj", fused[half:]))
         else:
+            if cfg.classifier_token_ids and name == ("model.embed_tokens.weight" if cfg.tie_word_embeddings
+                                                     else "lm_head.weight"):
+                yield "score.weight", lambda: self._classifier_rows(f.get_tensor(name))
             yield name, lambda: f.get_tensor(name)
             return
         for part, tensor in parts:
             yield f"{prefix}{part}.weight", lambda tensor=tensor: tensor
+
+    def _classifier_rows(self, lm_head) -> np.ndarray:
+        """A causal LM read as a classifier: the LM head's rows of its classifier tokens, [labels, H]; for a
+        two-way softmax one row, yes minus no (in float32), whose sigmoid is softmax([no, yes])[yes]."""
+        rows = np.asarray(lm_head[list(self.config.classifier_token_ids)], np.float32)
+        return rows[1:] - rows[:1] if self.config.two_way_softmax else rows
+
+    def classify(self, params, pooled: jax.Array) -> jax.Array:
+        """float32 [S, labels]: the score head on each row's pooled (last-token) float32 [S, H]."""
+        return self.score.apply({"params": params["score"]}, pooled.astype(self.dtype))
 
     def layer_params(self) -> dict:
         """One decoder layer's parameters as Flax's init makes them (shapes and partition specs; the loader

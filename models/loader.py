@@ -292,14 +292,16 @@ def _get_layer0(tree: dict, key: tuple[str, ...]):
 
 def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stacked_layers: bool = True,
                linear_backend: str = "xla", mesh=None, quantization: str | None = None, device=None,
-               kv_cache_scales: bool = False):
+               kv_cache_scales: bool = False, hf_overrides: dict | None = None):
     """Returns (model_dir, config, model, params, numpy dtype); see load_params for `stacked_layers`, `mesh` and
     `device`, paged.models.linear for `linear_backend`, models/quantized_checkpoints.py for `quantization` (None: the
     checkpoint's own `quantization_config`, if any). `kv_cache_scales`: the KV pool is fp8, so the checkpoint's
     per-layer k/v scales are read where it has them (paged.models.llama.LlamaForCausalLM.KV_SCALE_RE)."""
     model_dir = resolve_model_path(model)
-    config = load_model_config(model_dir)
+    config = load_model_config(model_dir, hf_overrides)
     cls = model_class(config.architecture)
+    if config.classifier_from_tokens:
+        config = dataclasses.replace(config, classifier_token_ids=_token_ids(model_dir, config.classifier_from_tokens))
     saved = read_layout(model_dir) if is_orbax_checkpoint(model_dir) else None
     if saved is not None:  # paged's own Orbax checkpoint: its quantization is in its codes already
         scheme = WeightQuant(**saved.weight_quant) if saved.weight_quant is not None else None
@@ -340,6 +342,19 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
         params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers, mesh,
                              replicas, device)
     return model_dir, config, instance, params, np_dtype
+
+
+def _token_ids(model_dir: str, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """The ids of a classifier's tokens (classifier_from_token), each a single token of the model's tokenizer."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = []
+    for token in tokens:
+        encoded = tokenizer.encode(token, add_special_tokens=False)
+        if len(encoded) != 1:
+            raise ValueError(f"classifier_from_token {token!r} is {len(encoded)} tokens of this tokenizer, not one")
+        ids.append(encoded[0])
+    return tuple(ids)
 
 
 def saved_layout(config: ModelConfig, dtype: np.dtype, mesh) -> SavedLayout:

@@ -35,6 +35,10 @@ _POOLING = {
     "BertForSequenceClassification": BertModel,
     "RobertaForSequenceClassification": BertModel,
     "XLMRobertaForSequenceClassification": BertModel,
+    "LlamaForSequenceClassification": LlamaForCausalLM,
+    "MistralForSequenceClassification": LlamaForCausalLM,
+    "Qwen2ForSequenceClassification": LlamaForCausalLM,
+    "Qwen3ForSequenceClassification": LlamaForCausalLM,
 }
 _REGISTRY.update(_POOLING)
 

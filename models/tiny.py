@@ -47,6 +47,34 @@ def _train_tokenizer(directory: str, vocab_size: int) -> int:
     return tokenizer.get_vocab_size()
 
 
+def train_encoder_tokenizer(directory: str, roberta: bool = False):
+    """A WordPiece tokenizer trained on the tiny corpus with BERT's special tokens and pair template
+    ([CLS] a [SEP] b [SEP], token types 0 then 1), or XLM-RoBERTa's (<s> a </s></s> b </s>, <pad> = 1, no
+    token types); saved to `directory` and returned (a transformers PreTrainedTokenizerFast)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"] if roberta else ["[PAD]", "[UNK]", "[CLS]", "[SEP]",
+                                                                         "[MASK]"]
+    cls, pad, sep, unk, mask = (specials if roberta else
+                                [specials[2], specials[0], specials[3], specials[1], specials[4]])
+    tokenizer = Tokenizer(models.WordPiece(unk_token=unk))
+    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tokenizer.train_from_iterator(_CORPUS.splitlines() * 4, trainers.WordPieceTrainer(
+        vocab_size=400, special_tokens=specials, show_progress=False))
+    special_ids = [(cls, tokenizer.token_to_id(cls)), (sep, tokenizer.token_to_id(sep))]
+    pair = f"{cls} $A {sep} {sep} $B {sep}" if roberta else f"{cls} $A {sep} $B:1 {sep}:1"
+    tokenizer.post_processor = processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=pair,
+                                                             special_tokens=special_ids)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, cls_token=cls, sep_token=sep, pad_token=pad, unk_token=unk, mask_token=mask,
+        model_input_names=["input_ids", "attention_mask"] if roberta else
+        ["input_ids", "token_type_ids", "attention_mask"])
+    fast.save_pretrained(directory)
+    return fast
+
+
 def create_tiny_llama(directory: str, *, vocab_size: int = 512, hidden_size: int = 64,
                       intermediate_size: int = 128, num_layers: int = 2, num_heads: int = 4,
                       num_kv_heads: int = 2, seed: int = 0, model_vocab_size: int | None = None,

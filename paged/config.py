@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from typing import Any
 
 
@@ -127,6 +128,8 @@ class EngineConfig:
     pooler_config: str | None = _option(None, "a pooling model's settings as JSON, e.g. '{\"pooling_type\": \"MEAN\", "
                                               "\"normalize\": true}' (pooling_type LAST/MEAN/CLS, normalize, "
                                               "dimensions, use_activation; default: the checkpoint's)")
+    hf_overrides: str | None = _option(None, "fields set over the checkpoint's config.json, as JSON (vLLM's "
+                                             "--hf-overrides), e.g. to read a causal LM as a reranker")
     quantization: str | None = _option(None, "quantize online (int8 or fp8: weight-only, per output channel) or "
                                              "check the checkpoint's own quantization_config (gptq, awq, "
                                              "compressed-tensors, fp8); default: the checkpoint's")
@@ -194,6 +197,7 @@ class EngineConfig:
         check(self.compilation_cache_dir is None or (isinstance(self.compilation_cache_dir, str)
                                                       and self.compilation_cache_dir.strip() != ""),
               f"compilation_cache_dir must be 'auto', a directory or None, got {self.compilation_cache_dir!r}")
+        self.parsed_hf_overrides()  # raises ValueError naming what is wrong
         check(self.runner in ("auto", "generate", "pooling"),
               f"runner must be 'auto', 'generate' or 'pooling', got {self.runner!r}")
         if self.pooler_config is not None:
@@ -201,6 +205,19 @@ class EngineConfig:
             PoolerConfig.parse(self.pooler_config)  # raises ValueError naming what is wrong
         check(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
               f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+
+    def parsed_hf_overrides(self) -> dict | None:
+        """`hf_overrides` as a dict (it may be given as one, or as its JSON text)."""
+        value = self.hf_overrides
+        if value is None or isinstance(value, dict):
+            return value
+        try:
+            parsed = json.loads(value)
+        except (TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"hf_overrides must be a JSON object, got {value!r}: {exc}") from None
+        if not isinstance(parsed, dict):
+            raise ValueError(f"hf_overrides must be a JSON object, got {value!r}")
+        return parsed
 
     def resolved(self, model_max_len: int, max_position_embeddings: int | None = None) -> "EngineConfig":
         """Fills max_model_len and max_num_batched_tokens from the model and each other. `model_max_len`: the

@@ -70,7 +70,7 @@ class LLMEngine:
         started = time.perf_counter()
         builtin = builtin_model(model)  # the demo model and the tiny one are known by name, offline
         model_dir = builtin[0] if builtin else resolve_model_path(model)
-        model_config = load_model_config(model_dir)
+        model_config = load_model_config(model_dir, config.parsed_hf_overrides())
         self.runner_type = runner_type(config.runner, model_config.architecture, model_dir)
         self.pooler_config: PoolerConfig | None = None  # a pooling model's settings, resolved
         if self.runner_type == "pooling":

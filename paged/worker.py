@@ -63,7 +63,7 @@ class Worker:
         self.model_dir, self.model_config, self.model, params, self.dtype = load_model(
             model_dir, config.dtype, show_progress, stacked_layers=not unroll, linear_backend=self.linear_backend,
             mesh=self.mesh, quantization=config.quantization, device=self.device,
-            kv_cache_scales=config.kv_cache_dtype.startswith("fp8"))
+            kv_cache_scales=config.kv_cache_dtype.startswith("fp8"), hf_overrides=config.parsed_hf_overrides())
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         check = None if model_config.encoder_only else getattr(attention, "check_model", None)  # its own attention
         if check is not None:  # refused now, not at the first trace
@@ -79,7 +79,8 @@ class Worker:
         self.precomputed_keys = frozenset(precomputed)  # tables beside the weights: not saved or updated
         self.load_options = dict(dtype=config.dtype, stacked_layers=not unroll, linear_backend=self.linear_backend,
                                  mesh=self.mesh, quantization=config.quantization, device=self.device,
-                                 kv_cache_scales=config.kv_cache_dtype.startswith("fp8"))
+                                 kv_cache_scales=config.kv_cache_dtype.startswith("fp8"),
+                                 hf_overrides=config.parsed_hf_overrides())
         if (where := placement(self.mesh, self.device)) is not None:  # beside the weights, not copied per step
             precomputed = jax.device_put(precomputed, where)
         self.runner = ModelRunner(self.model, {**params, **precomputed}, attention, self.num_blocks,

@@ -15,7 +15,7 @@ sentence_transformers = pytest.importorskip("sentence_transformers")
 
 from sentence_transformers.sentence_transformer.modules import Normalize, Pooling, Transformer  # noqa: E402
 
-from paged.models.tiny import _CORPUS  # noqa: E402
+from paged.models.tiny import train_encoder_tokenizer  # noqa: E402
 from tests.hf_checkpoints import build_checkpoint  # noqa: E402
 
 ENCODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -23,41 +23,12 @@ ENCODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_a
                attention_probs_dropout_prob=0.0)
 
 
-def encoder_tokenizer(directory: str, roberta: bool):
-    """A WordPiece tokenizer trained on the tiny corpus, with BERT's ([CLS] a [SEP] b [SEP], token types) or
-    XLM-RoBERTa's (<s> a </s></s> b </s>, <pad> = 1) special tokens and pair template."""
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
-    specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"] if roberta else ["[PAD]", "[UNK]", "[CLS]", "[SEP]",
-                                                                         "[MASK]"]
-    cls, pad, sep, unk, mask = ((specials[0], specials[1], specials[2], specials[3], specials[4]) if roberta
-                                else (specials[2], specials[0], specials[3], specials[1], specials[4]))
-    tokenizer = Tokenizer(models.WordPiece(unk_token=unk))
-    tokenizer.normalizer = normalizers.BertNormalizer(lowercase=True)
-    tokenizer.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    tokenizer.train_from_iterator(_CORPUS.splitlines() * 4, trainers.WordPieceTrainer(
-        vocab_size=400, special_tokens=specials, show_progress=False))
-    ids = {token: tokenizer.token_to_id(token) for token in specials}
-    if roberta:
-        template = processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} {sep} $B {sep}",
-                                                 special_tokens=[(cls, ids[cls]), (sep, ids[sep])])
-    else:
-        template = processors.TemplateProcessing(single=f"{cls} $A {sep}", pair=f"{cls} $A {sep} $B:1 {sep}:1",
-                                                 special_tokens=[(cls, ids[cls]), (sep, ids[sep])])
-    tokenizer.post_processor = template
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, cls_token=cls, sep_token=sep, pad_token=pad, unk_token=unk, mask_token=mask,
-        model_input_names=["input_ids", "attention_mask"] if roberta else
-        ["input_ids", "token_type_ids", "attention_mask"])
-    fast.save_pretrained(directory)
-    return fast
-
-
 def build_encoder(directory: str, roberta: bool = False, num_labels: int = 0) -> str:
     """A random BertModel / XLMRobertaModel (or, with num_labels, its ForSequenceClassification) and its
     tokenizer, saved by transformers."""
     if os.path.exists(os.path.join(directory, "config.json")):
         return directory
-    tokenizer = encoder_tokenizer(directory, roberta)
+    tokenizer = train_encoder_tokenizer(directory, roberta)
     if roberta:
         config = transformers.XLMRobertaConfig(vocab_size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
                                                bos_token_id=0, eos_token_id=2, type_vocab_size=1,
@@ -108,4 +79,18 @@ def plain_decoder(directory: str) -> str:
     config.pop("chat_template", None)
     with open(path, "w") as f:
         json.dump(config, f)
+    return directory
+
+
+def build_decoder_classifier(directory: str, num_labels: int) -> str:
+    """A random Qwen3ForSequenceClassification (a score head over the last token) and its tokenizer."""
+    from tests.hf_checkpoints import COMMON
+    from paged.models.tiny import _train_tokenizer
+    if os.path.exists(os.path.join(directory, "config.json")):
+        return directory
+    vocab = _train_tokenizer(directory, 512)
+    config = transformers.Qwen3Config(vocab_size=vocab, bos_token_id=0, eos_token_id=1, pad_token_id=0,
+                                      num_key_value_heads=2, head_dim=32, num_labels=num_labels, **COMMON)
+    torch.manual_seed(0)
+    transformers.Qwen3ForSequenceClassification(config).eval().save_pretrained(directory)
     return directory

@@ -183,3 +183,40 @@ def test_runner_resolution(decoder, tmp_path):
     generating = LLM(base, **OPTIONS)
     with pytest.raises(ValueError, match="not a pooling model"):
         generating.embed("hello", use_tqdm=False)
+
+
+@pytest.mark.parametrize("num_labels", [1, 3])
+def test_decoder_sequence_classifier_equals_transformers(tmp_path, num_labels):
+    from tests.pooling_checkpoints import build_decoder_classifier
+    directory = build_decoder_classifier(str(tmp_path / "cls"), num_labels)
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(directory).eval()
+    llm = LLM(directory, **OPTIONS)
+    assert llm.engine.runner_type == "pooling" and llm.engine.pooler_config.pooling_type == "LAST"
+    tokenizer = llm.get_tokenizer()
+    with torch.no_grad():
+        logits = [model(torch.tensor([tokenizer.encode(t)])).logits[0].double().numpy() for t in TEXTS]
+    want = [1 / (1 + np.exp(-x)) if num_labels == 1 else np.exp(x - x.max()) / np.exp(x - x.max()).sum()
+            for x in logits]
+    np.testing.assert_allclose([o.outputs.probs for o in llm.classify(TEXTS, use_tqdm=False)], want, atol=1e-4)
+
+
+def test_causal_lm_reranker_through_hf_overrides(decoder):
+    """Qwen3-Reranker as vLLM reads it: the LM's p(yes) against p(no) at the last token, one label."""
+    base, _, _ = decoder
+    model = transformers.AutoModelForCausalLM.from_pretrained(base).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(base)
+    no, yes = [w for w in ("the", "of", "a", "in", "and", "is") if len(tokenizer.encode(w)) == 1][:2]
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": [no, yes],
+                 "is_original_qwen3_reranker": True}
+    llm = LLM(base, runner="pooling", hf_overrides=overrides, **OPTIONS)
+    assert llm.engine.pooling_task == "classify"
+    ids = [tokenizer.encode(no)[0], tokenizer.encode(yes)[0]]
+    with torch.no_grad():
+        last = [model(torch.tensor([tokenizer.encode(t)])).logits[0, -1, ids].double().numpy() for t in TEXTS]
+    want = [np.exp(x[1]) / np.exp(x).sum() for x in last]
+    got = [o.outputs.score for o in llm.score(TEXTS[0], TEXTS, use_tqdm=False)]
+    np.testing.assert_allclose([o.outputs.probs[0] for o in llm.classify(TEXTS, use_tqdm=False)], want, atol=1e-4)
+    pairs = [tokenizer(TEXTS[0], t)["input_ids"] for t in TEXTS]
+    with torch.no_grad():
+        pair_last = [model(torch.tensor([p])).logits[0, -1, ids].double().numpy() for p in pairs]
+    np.testing.assert_allclose(got, [np.exp(x[1]) / np.exp(x).sum() for x in pair_last], atol=1e-4)
