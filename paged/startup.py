@@ -64,14 +64,21 @@ def summary(engine, seconds: float) -> str:
     usable = engine.block_manager.num_usable_blocks  # block 0 is the reserved sink
     num_shapes = len(engine.buckets.all_shapes())
     cache = engine.compilation_cache_dir
+    kv_line = (f"KV pool {usable:,} blocks x {cfg.block_size} tokens = {usable * cfg.block_size:,} "
+               f"tokens, {_mib(engine.kv_pool_bytes)} in {engine.kv_dtype.name} (sized by {engine.kv_budget_note}); "
+               f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}")
+    if mc.encoder_only:
+        kv_line = "no KV cache (an encoder: each prompt is computed whole in one step)"
     lines = [
         f"model {model}" + (f" ({description})" if description else "")
         + f": {mc.architecture}, {mc.num_layers} layers, weights {_mib(engine.weight_bytes['total'])} "
           f"in {engine.dtype.name}" + (f", quantization {cfg.quantization}" if cfg.quantization else ""),
         f"devices {placed}; attention backend {engine.attention_name}, linear backend {engine.linear_backend}",
-        f"KV pool {usable:,} blocks x {cfg.block_size} tokens = {usable * cfg.block_size:,} "
-        f"tokens, {_mib(engine.kv_pool_bytes)} in {engine.kv_dtype.name} (sized by {engine.kv_budget_note}); "
-        f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}",
+        *([f"pooling runner ({engine.pooling_task}): {engine.pooler_config.pooling_type} pooling, "
+           f"{'with' if engine.pooler_config.use_activation else 'without'} "
+           f"{'normalisation' if engine.pooling_task == 'embed' else 'activation'}"]
+          if engine.pooler_config is not None else []),
+        kv_line,
         f"max_model_len {cfg.max_model_len}, max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens "
         f"{cfg.max_num_batched_tokens}",
         f"{num_shapes} step shapes, each compiled on first use (precompile() compiles them up front); "

@@ -15,7 +15,8 @@ from paged import PoolingParams
 from paged.scoring import cosine, pair_encoding, score_pairs
 from paged.serving.errors import APIError
 from paged.serving.generation import (CLASSIFIER_ROUTES_HINT, EMBEDDING_ROUTES_HINT, GENERATION_ROUTES_HINT, admit,
-                                      check_model, counted, run_to_completion, submit_all, tokenize_prompts)
+                                      chat_token_ids, check_model, counted, run_to_completion, submit_all,
+                                      tokenize_prompts)
 from paged.serving.json_body import json_reply
 from paged.serving.pooling_protocol import (ClassificationRequest, EmbeddingRequest, PromptInput, RerankRequest,
                                             ScoreRequest)
@@ -81,12 +82,18 @@ def _listing(state: ServerState, prefix: str, data: list, tokens: int) -> dict:
             "model": state.served_model_name, "data": data, "usage": _usage(tokens)}
 
 
+async def _embedding_inputs(state: ServerState, body: EmbeddingRequest) -> list:
+    if body.messages is None:
+        return _inputs(state, body.input, "input")
+    return [(None, await chat_token_ids(state, body.messages, None, body.add_generation_prompt))]
+
+
 @counted("embeddings")
 async def embeddings(body: EmbeddingRequest, raw: Request, state: State):
     """POST /v1/embeddings"""
     check_model(state, body.model)
     _check_pooling(state, "/v1/embeddings", "embed")
-    outputs, tokens = await _pool(state, raw, _inputs(state, body.input, "input"),
+    outputs, tokens = await _pool(state, raw, await _embedding_inputs(state, body),
                                   body.pooling_params("embed", body.dimensions), "embd")
     return await json_reply(state, lambda: _listing(state, "embd", [
         {"object": "embedding", "index": i, "embedding": _vector(o.outputs.data, body.encoding_format)}
@@ -98,7 +105,7 @@ async def pooling(body: EmbeddingRequest, raw: Request, state: State):
     """POST /pooling: the model's pooled vector per input (an embedding, or a classifier's scores)."""
     check_model(state, body.model)
     _check_pooling(state, "/pooling", "encode")
-    outputs, tokens = await _pool(state, raw, _inputs(state, body.input, "input"),
+    outputs, tokens = await _pool(state, raw, await _embedding_inputs(state, body),
                                   body.pooling_params("encode", body.dimensions), "pool")
     return await json_reply(state, lambda: _listing(state, "pool", [
         {"object": "pooling", "index": i, "data": _vector(o.outputs.data, body.encoding_format)}

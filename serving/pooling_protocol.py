@@ -32,19 +32,26 @@ class _Pooled(BaseModel):
 
 
 class EmbeddingRequest(_Pooled):
-    """POST /v1/embeddings (and /pooling, whose reply carries the raw vectors under `data`)."""
+    """POST /v1/embeddings (and /pooling, whose reply carries the raw vectors under `data`): `input`, or vLLM's
+    chat form, `messages` rendered by the model's chat template."""
 
-    input: PromptInput
+    input: PromptInput | None = None
+    messages: list[dict] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = Field(None, ge=1)
-    add_special_tokens: bool = True
+    add_generation_prompt: bool = False
+
+    @model_validator(mode="after")
+    def _input_or_messages(self):
+        if (self.input is None) == (self.messages is None):
+            raise ValueError("give either input or messages")
+        return self
 
 
 class ClassificationRequest(_Pooled):
     """POST /classify"""
 
     input: PromptInput
-    add_special_tokens: bool = True
 
 
 class ScoreRequest(_Pooled):

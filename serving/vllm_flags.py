@@ -21,6 +21,8 @@ ACCEPTED = {
     "--disable-frontend-multiprocessing": (False, "the server and the engine share one process here"),
     "--load-format": (True, "checkpoints load from safetensors"),
     "--device": (True, "jax chooses the platform (JAX_PLATFORMS picks one)"),
+    "--convert": (True, "a pooling runner on a causal LM embeds (--runner pooling); classifiers come from their "
+                        "checkpoint or --hf-overrides"),
     "--enable-reasoning": (False, "reasoning is separated whenever --reasoning-parser is given (as in vLLM "
                                   "since it dropped this flag)"),
 }
@@ -54,6 +56,12 @@ def check_vllm_flags(args: argparse.Namespace) -> None:
             continue
         if flag == "--load-format" and value not in ("auto", "safetensors"):
             raise ValueError(f"--load-format {value}: only safetensors checkpoints load (auto or safetensors)")
+        if flag == "--convert":
+            if value not in ("auto", "none", "embed"):
+                raise ValueError(f"--convert {value}: a causal LM becomes a classifier through --hf-overrides "
+                                 "(classifier_from_token, docs/pooling.md); --convert takes auto, none or embed")
+            if value == "embed" and getattr(args, "runner", None) == "auto":
+                args.runner = "pooling"  # vLLM: converting to an embedding model runs the pooling runner
         if flag == "--device" and value not in ("auto", "cpu", "cuda", "tpu"):
             raise ValueError(f"--device {value}: paged runs on cpu, cuda or tpu, chosen by jax")
         logger.info("%s accepted without effect: %s", flag, why)

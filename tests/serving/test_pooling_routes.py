@@ -147,3 +147,30 @@ def test_pooling_routes_on_a_generating_model_are_400s_naming_the_routes():
         with pytest.raises(APIError) as caught:
             asyncio.run(handler(body, None, state))
         assert caught.value.status == 400 and "/v1/chat/completions" in caught.value.message
+
+
+def test_chat_style_embedding_input_is_rendered_by_the_chat_template(tmp_path):
+    import asyncio
+
+    import transformers
+
+    from paged.serving.pooling import _embedding_inputs
+    from paged.serving.pooling_protocol import EmbeddingRequest
+    from paged.serving.state import ServerState
+    from tests.hf_checkpoints import build_checkpoint
+
+    tokenizer = transformers.AutoTokenizer.from_pretrained(build_checkpoint("qwen2-tied", str(tmp_path / "q")))
+
+    class Engine:
+        runner_type, pooling_task = "pooling", "embed"
+
+        class config:
+            max_model_len = 256
+
+    Engine.tokenizer = tokenizer
+    messages = [{"role": "user", "content": "paged attention"}]
+    [(_, ids)] = asyncio.run(_embedding_inputs(ServerState(Engine(), "tiny"), EmbeddingRequest(messages=messages)))
+    assert ids == tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=False,
+                                                return_dict=False)
+    with pytest.raises(ValueError, match="either input or messages"):
+        EmbeddingRequest(input="x", messages=messages)
