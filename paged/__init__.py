@@ -14,6 +14,8 @@ from paged import _source_tree
 _source_tree.register()  # a checkout that was never installed: paged.models etc. from their folders
 
 from paged.models.attention import AttentionMetadata, register_attention_backend
+from paged.models.base import PagedModel
+from paged.models.registry import register_model
 from paged.engine import EngineBrokenError, LLMEngine, StepFailedError
 from paged.config import EngineConfig
 from paged.llm import LLM
@@ -32,6 +34,6 @@ __version__ = "0.1.0"
 __all__ = ["LLM", "LLMEngine", "AttentionMetadata", "ClassificationOutput", "ClassificationRequestOutput",
            "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "EngineBrokenError", "EngineConfig",
            "InvalidParameter", "InvalidStructuredOutput", "InvalidTokenIds", "Logprob", "PoolerConfig",
-           "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "RequestOutput", "SamplingParams",
+           "PagedModel", "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "RequestOutput", "SamplingParams",
            "ScoringOutput", "ScoringRequestOutput", "StepFailedError", "StructuredOutputsParams",
-           "register_attention_backend", "__version__"]
+           "register_attention_backend", "register_model", "__version__"]

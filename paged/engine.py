@@ -23,7 +23,7 @@ from paged.input_processor import InputProcessor, load_tokenizer
 from paged.models import load_model_config, resolve_model_path
 from paged.models.builtin import builtin_model, random_weights_note
 from paged.models.pooling_config import is_matryoshka, resolve_pooler
-from paged.models.registry import is_pooling_only
+from paged.models.registry import is_pooling_only, load_plugins
 from paged.output_processor import OutputProcessor
 from paged.outputs import RequestOutput
 from paged.pooler import PoolerOutput
@@ -68,6 +68,7 @@ class LLMEngine:
         self.channel = multihost.StepChannel() if multihost.initialize(config) else None
         self.compilation_cache_dir = compilation_cache.configure(config.compilation_cache_dir)
         started = time.perf_counter()
+        load_plugins()  # models registered from outside (PAGED_PLUGINS, entry points)
         builtin = builtin_model(model)  # the demo model and the tiny one are known by name, offline
         model_dir = builtin[0] if builtin else resolve_model_path(model)
         model_config = load_model_config(model_dir, config.parsed_hf_overrides())
