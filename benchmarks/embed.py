@@ -73,7 +73,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-words", type=int, default=120)
     parser.add_argument("--batch-size", type=int, default=32, help="sentence-transformers' batch size")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="paged's sequences per step")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048, help="paged's tokens per step")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="paged's tokens per step (default: the engine's, an encoder's max_model_len)")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
@@ -86,7 +87,7 @@ def main(argv=None) -> int:
     reference = SentenceTransformer(directory, device="cpu")
     max_len = min(reference.max_seq_length or 512, 512)
     llm = LLM(directory, show_progress=False, max_num_seqs=args.max_num_seqs, max_model_len=max_len,
-              max_num_batched_tokens=max(args.max_num_batched_tokens, max_len))
+              max_num_batched_tokens=args.max_num_batched_tokens)
     llm.engine.precompile()
     tokenizer = llm.get_tokenizer()
 

@@ -44,7 +44,9 @@ class EncoderLayer(Block):
     """One post-LayerNorm block: h = norm(h + attention(h)); h = norm(h + mlp(h))."""
 
     @nn.compact
-    def __call__(self, h, mask, live_rows=None):
+    def __call__(self, h, rows, live_rows=None):
+        """`rows`: (token_seq_ids [T], query_start [S + 1]) of the step, whose sequences attend within
+        themselves."""
         cfg = self.config
         num_tokens = h.shape[0]
         linear = lambda n, name, parallel: Linear(n, self.dtype, True, parallel, self.linear_backend, name=name)
@@ -52,15 +54,73 @@ class EncoderLayer(Block):
         q = heads(linear(cfg.hidden_size, "query", "column")(h, live_rows))
         k = heads(linear(cfg.hidden_size, "key", "column")(h, live_rows))
         v = heads(linear(cfg.hidden_size, "value", "column")(h, live_rows))
-        scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=jnp.float32) * cfg.head_dim ** -0.5
-        scores = jnp.where(mask[None], scores, -1e30)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("hqk,khd->qhd", probs, v).reshape(num_tokens, cfg.hidden_size)
+        out = segment_attention(q, k, v, *rows, scale=cfg.head_dim ** -0.5).reshape(num_tokens, cfg.hidden_size)
         out = linear(cfg.hidden_size, "attention_output", "row")(out, live_rows)
         h = _layer_norm(cfg, self.dtype, "attention_norm")(h + out)
         x = activation(cfg.hidden_act)(linear(cfg.intermediate_size, "intermediate", "column")(h, live_rows))
         x = linear(cfg.hidden_size, "output", "row")(x, live_rows)
         return _layer_norm(cfg, self.dtype, "output_norm")(h + x)
+
+
+ATTENTION_BLOCK = 64  # tokens per query and key tile of `segment_attention`
+
+
+def segment_attention(q, k, v, token_seq_ids, query_start, *, scale: float, block: int = ATTENTION_BLOCK):
+    """Bidirectional attention of each packed token over the tokens of its own sequence.
+
+    Args:
+      q, k, v: [T, H, D], the step's packed tokens (every sequence whole, contiguous, in row order).
+      token_seq_ids: int32 [T]; each token's row (padding tokens: any).
+      query_start: int32 [S + 1]; where each row starts; query_start[-1] is the live token count.
+      scale: the score scale (head_dim ** -0.5).
+    Returns:
+      [T, H, D] in q's dtype; padding tokens get zeros.
+
+    Queries go by tiles of `block` tokens; each tile walks only the key tiles that hold its sequences (a while
+    loop of dynamic length, online softmax in float32), so a step costs about the sum of its sequences'
+    squared lengths instead of T^2 for a dense mask over the whole step.
+    """
+    num_tokens, heads, dim = q.shape
+    live = query_start[-1]
+    num_blocks = -(-num_tokens // block)
+    padded = num_blocks * block
+    pad = lambda x, value=0: jnp.pad(x, [(0, padded - num_tokens)] + [(0, 0)] * (x.ndim - 1), constant_values=value)
+    q, k, v = pad(q), pad(k), pad(v)
+    positions = jnp.arange(padded)
+    seq = jnp.where(positions < live, pad(token_seq_ids), -1)  # padding belongs to no sequence
+    starts = jnp.arange(num_blocks) * block
+    # Each query tile's keys: from the start of its first token's sequence to the end of its last live one's.
+    first = token_seq_ids[jnp.minimum(starts, num_tokens - 1)]
+    last = token_seq_ids[jnp.clip(jnp.minimum(starts + block, live) - 1, 0, num_tokens - 1)]
+    key_lo = query_start[first] // block
+    key_hi = jnp.where(starts < live, -(-query_start[last + 1] // block), key_lo)  # padding tiles: no keys
+
+    def query_tile(index):
+        start = index * block
+        q_tile = jax.lax.dynamic_slice_in_dim(q, start, block).astype(jnp.float32) * scale
+        q_seq = jax.lax.dynamic_slice_in_dim(seq, start, block)
+
+        def key_tile(j, carry):
+            best, total, acc = carry
+            k_tile = jax.lax.dynamic_slice_in_dim(k, j * block, block).astype(jnp.float32)
+            v_tile = jax.lax.dynamic_slice_in_dim(v, j * block, block).astype(jnp.float32)
+            k_seq = jax.lax.dynamic_slice_in_dim(seq, j * block, block)
+            scores = jnp.einsum("qhd,khd->hqk", q_tile, k_tile)
+            scores = jnp.where((q_seq[:, None] == k_seq[None, :]) & (k_seq[None, :] >= 0), scores, -jnp.inf)
+            new_best = jnp.maximum(best, scores.max(-1))
+            safe = jnp.where(jnp.isfinite(new_best), new_best, 0.0)
+            probs = jnp.exp(scores - safe[..., None])
+            rescale = jnp.exp(jnp.where(jnp.isfinite(best), best - safe, -jnp.inf))
+            return (new_best, total * rescale + probs.sum(-1),
+                    acc * rescale[..., None] + jnp.einsum("hqk,khd->hqd", probs, v_tile))
+
+        init = (jnp.full((heads, block), -jnp.inf, jnp.float32), jnp.zeros((heads, block), jnp.float32),
+                jnp.zeros((heads, block, dim), jnp.float32))
+        _, total, acc = jax.lax.fori_loop(key_lo[index], key_hi[index], key_tile, init)
+        return (acc / jnp.maximum(total, 1e-30)[..., None]).transpose(1, 0, 2)
+
+    out = jax.lax.map(query_tile, jnp.arange(num_blocks))
+    return out.reshape(padded, heads, dim)[:num_tokens].astype(q.dtype)
 
 
 class ClassifierHead(Block):
@@ -115,7 +175,8 @@ class BertModel:
     def layer_params(self) -> dict:
         cfg = self.config
         h = jnp.zeros((1, cfg.hidden_size), self.dtype)
-        return jax.eval_shape(lambda: self.layer.init(jax.random.key(0), h, jnp.ones((1, 1), bool)))["params"]
+        rows = (jnp.zeros(1, jnp.int32), jnp.array([0, 1], jnp.int32))
+        return jax.eval_shape(lambda: self.layer.init(jax.random.key(0), h, rows))["params"]
 
     def checkpoint_target(self, name: str) -> tuple[tuple[str, ...], int | None, bool] | None:
         """HF tensor name -> (path in our tree, layer or None, transpose?); None: not ours to load."""
@@ -176,13 +237,11 @@ class BertModel:
              + embeddings["token_type"]["embedding"][types])
         h = self.norm.apply({"params": embeddings["norm"]}, h.astype(self.dtype))
         live_tokens = meta.query_start[-1]
-        # Each token sees every live token of its own sequence (padding tokens see and are seen by none).
-        live = jnp.arange(token_ids.shape[0]) < live_tokens
-        mask = (meta.token_seq_ids[:, None] == meta.token_seq_ids[None, :]) & live[None, :]
+        rows = (meta.token_seq_ids, meta.query_start)  # each token sees every token of its own sequence
 
         def one_layer(h, xs):
             layer_params, = xs
-            return self.layer.apply({"params": layer_params}, h, mask, live_tokens)
+            return self.layer.apply({"params": layer_params}, h, rows, live_tokens)
 
         h = run_layers(one_layer, h, params["layers"], ())
         live_seqs = jnp.sum(meta.seq_lens > 0, dtype=jnp.int32)
