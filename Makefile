@@ -38,6 +38,7 @@ JAX_VERSION_TESTS := tests/pallas_kernels tests/models/test_linear.py tests/mode
 	tests/models/test_moe.py tests/models/test_attention_registry.py tests/paged/test_runner.py \
 	tests/paged/test_sampler.py tests/paged/test_multihost.py tests/paged/test_pallas_backend.py \
 	tests/paged/test_kv_cache_dtype.py tests/paged/test_compilation_cache.py tests/paged/test_testing.py \
+	tests/models/test_bert.py \
 	$(TP)::test_tensor_parallel_gives_the_tokens_of_one_device $(TP)::test_fewer_kv_heads_than_devices_replicates_them \
 	$(TP)::test_bfloat16_pool_writes_per_shard_match_xla $(TP)::test_an_fp8_pool_splits_over_its_kv_heads \
 	tests/benchmarks/test_gpu_check.py tests/benchmarks/test_kernels_benchmark.py \

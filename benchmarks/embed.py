@@ -7,7 +7,8 @@ A random-weight checkpoint of the shape is written by transformers and wrapped b
 (mean pooling, normalised, as bge and MiniLM ship); `--model` takes a sentence-transformers directory
 instead. Inputs are random texts of the tiny corpus's words, `--min-words` to `--max-words` long, a fresh set
 for every round (pooling keeps no prefix cache, and none of the warm-up's inputs recur). Rounds alternate
-between the two, each encoding the round's texts in full (sentence-transformers in batches of
+which of the two goes first, with a second's pause before each timing (torch's and XLA's worker threads spin a
+while after their work, which would slow whichever runs next), each encoding the round's texts in full (sentence-transformers in batches of
 `--batch-size`, sorted by length as it does; paged with the whole list handed to `LLM.embed`, which
 batches by its token budget). Reported: sequences and tokens per second per round, their medians, the ratio of
 medians, and the largest cosine distance between the two's vectors (a check that both computed the same thing).
@@ -75,7 +76,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=64, help="paged's sequences per step")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="paged's tokens per step (default: the engine's, an encoder's max_model_len)")
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
         vectors = {}
         order = [("paged", run_paged), ("sentence_transformers", run_reference)]
         for name, run in order if index % 2 == 0 else order[::-1]:  # alternating: neither always goes first
+            time.sleep(1.0)  # the other's worker threads stop spinning before this one is timed
             started = time.perf_counter()
             vectors[name] = run(texts)
             seconds = time.perf_counter() - started

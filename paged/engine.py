@@ -78,11 +78,6 @@ class LLMEngine:
             # Each prompt is pooled whole in one step: a reduction must see every token's hidden state, and
             # neither a chunk boundary nor a cached prefix (whose hidden states are not kept) may hide some.
             config = dataclasses.replace(config, enable_chunked_prefill=False, enable_prefix_caching=False)
-            if model_config.encoder_only and config.max_num_batched_tokens is None:
-                # An encoder's attention is a dense [T, T] mask over the step (models/bert.py): one sequence's
-                # worth of tokens a step keeps it a small share of the FLOPs.
-                config = dataclasses.replace(config, max_num_batched_tokens=config.max_model_len
-                                             or model_config.max_context_len)
             self.pooler_config = resolve_pooler(model_dir, PoolerConfig.parse(config.pooler_config),
                                                 model_config.encoder_only)
         # What a pooling model's vectors are: a classifier's scores, else embeddings.

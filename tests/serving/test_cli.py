@@ -62,6 +62,10 @@ def test_vllm_flags_run_or_say_why_not(tiny_model_dir, capsys):
     assert "only safetensors" in capsys.readouterr().err
     assert main(["serve", tiny_model_dir, "--precompile", "--enforce-eager"]) == 2
     assert "contradict" in capsys.readouterr().err
+    assert main([*base, "--convert", "classify", "hi"]) == 2
+    assert "--hf-overrides" in capsys.readouterr().err
+    assert main([*base, "--convert", "embed", "hi"]) == 2  # a causal LM made an embedding model cannot generate
+    assert "pooling model" in capsys.readouterr().err
 
 
 def test_enforce_eager_is_an_engine_option(tiny_model_dir):
