@@ -81,6 +81,7 @@ def segment_attention(q, k, v, token_seq_ids, query_start, *, scale: float, bloc
     squared lengths instead of T^2 for a dense mask over the whole step.
     """
     num_tokens, heads, dim = q.shape
+    token_seq_ids, query_start = jnp.asarray(token_seq_ids), jnp.asarray(query_start)
     live = query_start[-1]
     num_blocks = -(-num_tokens // block)
     padded = num_blocks * block
