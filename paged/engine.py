@@ -6,7 +6,6 @@ the previous call is processed after this one is launched."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import os
 import time
@@ -27,10 +26,10 @@ from paged.models.registry import is_pooling_only, load_plugins
 from paged.output_processor import OutputProcessor
 from paged.outputs import RequestOutput
 from paged.pooler import PoolerOutput
-from paged.pooling_params import PoolerConfig, PoolingParams
+from paged.pooling_params import PoolerConfig, PoolingModel, PoolingParams
 from paged.request import PLACEHOLDER, ParentRequest
 from paged.sampler import SamplerOutput
-from paged.sampling_params import InvalidParameter, SamplingParams
+from paged.sampling_params import SamplingParams
 from paged.scheduler import ScheduledBatch, Scheduler
 from paged.trace import EngineTrace, StepRecord, record_step
 from paged.worker import Worker
@@ -104,6 +103,9 @@ class LLMEngine:
                     if self.tokenizer is not None else None)
         self.inputs = InputProcessor(config, self.model_config.vocab_size, self.tokenizer, eos, grammars,
                                      self.model_config.rope.length_class)
+        if self.pooling_task is not None:
+            self.inputs.pooling = PoolingModel(model, self.pooling_task, self.model_config.hidden_size,
+                                               is_matryoshka(worker.model_dir))
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.max_num_seqs,
                                           worker.max_blocks_per_seq, config.enable_prefix_caching)
         self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs,
@@ -180,31 +182,7 @@ class LLMEngine:
         if self.runner_type != "pooling":
             raise ValueError(f"{self.model_name} generates text; it is not a pooling model (start it with "
                              "runner='pooling' to embed with it)")
-        task = params.task if params.task not in (None, "encode") else self.pooling_task
-        if task in ("classify", "score") and self.pooling_task != "classify":
-            raise InvalidParameter("task", f"{self.model_name} is an embedding model; it has no classifier head")
-        if task in ("embed",) and self.pooling_task != "embed":
-            raise InvalidParameter("task", f"{self.model_name} is a classifier; it returns scores, not embeddings")
-        if params.dimensions is not None:
-            self._check_dimensions(params.dimensions)
-        params = dataclasses.replace(params, task=task)
         return self.inputs.make_pooling_request(request_id, prompt, prompt_token_ids, params, tenant, token_type_ids)
-
-    def _check_dimensions(self, dimensions: int) -> None:
-        """Matryoshka truncation only where the checkpoint allows it, and within its hidden size (as vLLM)."""
-        if self.pooling_task != "embed":
-            raise InvalidParameter("dimensions", "dimensions applies to embeddings; this model is a classifier")
-        if not self.supports_dimensions:
-            raise InvalidParameter("dimensions", f"model {self.model_name!r} does not support Matryoshka embeddings; "
-                                   f"dimensions must be unset (received dimensions={dimensions})")
-        hidden = self.model_config.hidden_size
-        if dimensions > hidden:
-            raise InvalidParameter("dimensions", f"model {self.model_name!r} only supports dimensions in range "
-                                   f"[1, {hidden}], got {dimensions}")
-
-    @functools.cached_property
-    def supports_dimensions(self) -> bool:
-        return is_matryoshka(self.worker.model_dir)
 
     def add_request(self, request: ParentRequest) -> None:
         if self.sleeping:
@@ -308,7 +286,7 @@ class LLMEngine:
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             request.num_computed_tokens += num_new
             if request.num_computed_tokens < request.num_tokens or request.pooling is not None:
-                token_index.append(-1)  # a prefill chunk: its sample is not a real next token
+                token_index.append(-1)  # a prefill chunk (its sample is not a real next token), or a pooled row
                 continue
             token_index.append(request.num_tokens)
             request.token_ids.append(PLACEHOLDER)

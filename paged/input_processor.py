@@ -13,7 +13,7 @@ from paged.detokenizer import IncrementalDetokenizer
 from paged.grammar import GrammarCompiler
 from paged.prefix_keys import prefix_root
 from paged.request import ParentRequest, Request
-from paged.pooling_params import PoolingParams
+from paged.pooling_params import PoolingModel, PoolingParams
 from paged.sampling_params import InvalidParameter, SamplingParams
 
 
@@ -37,6 +37,7 @@ class InputProcessor:
         self.grammars = grammars
         self.rope_length_class = rope_length_class
         self._seed_rng = np.random.default_rng(config.seed)  # unseeded requests' seeds
+        self.pooling: PoolingModel | None = None  # a pooling model's task and limits (set by the engine)
 
     def make_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                      params: SamplingParams, cache_salt: str | None = None,
@@ -79,6 +80,7 @@ class InputProcessor:
         """A pooling model's request: its prompt (cut to its last `truncate_prompt_tokens` tokens if asked),
         computed whole in one step; its output is the pooled vector, no token is sampled."""
         params.validate()
+        params = self.pooling.resolve(params)
         prompt_token_ids = self._prompt_ids(prompt, prompt_token_ids)
         max_model_len = self.config.max_model_len
         keep = params.truncate_prompt_tokens

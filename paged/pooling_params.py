@@ -73,6 +73,37 @@ class PoolerConfig:
                                else getattr(defaults, f.name) for f in dataclasses.fields(self)})
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolingModel:
+    """What a request's pooling options are checked against: the model's `task` ("embed" or "classify"), its
+    hidden size and whether its checkpoint allows Matryoshka truncation; `name` for the messages."""
+
+    name: str
+    task: str
+    hidden_size: int
+    matryoshka: bool
+
+    def resolve(self, params: "PoolingParams") -> "PoolingParams":
+        """`params` with its task settled (the model's, for none or "encode"); raises InvalidParameter for what
+        this model cannot do (vLLM's messages)."""
+        task = params.task if params.task not in (None, "encode") else self.task
+        if task in ("classify", "score") and self.task != "classify":
+            raise InvalidParameter("task", f"{self.name} is an embedding model; it has no classifier head")
+        if task == "embed" and self.task != "embed":
+            raise InvalidParameter("task", f"{self.name} is a classifier; it returns scores, not embeddings")
+        dimensions = params.dimensions
+        if dimensions is not None:
+            if self.task != "embed":
+                raise InvalidParameter("dimensions", "dimensions applies to embeddings; this model is a classifier")
+            if not self.matryoshka:
+                raise InvalidParameter("dimensions", f"model {self.name!r} does not support Matryoshka embeddings; "
+                                       f"dimensions must be unset (received dimensions={dimensions})")
+            if dimensions > self.hidden_size:
+                raise InvalidParameter("dimensions", f"model {self.name!r} only supports dimensions in range "
+                                       f"[1, {self.hidden_size}], got {dimensions}")
+        return dataclasses.replace(params, task=task)
+
+
 @dataclasses.dataclass
 class PoolingParams:
     """Per-request pooling options (vLLM's PoolingParams).
