@@ -39,13 +39,14 @@ class _ScriptedEngine:
     reasoning model's reply without the model)."""
 
     started, alive, grammars = True, True, None
+    runner_type, pooling_task = "generate", None
 
     def __init__(self, tokenizer, pieces):
         self.tokenizer, self.pieces = tokenizer, pieces
         self.config = type("Config", (), {"max_model_len": 512, "max_num_seqs": 4})()
         self.model_config = type("ModelConfig", (), {"vocab_size": len(tokenizer)})()
 
-    async def submit(self, request_id, prompt, ids, params, cache_salt=None, tenant=None):
+    async def submit(self, request_id, prompt, ids, params, cache_salt=None, tenant=None, token_type_ids=None):
         return _ScriptedStream(request_id, ids, self.pieces)
 
     def start(self):
