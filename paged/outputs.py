@@ -103,25 +103,27 @@ class ScoringOutput:
     score: float
 
 
+def _retyped(cls, output: PoolingRequestOutput, outputs):
+    """`output` as one of its typed subclasses, with `outputs` in place of its PoolingOutput."""
+    return cls(**{**vars(output), "outputs": outputs})
+
+
 @dataclasses.dataclass
 class EmbeddingRequestOutput(PoolingRequestOutput):
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        return cls(output.request_id, EmbeddingOutput([float(x) for x in output.outputs.data]),
-                   output.prompt_token_ids, output.finished, output.num_cached_tokens, output.metrics, output.task)
+        return _retyped(cls, output, EmbeddingOutput(output.outputs.data.tolist()))
 
 
 @dataclasses.dataclass
 class ClassificationRequestOutput(PoolingRequestOutput):
     @classmethod
     def from_base(cls, output: PoolingRequestOutput) -> "ClassificationRequestOutput":
-        return cls(output.request_id, ClassificationOutput([float(x) for x in output.outputs.data]),
-                   output.prompt_token_ids, output.finished, output.num_cached_tokens, output.metrics, output.task)
+        return _retyped(cls, output, ClassificationOutput(output.outputs.data.tolist()))
 
 
 @dataclasses.dataclass
 class ScoringRequestOutput(PoolingRequestOutput):
     @classmethod
     def from_base(cls, output: PoolingRequestOutput, score: float) -> "ScoringRequestOutput":
-        return cls(output.request_id, ScoringOutput(float(score)), output.prompt_token_ids, output.finished,
-                   output.num_cached_tokens, output.metrics, output.task)
+        return _retyped(cls, output, ScoringOutput(float(score)))

@@ -88,28 +88,28 @@ async def _embedding_inputs(state: ServerState, body: EmbeddingRequest) -> list:
     return [(None, await chat_token_ids(state, body.messages, None, body.add_generation_prompt))]
 
 
+async def _vectors(body: EmbeddingRequest, raw: Request, state: ServerState, route: str, task: str, prefix: str,
+                   kind: str, field: str):
+    """An embeddings-shaped reply: one `kind` object per input, its vector under `field`."""
+    check_model(state, body.model)
+    _check_pooling(state, route, task)
+    outputs, tokens = await _pool(state, raw, await _embedding_inputs(state, body),
+                                  body.pooling_params(task, body.dimensions), prefix)
+    return await json_reply(state, lambda: _listing(state, prefix, [
+        {"object": kind, "index": i, field: _vector(o.outputs.data, body.encoding_format)}
+        for i, o in enumerate(outputs)], tokens))
+
+
 @counted("embeddings")
 async def embeddings(body: EmbeddingRequest, raw: Request, state: State):
     """POST /v1/embeddings"""
-    check_model(state, body.model)
-    _check_pooling(state, "/v1/embeddings", "embed")
-    outputs, tokens = await _pool(state, raw, await _embedding_inputs(state, body),
-                                  body.pooling_params("embed", body.dimensions), "embd")
-    return await json_reply(state, lambda: _listing(state, "embd", [
-        {"object": "embedding", "index": i, "embedding": _vector(o.outputs.data, body.encoding_format)}
-        for i, o in enumerate(outputs)], tokens))
+    return await _vectors(body, raw, state, "/v1/embeddings", "embed", "embd", "embedding", "embedding")
 
 
 @counted("pooling")
 async def pooling(body: EmbeddingRequest, raw: Request, state: State):
     """POST /pooling: the model's pooled vector per input (an embedding, or a classifier's scores)."""
-    check_model(state, body.model)
-    _check_pooling(state, "/pooling", "encode")
-    outputs, tokens = await _pool(state, raw, await _embedding_inputs(state, body),
-                                  body.pooling_params("encode", body.dimensions), "pool")
-    return await json_reply(state, lambda: _listing(state, "pool", [
-        {"object": "pooling", "index": i, "data": _vector(o.outputs.data, body.encoding_format)}
-        for i, o in enumerate(outputs)], tokens))
+    return await _vectors(body, raw, state, "/pooling", "encode", "pool", "pooling", "data")
 
 
 @counted("classify")
