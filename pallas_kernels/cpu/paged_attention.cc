@@ -110,6 +110,20 @@ struct NextPages {
   int64_t count = 0;               // how many to request (0: none)
 };
 
+// The pages [page_begin, page_end) of its visible range that a decode item walks, and where its result goes.
+// A long context is split into parts of kSplitKeys keys (split-KV, as flash-decoding does on GPUs): one
+// sequence's decode then spreads over every thread instead of one per KV head, and each part leaves its
+// unnormalised accumulators, running maxima and sums in `partial` ([G * D], [G], [G] floats) for
+// combine_parts. The split depends only on the context, never on the thread count, so results do not either.
+struct Span {
+  int64_t page_begin = 0, page_end = INT64_MAX;
+  float* partial = nullptr;  // nullptr: the item writes the normalised output itself
+};
+
+// Keys per part of a split decode (a multiple of every page size the engine uses). Contexts up to this
+// many keys stay one item: a part's partial write and combine then cost nothing noticeable against its walk.
+constexpr int64_t kSplitKeys = 2048;
+
 // Requests one page's K and V into cache. Pages sit anywhere in the pool and the hardware prefetcher stops
 // at their edges: without this, every page's first reads wait on memory (measured: 1.4x slower).
 template <typename T>
@@ -173,7 +187,8 @@ inline float softmax_page(float* s, int64_t lo, int64_t hi, int64_t bs, float so
 // speed; 0 handles any size.
 template <typename T, int FIXED_G, int FIXED_D>
 void attend_item(const Problem& pb, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t t,
-                 int64_t h, float* scratch, const NextPages& /*next: requested by the AVX-512 item only*/) {
+                 int64_t h, float* scratch, const NextPages& /*next: requested by the AVX-512 item only*/,
+                 const Span& span) {
   const int64_t G = FIXED_G > 0 ? FIXED_G : pb.num_q_heads / pb.num_kv_heads;
   const int64_t D = FIXED_D > 0 ? FIXED_D : pb.head_dim;
   const int64_t bs = pb.block_size;
@@ -198,13 +213,15 @@ void attend_item(const Problem& pb, const T* q, const T* k_cache, const T* v_cac
   const int32_t* pages = pb.page_tables + seq * pb.pages_per_seq;
   const int64_t head_base = (static_cast<int64_t>(pb.layer) * pb.num_kv_heads + h) * pb.num_blocks;
 
-  for (int64_t page_index = start / bs; page_index * bs < end; ++page_index) {
+  const int64_t first_page = std::max(start / bs, span.page_begin);
+  const int64_t end_page = std::min((end + bs - 1) / bs, span.page_end);
+  for (int64_t page_index = first_page; page_index < end_page; ++page_index) {
     const int64_t lo = std::max<int64_t>(start - page_index * bs, 0);
     const int64_t hi = std::min<int64_t>(end - page_index * bs, bs);
     const int64_t block = pages[page_index];
     const T* k_page = k_cache + (head_base + block) * bs * D;
     const T* v_page = v_cache + (head_base + block) * bs * D;
-    prefetch_ahead(k_cache, v_cache, pages, head_base, page_index, start / bs, end, bs, D);
+    prefetch_ahead(k_cache, v_cache, pages, head_base, page_index, first_page, end, bs, D);
     // Scores: every query head of the group against each key, the group's dot products side by side
     // (independent chains) and one horizontal sum each at the end.
     for (int64_t j = lo; j < hi; ++j) {
@@ -238,9 +255,41 @@ void attend_item(const Problem& pb, const T* q, const T* k_cache, const T* v_cac
       if (FIXED_D > 0) std::copy(a, a + D, acc + g * D);
     }
   }
+  if (span.partial) {
+    std::copy(acc, acc + G * D, span.partial);
+    std::copy(m, m + G, span.partial + G * D);
+    std::copy(l, l + G, span.partial + G * D + G);
+    return;
+  }
   for (int64_t g = 0; g < G; ++g) {
     const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
     for (int64_t d = 0; d < D; ++d) store(out_row, g * D + d, acc[g * D + d] * inv);
+  }
+}
+
+// The output of a decode token's KV head `h` from the partial results of its `num_parts` parts (each
+// [G * D] unnormalised accumulators, [G] maxima, [G] sums): every part's sums rescaled to the largest maximum.
+template <typename T>
+void combine_parts(const Problem& pb, T* out, int64_t t, int64_t h, const float* parts, int64_t num_parts) {
+  const int64_t G = pb.num_q_heads / pb.num_kv_heads, D = pb.head_dim, stride = G * D + 2 * G;
+  T* out_row = out + (t * pb.num_q_heads + h * G) * D;
+  std::vector<float> row(D), weight(num_parts);
+  for (int64_t g = 0; g < G; ++g) {
+    float m = -INFINITY;
+    for (int64_t p = 0; p < num_parts; ++p) m = std::max(m, parts[p * stride + G * D + g]);
+    float l = 0.0f;
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const float* part = parts + p * stride;
+      weight[p] = part[G * D + g] == -INFINITY ? 0.0f : exp_nonpositive(part[G * D + g] - m);
+      l += part[G * D + G + g] * weight[p];
+    }
+    std::fill(row.begin(), row.end(), 0.0f);
+    for (int64_t p = 0; p < num_parts; ++p) {
+      const float* acc = parts + p * stride + g * D;
+      for (int64_t d = 0; d < D; ++d) row[d] += acc[d] * weight[p];
+    }
+    const float inv = l > 0.0f ? 1.0f / l : 0.0f;
+    for (int64_t d = 0; d < D; ++d) store(out_row, g * D + d, row[d] * inv);
   }
 }
 
@@ -365,7 +414,7 @@ __attribute__((always_inline)) inline __mmask16 keys_mask(int64_t lo, int64_t hi
 
 template <typename T, int G, int D>
 void attend_item_avx512(const Problem& pb, const T* q, const T* k_cache, const T* v_cache, T* out, int64_t t,
-                        int64_t h, float* scratch, const NextPages& next) {
+                        int64_t h, float* scratch, const NextPages& next, const Span& span) {
   constexpr int64_t bs = 16, C = D / 16;  // vectors per head row
   // The page ahead is requested in parts over this page's work: one per (query head, key) score and one
   // per key's PV product (keys this row cannot see send theirs at once). Over the scores alone the
@@ -389,17 +438,19 @@ void attend_item_avx512(const Problem& pb, const T* q, const T* k_cache, const T
   const int64_t start = pb.window > 0 ? std::max<int64_t>(0, end - pb.window) : 0;
   const int32_t* pages = pb.page_tables + seq * pb.pages_per_seq;
   const int64_t head_base = (static_cast<int64_t>(pb.layer) * pb.num_kv_heads + h) * pb.num_blocks;
-  for (int64_t page_index = start / bs; page_index * bs < end; ++page_index) {
+  const int64_t first_page = std::max(start / bs, span.page_begin);
+  const int64_t end_page = std::min((end + bs - 1) / bs, span.page_end);
+  for (int64_t page_index = first_page; page_index < end_page; ++page_index) {
     const int64_t lo = std::max<int64_t>(start - page_index * bs, 0);
     const int64_t hi = std::min<int64_t>(end - page_index * bs, bs);
     const __mmask16 visible = keys_mask(lo, hi);
     const T* k_page = k_cache + (head_base + pages[page_index]) * bs * D;
     const T* v_page = v_cache + (head_base + pages[page_index]) * bs * D;
-    if (page_index == start / bs)  // the pages before the first one trickled
-      for (int64_t pf = page_index + 1; pf < page_index + kTrickleDistance && pf * bs < end; ++pf)
+    if (page_index == first_page)  // the pages before the first one trickled
+      for (int64_t pf = page_index + 1; pf < page_index + kTrickleDistance && pf < end_page; ++pf)
         prefetch_page(k_cache, v_cache, (head_base + pages[pf]) * bs * D, bs * D);
     const int64_t ahead = page_index + kTrickleDistance;
-    const int64_t past = ahead - (end + bs - 1) / bs;  // >= 0: the next item's page `past`
+    const int64_t past = ahead - end_page;  // >= 0: the next item's page `past`
     using Trickle = PageTrickle<T, bs * D, kParts>;
     Trickle trickle = past < 0             ? Trickle(k_cache, v_cache, (head_base + pages[ahead]) * bs * D)
                       : past < next.count ? Trickle(k_cache, v_cache, (next.head_base + next.pages[past]) * bs * D)
@@ -433,6 +484,14 @@ void attend_item_avx512(const Problem& pb, const T* q, const T* k_cache, const T
         for (int g = 0; g < G; ++g) acc[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(probs[g * 16 + j]), v, acc[g][c]);
       }
     }
+  }
+  if (span.partial) {
+    for (int g = 0; g < G; ++g) {
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(span.partial + g * D + c * 16, acc[g][c]);
+      span.partial[G * D + g] = m[g];
+      span.partial[G * D + G + g] = l[g];
+    }
+    return;
   }
   for (int g = 0; g < G; ++g) {
     const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
@@ -583,6 +642,12 @@ auto pick_group(int64_t group, int64_t block_size) {
   }
 #endif
   (void)block_size;
+#if defined(__AVX512F__)
+  // Only other page sizes and groups come here: head_dim stays fixed, the group not (fewer instantiations,
+  // and the first build of the library is a shorter wait).
+  (void)group;
+  return attend_item<T, 0, FIXED_D>;
+#endif
   return group == 1 ? attend_item<T, 1, FIXED_D>
        : group == 2 ? attend_item<T, 2, FIXED_D>
        : group == 4 ? attend_item<T, 4, FIXED_D>
@@ -632,9 +697,16 @@ void attend_tile_amx(const Problem& pb, const uint16_t* q, const uint16_t* k_cac
 // Items in chunks of 4: few enough atomics, fine enough to balance long and short contexts.
 constexpr int64_t kItemChunk = 4;
 
-// A work item: the tokens [first, first + count) of one sequence, for one KV head.
+// A work item: the tokens [first, first + count) of one sequence, for one KV head; a decode token's item
+// may cover only the pages [page_begin, page_end) of its context, leaving a partial result in slot `part`.
 struct Item {
   int64_t first, count, head;
+  int64_t page_begin = 0, page_end = INT64_MAX, part = -1;
+};
+
+// A split decode token's KV head: its parts' results, slots [first_part, first_part + num_parts).
+struct SplitToken {
+  int64_t token, head, first_part, num_parts;
 };
 
 template <typename T>
@@ -647,16 +719,23 @@ void run(const Problem& pb, const T* q, const T* k, const T* v, T* out, ffi::Thr
   const int64_t scratch_size = std::max(2 * G * D + G * pb.block_size + 2 * G,
                                         2 * rows * D + D * pb.block_size + rows * pb.block_size + 2 * rows);
   const int64_t bs = pb.block_size;
-  auto item_fn = D == 64 ? pick_group<T, 64>(G, bs) : D == 128 ? pick_group<T, 128>(G, bs)
-               : D == 256 ? pick_group<T, 256>(G, bs) : pick_group<T, 0>(G, bs);
-  auto tile_fn = D == 64 ? pick_tile<T, 64>(pb.block_size) : D == 128 ? pick_tile<T, 128>(pb.block_size)
-               : D == 256 ? pick_tile<T, 256>(pb.block_size) : pick_tile<T, 0>(pb.block_size);
+  auto item_fn = D == 32 ? pick_group<T, 32>(G, bs) : D == 64 ? pick_group<T, 64>(G, bs)
+               : D == 80 ? pick_group<T, 80>(G, bs) : D == 96 ? pick_group<T, 96>(G, bs)
+               : D == 128 ? pick_group<T, 128>(G, bs) : D == 256 ? pick_group<T, 256>(G, bs)
+                          : pick_group<T, 0>(G, bs);
+  auto tile_fn = D == 32 ? pick_tile<T, 32>(bs) : D == 64 ? pick_tile<T, 64>(bs) : D == 80 ? pick_tile<T, 80>(bs)
+               : D == 96 ? pick_tile<T, 96>(bs) : D == 128 ? pick_tile<T, 128>(bs) : D == 256 ? pick_tile<T, 256>(bs)
+                         : pick_tile<T, 0>(bs);
   if (D > 256 || pb.block_size > 128) tile_fn = nullptr;  // beyond the tile's stack buffers: token by token
 
   // Runs of consecutive tokens of one sequence (prompt chunks) become tiles, listed first: they are the
-  // expensive items, and handing them out first balances the threads. Single tokens (decodes) follow.
+  // expensive items, and handing them out first balances the threads. Single tokens (decodes) follow, those
+  // seeing more than kSplitKeys keys as parts of kSplitKeys keys each.
+  const int64_t split_pages = std::max<int64_t>(1, kSplitKeys / bs);
   std::vector<Item> items;
   std::vector<Item> singles;
+  std::vector<SplitToken> splits;
+  int64_t num_parts = 0;
   for (int64_t t = 0; t < pb.num_tokens;) {
     const int32_t seq = pb.token_seq_ids[t];
     const bool valid = seq >= 0 && seq < pb.num_seqs && pb.positions[t] >= 0;
@@ -664,11 +743,32 @@ void run(const Problem& pb, const T* q, const T* k, const T* v, T* out, ffi::Thr
     while (valid && (tile_fn || amx_tiles) && count < max_tile && t + count < pb.num_tokens &&
            pb.token_seq_ids[t + count] == seq && pb.positions[t + count] >= 0)
       ++count;
-    for (int64_t h = 0; h < pb.num_kv_heads; ++h) (count > 1 ? items : singles).push_back({t, count, h});
+    const int64_t end = valid ? static_cast<int64_t>(pb.positions[t]) + 1 : 0;
+    const int64_t first_page = (pb.window > 0 ? std::max<int64_t>(0, end - pb.window) : 0) / bs;
+    const int64_t pages = (end + bs - 1) / bs - first_page;
+    for (int64_t h = 0; h < pb.num_kv_heads; ++h) {
+      if (count > 1) {
+        items.push_back({t, count, h});
+      } else if (pages > split_pages) {
+        const int64_t parts = (pages + split_pages - 1) / split_pages;
+        splits.push_back({t, h, num_parts, parts});
+        for (int64_t p = 0; p < parts; ++p)  // equal shares, so no part is a sliver
+          singles.push_back({t, 1, h, first_page + pages * p / parts, first_page + pages * (p + 1) / parts,
+                             num_parts + p});
+        num_parts += parts;
+      } else {
+        singles.push_back({t, 1, h});
+      }
+    }
     t += count;
   }
   items.insert(items.end(), singles.begin(), singles.end());
   const int64_t num_items = static_cast<int64_t>(items.size());
+  const int64_t part_stride = G * D + 2 * G;
+  std::vector<float> partials(num_parts * part_stride);
+  // Parts are long: handed out one at a time, each worth waking a helper for.
+  const int64_t chunk = num_parts > 0 ? 1 : kItemChunk;
+  const int64_t max_helpers = num_parts > 0 ? num_items : num_items / 8;
 
   // The first pages of decode item i, to be requested by the item before it.
   auto first_pages = [&](int64_t i) {
@@ -676,10 +776,11 @@ void run(const Problem& pb, const T* q, const T* k, const T* v, T* out, ffi::Thr
     const int32_t seq = pb.token_seq_ids[it.first];
     const int64_t end = static_cast<int64_t>(pb.positions[it.first]) + 1;
     if (it.count != 1 || seq < 0 || seq >= pb.num_seqs || end <= 0) return NextPages{};
-    const int64_t first = (pb.window > 0 ? std::max<int64_t>(0, end - pb.window) : 0) / bs;
+    const int64_t first = std::max((pb.window > 0 ? std::max<int64_t>(0, end - pb.window) : 0) / bs, it.page_begin);
+    const int64_t last = std::min((end + bs - 1) / bs, it.page_end);
     return NextPages{pb.page_tables + seq * pb.pages_per_seq + first,
                      (static_cast<int64_t>(pb.layer) * pb.num_kv_heads + it.head) * pb.num_blocks,
-                     std::min<int64_t>(kTrickleDistance, (end + bs - 1) / bs - first)};
+                     std::min<int64_t>(kTrickleDistance, last - first)};
   };
 
   // One scratch buffer per thread that runs items (thread_local: XLA's pool threads are long-lived).
@@ -687,18 +788,24 @@ void run(const Problem& pb, const T* q, const T* k, const T* v, T* out, ffi::Thr
     thread_local std::vector<float> scratch;
     if (static_cast<int64_t>(scratch.size()) < scratch_size) scratch.resize(scratch_size);
     const Item& it = items[i];
-    // Items are handed out kItemChunk at a time, so within a chunk this thread runs item i + 1 next.
-    const bool next_is_ours = i + 1 < num_items && (i + 1) % kItemChunk != 0;
-    if (it.count == 1)
-      item_fn(pb, q, k, v, out, it.first, it.head, scratch.data(), next_is_ours ? first_pages(i + 1) : NextPages{});
-    else if constexpr (std::is_same_v<T, uint16_t>)
+    // Items are handed out `chunk` at a time, so within a chunk this thread runs item i + 1 next.
+    const bool next_is_ours = i + 1 < num_items && (i + 1) % chunk != 0;
+    if (it.count == 1) {
+      const Span span{it.page_begin, it.page_end, it.part >= 0 ? partials.data() + it.part * part_stride : nullptr};
+      item_fn(pb, q, k, v, out, it.first, it.head, scratch.data(), next_is_ours ? first_pages(i + 1) : NextPages{},
+              span);
+    } else if constexpr (std::is_same_v<T, uint16_t>) {
       amx_tiles ? attend_tile_amx(pb, q, k, v, out, it.first, it.count, it.head)
                 : tile_fn(pb, q, k, v, out, it.first, it.count, it.head, scratch.data());
-    else
+    } else {
       tile_fn(pb, q, k, v, out, it.first, it.count, it.head, scratch.data());
+    }
   };
   // Helpers only when there are enough items to pay for waking them.
-  paged::run_parallel(pool, num_items, kItemChunk, num_items / 8, run_item);
+  paged::run_parallel(pool, num_items, chunk, max_helpers, run_item);
+  for (const SplitToken& split : splits)
+    combine_parts(pb, out, split.token, split.head, partials.data() + split.first_part * part_stride,
+                  split.num_parts);
 }
 
 ffi::Error PagedAttentionImpl(ffi::ThreadPool pool, ffi::AnyBuffer q, ffi::AnyBuffer k_cache,

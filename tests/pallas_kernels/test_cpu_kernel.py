@@ -25,14 +25,18 @@ def test_kernel_builds_here():
 
 
 def _check(rng, *, num_q_heads, num_kv_heads, page_size, head_dim, dtype=np.float32, window=None, soft_cap=None,
-           pages_per_seq=5, traced_window=False, target=None):
+           pages_per_seq=5, traced_window=False, target=None, q_scale=1.0, lengths=None):
     # Context lengths: 1, one page, a partial page, the whole table; one token per sequence plus, for the
-    # longest, a few earlier positions (prompt tokens read the pages too).
-    lengths = [1, page_size, 2 * page_size + 3, pages_per_seq * page_size]
+    # longest, a few earlier positions (prompt tokens read the pages too). Given `lengths`: one decode each.
+    if lengths is None:
+        lengths = [1, page_size, 2 * page_size + 3, pages_per_seq * page_size]
+        earlier = [0, page_size - 1, 3 * page_size + 1]
+    else:
+        earlier = []
     pool = random_pool(rng, len(lengths), pages_per_seq, num_kv_heads, page_size, head_dim, dtype)
-    seq_ids = list(range(len(lengths))) + [3, 3, 3]
-    positions = [n - 1 for n in lengths] + [0, page_size - 1, 3 * page_size + 1]
-    q = rng.normal(size=(len(seq_ids), num_q_heads, head_dim)).astype(dtype)
+    seq_ids = list(range(len(lengths))) + [len(lengths) - 1] * len(earlier)
+    positions = [n - 1 for n in lengths] + earlier
+    q = (q_scale * rng.normal(size=(len(seq_ids), num_q_heads, head_dim))).astype(dtype)
     scale = head_dim ** -0.5
     w = jnp.int32(window or 0) if traced_window else window
     run = jax.jit(lambda q, k, v, w: paged_attention_cpu(
@@ -182,6 +186,35 @@ def test_long_prompts_bfloat16_without_amx_match_float64():
                         target=target)
 
 
+@pytest.mark.parametrize("head_dim", [32, 80, 96])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads", [(14, 2), (4, 4)], ids=["gqa7", "mha"])
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_other_head_dims_match_float64(head_dim, num_q_heads, num_kv_heads, dtype):
+    """head_dims beside 64/128/256 that checkpoints use (32: small models, 80: Phi-2, 96: Phi-3) take the
+    fixed-size paths: decodes and prompt chunks."""
+    rng = np.random.default_rng(head_dim + num_q_heads)
+    kwargs = dict(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=16, head_dim=head_dim, dtype=dtype)
+    _check(rng, **kwargs)
+    _check_prompt_chunks(rng, **kwargs)
+
+
+# Decodes seeing more than 2,048 keys are split into parts whose results are combined (split-KV); shorter ones
+# in the same call are not. Queries 3x larger make each softmax peaked, so outputs are O(1) and a part
+# weighted wrongly moves them far beyond the tolerance.
+LONG_DECODES = [6400, 2049, 2048, 5000, 37, 4097]
+@pytest.mark.parametrize("page_size", [8, 16])
+@pytest.mark.parametrize("num_q_heads, num_kv_heads, head_dim, dtype",
+                         [(14, 2, 64, jnp.bfloat16), (8, 2, 128, np.float32), (18, 2, 40, np.float32)],
+                         ids=["gqa7-bf16", "gqa4-f32", "gqa9-d40-generic"])
+@pytest.mark.parametrize("window, soft_cap", [(None, None), (3000, None), (2500, 5.0)])
+def test_long_decodes_split_over_parts_match_float64(page_size, num_q_heads, num_kv_heads, head_dim, dtype, window,
+                                                     soft_cap):
+    rng = np.random.default_rng(page_size + num_q_heads + (window or 0))
+    _check(rng, num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, page_size=page_size, head_dim=head_dim,
+           dtype=dtype, window=window, soft_cap=soft_cap, pages_per_seq=6400 // page_size, q_scale=3.0,
+           lengths=LONG_DECODES)
+
+
 @pytest.fixture(scope="module")
 def portable_target():
     """The kernel built without AVX-512: the portable loops that AVX-512 machines (like CI's) otherwise skip
@@ -207,6 +240,7 @@ def test_portable_build_matches_float64(portable_target, num_q_heads, num_kv_hea
                   target=portable_target)
     _check(rng, **kwargs)
     _check(rng, window=13, soft_cap=5.0, **kwargs)
+    _check(rng, window=3000, pages_per_seq=400, q_scale=3.0, lengths=LONG_DECODES, **kwargs)  # split-KV
     _check_prompt_chunks(rng, **kwargs)
 
 
