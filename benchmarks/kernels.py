@@ -21,6 +21,7 @@ Implementations, each where it runs:
     paged bench kernels                        # preset by platform: "smoke" on CPU, "gpu" on a GPU
     paged bench kernels --plugin my_kernels --backend mine   # your kernel beside the built-in ones
     paged bench kernels --preset cpu-bf16      # the 0.5B shape's attention in bfloat16 on CPU
+    paged bench kernels --preset cpu-long      # the same decoding at 32k and 128k contexts
     paged bench kernels --preset gpu --json docs/results/kernels_h200.json --png docs/results/kernels_h200.png
 """
 
@@ -46,13 +47,20 @@ PRESETS = {
     # Each list is in priority order (the decode goal's shapes, batch >= 32 and context >= 2048, first): a
     # time-limited GPU run ends before the whole product (54 points, each compiling each kernel once), and
     # --budget-s stops the sweep with the most important points measured.
-    "gpu": dict(batch=[32, 128, 8], context=[2048, 8192, 512], page_size=[16, 32], gqa=[8, 4, 1],
+    "gpu": dict(batch=[32, 128, 8], context=[2048, 8192, 512, 32768], page_size=[16, 32], gqa=[8, 4, 1],
                 dtype=["bfloat16"], head_dim=128, num_kv_heads=8, prefill_chunk=[512], prefill_batch=4),
     # Qwen2.5-0.5B's attention (14 query heads, 2 KV heads, head_dim 64) in bfloat16 on CPU: 32 decodes, and
     # a 512-token prompt (no cached context) and one 512-token chunk after 1,536 cached tokens.
     "cpu-bf16": dict(batch=[32], context=[512, 2048], page_size=[16], gqa=[7], dtype=["bfloat16"], head_dim=64,
                      num_kv_heads=2, prefill_chunk=[512], prefill_batch=1),
+    # The same attention decoding at long contexts: one sequence and eight, at 32k and 128k tokens.
+    "cpu-long": dict(batch=[1, 8], context=[32768, 131072], page_size=[16], gqa=[7], dtype=["bfloat16"],
+                     head_dim=64, num_kv_heads=2, prefill_chunk=[], prefill_batch=1),
 }
+
+# On CPU the TPU kernel runs under jax's TPU interpreter, seconds a call at 16 MiB of K/V: for scale only, and
+# skipped beyond this many bytes so that a long-context sweep finishes.
+TPU_INTERPRETER_MAX_KV_BYTES = 8 * 2**20
 
 
 # On a GPU, decode inputs are rotated over at least this many bytes, 4x an H200's 60 MB L2: a point whose K/V
@@ -90,8 +98,6 @@ def _pool(rng, num_seqs, pages_per_seq, num_kv_heads, page_size, head_dim, dtype
 
 def decode_implementations(on_gpu: bool, group: int, head_dim: int, dtype: str) -> dict:
     """name -> fn(q, k, v, tables, lengths, scale) for decode, or name -> reason it does not run here."""
-    import functools
-
     import jax
     import jax.numpy as jnp
 
@@ -315,6 +321,10 @@ def run_decode(cfg: dict, rng, sweep: Sweep, copy_bw: float, on_gpu: bool, max_r
                 continue
             if name == "jnp-reference" and kv_bytes * 4 > max_reference_bytes:
                 row["results"][name] = {"skipped": "its gathered copy of every context would not fit the budget"}
+                continue
+            if name == "pallas-tpu" and not on_gpu and kv_bytes > TPU_INTERPRETER_MAX_KV_BYTES:
+                row["results"][name] = {"skipped": f"interpreted on CPU; skipped beyond "
+                                                   f"{TPU_INTERPRETER_MAX_KV_BYTES // 2**20} MiB of K/V"}
                 continue
             result, expected = _measure(fn, arg_sets, sweep, expected)
             if "seconds" in result:

@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     convert.set_defaults(func=_convert)
 
     kinds = ["throughput", "serve", "soak", "startup", "memory", "device_memory", "kv_cache_dtype", "kernels", "matmul",
-             "embed"]
+             "embed", "long_context"]
     bench = sub.add_parser("bench", help=f"benchmarks: {', '.join(kinds)} (flags after the kind)")
     bench.add_argument("kind", choices=kinds)
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own flags (see --help of each)")
