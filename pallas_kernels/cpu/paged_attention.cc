@@ -728,7 +728,7 @@ void run(const Problem& pb, const T* q, const T* k, const T* v, T* out, ffi::Thr
                          : pick_tile<T, 0>(bs);
   if (D > 256 || pb.block_size > 128) tile_fn = nullptr;  // beyond the tile's stack buffers: token by token
 
-  // Runs of consecutive tokens of one sequence (prompt chunks) become tiles, listed first: they are the
+  // Runs of consecutive positions of one sequence (prompt chunks) become tiles, listed first: they are the
   // expensive items, and handing them out first balances the threads. Single tokens (decodes) follow, those
   // seeing more than kSplitKeys keys as parts of kSplitKeys keys each.
   const int64_t split_pages = std::max<int64_t>(1, kSplitKeys / bs);
@@ -740,8 +740,10 @@ void run(const Problem& pb, const T* q, const T* k, const T* v, T* out, ffi::Thr
     const int32_t seq = pb.token_seq_ids[t];
     const bool valid = seq >= 0 && seq < pb.num_seqs && pb.positions[t] >= 0;
     int64_t count = 1;
+    // A run continues while the positions do: the engine's padding tokens carry sequence 0 at position 0,
+    // and joined to a decode of sequence 0 they would turn it into a tile of mostly idle rows.
     while (valid && (tile_fn || amx_tiles) && count < max_tile && t + count < pb.num_tokens &&
-           pb.token_seq_ids[t + count] == seq && pb.positions[t + count] >= 0)
+           pb.token_seq_ids[t + count] == seq && pb.positions[t + count] == pb.positions[t + count - 1] + 1)
       ++count;
     const int64_t end = valid ? static_cast<int64_t>(pb.positions[t]) + 1 : 0;
     const int64_t first_page = (pb.window > 0 ? std::max<int64_t>(0, end - pb.window) : 0) / bs;
