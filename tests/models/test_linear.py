@@ -264,3 +264,18 @@ def test_tied_lm_head_routes_and_matches_xla(monkeypatch, dtype, hidden):
     rows = 4 if native else 6
     np.testing.assert_allclose(got[:rows], want[:rows], atol=1e-4, rtol=1e-4)
     assert not native or not np.any(got[4:])
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float32])
+def test_tied_lm_head_of_one_row_matches_float64(dtype):
+    """One sequence's decode: XLA's path takes a one-row bfloat16 product as two rows (its one-row dot widens
+    the whole table first); the logits are the row's own, as float64 computes them from the same values."""
+    from paged.models.linear import Embedding
+    embed = Embedding(1000, 64, dtype)
+    params = embed.init(jax.random.PRNGKey(0), jnp.zeros((2,), jnp.int32))
+    h = jnp.asarray(np.random.default_rng(1).normal(size=(1, 64)), dtype)
+    got = np.asarray(embed.apply(params, h, method="attend"))
+    table = np.asarray(nn.unbox(params["params"])["embedding"], np.float64)
+    want = np.asarray(h, np.float64) @ table.T
+    assert got.shape == (1, 1000) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
