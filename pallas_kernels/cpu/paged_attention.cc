@@ -427,7 +427,21 @@ void attend_item_avx512(const Problem& pb, const T* q, const T* k_cache, const T
   const T* q_row = q + (t * pb.num_q_heads + h * G) * D;
   float* qs = scratch;  // [G, D] scaled queries
   float* probs = qs + G * D;  // [G, 16] a page's probabilities
-  for (int64_t i = 0; i < G * D; ++i) qs[i] = load(q_row, i) * pb.scale;
+#if defined(__AVX512BF16__)
+  // bfloat16 scores by vdpbf16ps: one instruction multiplies 32 (query, key) pairs exactly and adds them
+  // into 16 float32 lanes, where widening each key row again for every head of the group and an FMA took
+  // twice the instructions (the group's arithmetic, not the memory, bounds a GQA-7 decode). The scale is
+  // applied to the sums.
+  constexpr bool kDot = std::is_same_v<T, uint16_t> && D % 32 == 0;
+  __m512bh qb[G][kDot ? D / 32 : 1];
+  if constexpr (kDot)
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < D / 32; ++c) qb[g][c] = (__m512bh)_mm512_loadu_si512(q_row + g * D + c * 32);
+#else
+  constexpr bool kDot = false;
+#endif
+  if constexpr (!kDot)
+    for (int64_t i = 0; i < G * D; ++i) qs[i] = load(q_row, i) * pb.scale;
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -461,6 +475,21 @@ void attend_item_avx512(const Problem& pb, const T* q, const T* k_cache, const T
     // memory is in a slow phase (reads, not arithmetic, bound it then).
     __m512 scores[G];
     for (int g = 0; g < G; ++g) {
+#if defined(__AVX512BF16__)
+      if constexpr (kDot) {
+        __m512 part[16];
+        for (int j = 0; j < 16; ++j) {
+          trickle.request();
+          const T* k_row = k_page + j * D;
+          __m512 sum = _mm512_dpbf16_ps(_mm512_setzero_ps(), qb[g][0], (__m512bh)_mm512_loadu_si512(k_row));
+          for (int c = 1; c < D / 32; ++c)
+            sum = _mm512_dpbf16_ps(sum, qb[g][c], (__m512bh)_mm512_loadu_si512(k_row + c * 32));
+          part[j] = sum;
+        }
+        scores[g] = _mm512_mul_ps(transpose_sum16(part), _mm512_set1_ps(pb.scale));
+        continue;
+      }
+#endif
       __m512 qv[C];
       for (int c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(qs + g * D + c * 16);
       __m512 part[16];
