@@ -1,0 +1,92 @@
+"""PEFT adapters read into per-module factors, against PEFT's own layers on the same inputs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from paged.lora import LoRAConfig, LoRARequest, read_peft_adapter
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+
+
+def _adapter(tmp_path, name="llama-gqa", **lora_kwargs):
+    """A tiny base written by transformers, an adapter written by PEFT with random (non-zero) B factors."""
+    import transformers
+
+    from tests.hf_checkpoints import build_checkpoint
+    base = build_checkpoint(name, str(tmp_path / "base"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+    config = peft.LoraConfig(task_type="CAUSAL_LM", **{"r": 8, "lora_alpha": 16,
+                                                          "target_modules": ["q_proj", "v_proj", "down_proj"],
+                                                          **lora_kwargs})
+    lora_model = peft.get_peft_model(model, config)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for parameter_name, parameter in lora_model.named_parameters():
+            if "lora_B" in parameter_name:
+                parameter.normal_(0.0, 0.2)
+    out = str(tmp_path / "adapter")
+    lora_model.save_pretrained(out)
+    return out, lora_model
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("lora_kwargs", [{}, {"use_rslora": True},
+                                         {"rank_pattern": {"down_proj": 4}, "alpha_pattern": {"v_proj": 32}}],
+                         ids=["plain", "rslora", "patterns"])
+def test_factors_equal_peft_layers(tmp_path, lora_kwargs):
+    path, lora_model = _adapter(tmp_path, **lora_kwargs)
+    adapter = read_peft_adapter("a", path, max_lora_rank=16)
+    assert len(adapter.modules) == 3 * 2  # three targets in each of two layers
+    rng = np.random.default_rng(0)
+    for module_name, module in lora_model.named_modules():
+        if not hasattr(module, "lora_A") or "default" not in module.lora_A:
+            continue
+        key = module_name.removeprefix("base_model.model.")
+        a, b = adapter.modules[key]
+        x = rng.normal(size=(3, a.shape[0])).astype(np.float32)
+        with torch.no_grad():
+            # PEFT's own delta: its layer's output minus the base layer's.
+            xt = torch.from_numpy(x)
+            want = (module(xt) - module.base_layer(xt)).numpy()
+        np.testing.assert_allclose(x @ a @ b, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("lora_kwargs, message", [
+    ({"use_dora": True}, "DoRA"),
+    ({"modules_to_save": ["lm_head"]}, "modules_to_save"),
+    ({"bias": "lora_only"}, "biases"),
+    ({"r": 32}, "LoRA rank 32 is greater than max_lora_rank 16"),
+], ids=["dora", "modules-to-save", "bias", "rank"])
+def test_what_cannot_be_applied_is_refused_by_name(tmp_path, lora_kwargs, message):
+    path, _ = _adapter(tmp_path, **lora_kwargs)
+    with pytest.raises(ValueError, match=message):
+        read_peft_adapter("a", path, max_lora_rank=16)
+
+
+def test_a_missing_adapter_is_named(tmp_path):
+    with pytest.raises(ValueError, match="no adapter found"):
+        read_peft_adapter("a", str(tmp_path), max_lora_rank=16)
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"r": 8}))
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match="lacks lora_alpha, target_modules"):
+        read_peft_adapter("a", str(tmp_path), max_lora_rank=16)
+
+
+def test_requests_and_config_as_vllm_checks_them():
+    assert LoRARequest("sql", 1, "/p") == LoRARequest("sql", 2, "/q")  # same name, same adapter
+    assert len({LoRARequest("sql", 1, "/p"), LoRARequest("chat", 2, "/p")}) == 2
+    with pytest.raises(ValueError, match="must be > 0"):
+        LoRARequest("sql", 0, "/p")
+    with pytest.raises(ValueError, match="lora_path cannot be empty"):
+        LoRARequest("sql", 1)
+    assert LoRAConfig(max_loras=2).host_capacity == 2
+    with pytest.raises(ValueError, match="max_lora_rank must be one of"):
+        LoRAConfig(max_lora_rank=12)
+    with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
+        LoRAConfig(max_loras=2, max_cpu_loras=1)
