@@ -18,6 +18,8 @@ zeros); XLA's dot computes them.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from typing import Any, Callable, NamedTuple
 
@@ -106,6 +108,31 @@ def linear_backend(name: str) -> Callable:
     return LINEAR_BACKENDS[name]
 
 
+# The step's LoRA slot of every packed token (int32 [T]; -1: the base model alone), set while a step is traced
+# (`lora_token_slots`): every Linear built with LoRA slots reads it, so no call site passes it along.
+_LORA_TOKEN_SLOTS: contextvars.ContextVar = contextvars.ContextVar("lora_token_slots", default=None)
+
+
+@contextlib.contextmanager
+def lora_token_slots(slots: jax.Array | None):
+    """Within this block, Linear layers with LoRA slots add each token's adapter (`slots` int32 [T])."""
+    token = _LORA_TOKEN_SLOTS.set(slots)
+    try:
+        yield
+    finally:
+        _LORA_TOKEN_SLOTS.reset(token)
+
+
+def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, slots: jax.Array) -> jax.Array:
+    """Each token's adapter product: x [T, in], a [S, in, R], b [S, R, out] (the scaling folded into b), slots
+    int32 [T] (-1: none) -> float32 [T, out]. Every token is multiplied by every slot's A, and the rows of the
+    other slots are zeroed before B: S x R columns per token, a few percent of the base product at the ranks
+    and slot counts served, and no gather of per-token factors."""
+    select = jax.nn.one_hot(slots, a.shape[0], dtype=jnp.float32)  # [T, S]; a row of zeros for -1
+    xa = jnp.einsum("ti,sir->tsr", x, a, preferred_element_type=jnp.float32) * select[:, :, None]
+    return jnp.einsum("tsr,sro->to", xa, b.astype(jnp.float32))
+
+
 class Linear(nn.Module):
     """y = x @ kernel (+ bias), computed in `dtype` (out in `out_dtype`, default `dtype`).
 
@@ -121,6 +148,8 @@ class Linear(nn.Module):
     backend: str = "xla"
     out_dtype: Any = None  # e.g. float32 logits from a bfloat16 LM head
     quant: WeightQuant | None = None
+    lora_slots: int = 0  # LoRA adapters held at once (0: none); their factors are lora_a and lora_b
+    lora_rank: int = 0  # the largest rank they may have
 
     @property
     def held_packed(self) -> bool:
@@ -137,7 +166,8 @@ class Linear(nn.Module):
                 raise ValueError(f"{self.name}: packed_kernel needs a kernel held packed for AMX and no bias")
             return self._packed_param(x.shape[-1], axes)
         if self.held_packed:
-            return self._amx_packed(x, live_rows, axes)
+            y = self._amx_packed(x, live_rows, axes)
+            return self._add_lora(x, y, axes) if self.lora_slots else y
         if self.quant is None:
             kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(), axes),
                                 (x.shape[-1], self.features), self.dtype)
@@ -152,7 +182,25 @@ class Linear(nn.Module):
                                  self.out_dtype)
         if self.use_bias:
             y = y + self._bias(axes).astype(y.dtype)
+        if self.lora_slots:
+            y = self._add_lora(x, y, axes)
         return y
+
+    def _add_lora(self, x: jax.Array, y: jax.Array, axes) -> jax.Array:
+        """y plus each token's adapter product (slots from `lora_token_slots`; none set: y as it is). A is split
+        as the kernel's input and B as its output, so a row-parallel layer's products are partial sums
+        reduced with the base's."""
+        in_features = x.shape[-1]
+        a = self.param("lora_a", nn.with_partitioning(nn.initializers.zeros, (None, axes[0], None)),
+                       (self.lora_slots, in_features, self.lora_rank), jnp.float32)
+        b = self.param("lora_b", nn.with_partitioning(nn.initializers.zeros, (None, None, axes[1])),
+                       (self.lora_slots, self.lora_rank, self.features), jnp.float32)
+        slots = _LORA_TOKEN_SLOTS.get()
+        if slots is None:
+            return y
+        lead = x.shape[:-1]
+        delta = lora_delta(x.reshape(-1, in_features), a, b, slots)
+        return (y.astype(jnp.float32) + delta.reshape(*lead, self.features)).astype(y.dtype)
 
     def _bias(self, axes) -> jax.Array:
         # A row-parallel layer adds its bias once, after the partial sums are reduced: replicated.
@@ -192,7 +240,7 @@ def silu_gated(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | No
     """silu(gate(x)) * up(x), in `gate`'s dtype. Where both kernels are held packed for AMX and neither layer
     has a bias, one native call computes it (`paged.kernels.cpu.gated_matmul_packed_cpu`): the two float32
     products and the activation pass never reach memory, and the result is rounded to bfloat16 once."""
-    if not (gate.held_packed and up.held_packed) or gate.use_bias or up.use_bias:
+    if not (gate.held_packed and up.held_packed) or gate.use_bias or up.use_bias or gate.lora_slots or up.lora_slots:
         return jax.nn.silu(gate(x, live_rows)) * up(x, live_rows)
     rows, in_features = math.prod(x.shape[:-1]), x.shape[-1]
     y = cpu.gated_matmul_packed_cpu(x.reshape(rows, in_features).astype(jnp.bfloat16), gate(x, packed_kernel=True),

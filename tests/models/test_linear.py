@@ -279,3 +279,25 @@ def test_tied_lm_head_of_one_row_matches_float64(dtype):
     want = np.asarray(h, np.float64) @ table.T
     assert got.shape == (1, 1000) and got.dtype == np.float32
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("parallel", ["column", "row"])
+def test_lora_slots_add_each_tokens_adapter(parallel):
+    """A Linear with LoRA slots adds x @ a[slot] @ b[slot] to each token's output (slot -1: the base alone),
+    as float64 computes it; outside `lora_token_slots` it is the base layer."""
+    from paged.models.linear import Linear, lora_token_slots
+    layer = Linear(24, jnp.float32, parallel=parallel, lora_slots=3, lora_rank=4)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(5, 16)).astype(np.float32)
+    params = nn.unbox(layer.init(jax.random.key(0), jnp.asarray(x))["params"])
+    params["lora_a"] = jnp.asarray(rng.normal(size=(3, 16, 4)), jnp.float32)
+    params["lora_b"] = jnp.asarray(rng.normal(size=(3, 4, 24)), jnp.float32)
+    slots = np.array([-1, 0, 2, 1, 2], np.int32)
+    with lora_token_slots(jnp.asarray(slots)):
+        got = np.asarray(layer.apply({"params": params}, jnp.asarray(x)), np.float64)
+    base = x.astype(np.float64) @ np.asarray(params["kernel"], np.float64)
+    a, b = np.asarray(params["lora_a"], np.float64), np.asarray(params["lora_b"], np.float64)
+    want = base + np.stack([np.zeros(24) if s < 0 else x[t] @ a[s] @ b[s] for t, s in enumerate(slots)])
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(layer.apply({"params": params}, jnp.asarray(x))), base, rtol=1e-5,
+                               atol=1e-5)
