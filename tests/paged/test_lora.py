@@ -90,3 +90,52 @@ def test_requests_and_config_as_vllm_checks_them():
         LoRAConfig(max_lora_rank=12)
     with pytest.raises(ValueError, match=r"max_cpu_loras \(1\) must be >= max_loras \(2\)"):
         LoRAConfig(max_loras=2, max_cpu_loras=1)
+
+
+def _slots(max_loras=2, max_cpu_loras=None):
+    from paged.lora import LoRAAdapter
+    from paged.lora_slots import LoRASlots
+    reads, writes = [], []
+    slots = LoRASlots(LoRAConfig(max_loras=max_loras, max_cpu_loras=max_cpu_loras),
+                      lambda r: reads.append(r.lora_name) or LoRAAdapter(r.lora_name, r.lora_path, 8, {}),
+                      lambda slot, adapter: writes.append((slot, adapter.name)))
+    return slots, reads, writes
+
+
+def _request(name, i):
+    return LoRARequest(name, i, f"/adapters/{name}")
+
+
+def test_slots_are_shared_reused_and_refilled_least_recent_first():
+    slots, reads, writes = _slots(max_loras=2, max_cpu_loras=3)
+    a, b, c = _request("a", 1), _request("b", 2), _request("c", 3)
+    assert slots.acquire(a) == 0 and slots.acquire(a) == 0  # two requests of one adapter share its slot
+    assert slots.acquire(b) == 1
+    assert slots.acquire(c) is None  # both slots in use by other adapters: c waits
+    slots.release(1)
+    assert slots.acquire(c) == 1 and writes == [(0, "a"), (1, "b"), (1, "c")]
+    assert slots.running_adapters() == ["a", "c"]
+    slots.release(0), slots.release(0), slots.release(1)
+    # b comes back from host memory without a second read, into the slot idle the longest (a's).
+    assert slots.acquire(b) == 0 and reads == ["a", "b", "c"] and writes[-1] == (0, "b")
+
+
+def test_host_memory_keeps_max_cpu_loras_and_never_drops_an_adapter_in_a_slot():
+    slots, reads, _ = _slots(max_loras=1, max_cpu_loras=2)
+    for i, name in enumerate("abc", 1):
+        slot = slots.acquire(_request(name, i))
+        slots.release(slot)
+    assert list(slots.host) == ["b", "c"]  # a, least recently used and in no slot, went first
+    slots.acquire(_request("a", 1))
+    assert reads == ["a", "b", "c", "a"] and "a" in slots.host
+
+
+def test_removed_adapters_leave_idle_slots_and_stay_while_running():
+    slots, _, _ = _slots(max_loras=2)
+    slot = slots.acquire(_request("a", 1))
+    assert slots.remove("a") and slots.slot_adapter[slot] == "a"  # still running
+    slots.release(slot)
+    assert slots.remove("a") and slots.slot_adapter[slot] is None
+    assert not slots.remove("never-loaded")
+    with pytest.raises(RuntimeError, match="released more often"):
+        slots.release(slot)
