@@ -190,6 +190,10 @@ class ModelConfig:
     checkpoint_dtype: str = "float32"
     # How the linear layers are held quantized (models/quantization.py); set by the loader, None: float.
     weight_quant: "WeightQuant | None" = None
+    # LoRA slots in every adapted projection (q/k/v/o, gate/up/down) and the rank they are padded to (set by
+    # the loader when LoRA is enabled; 0: no slots).
+    lora_slots: int = 0
+    lora_rank: int = 0
     # Rows of the embedding and LM head when tensor parallelism pads the vocabulary to a multiple of the mesh
     # (set by the loader; 0: vocab_size). The padding rows are zeros and their logits are dropped, so every
     # device holds 1 / N of the tables instead of all of them replicated.

@@ -175,7 +175,8 @@ class GatedMLP(Block):
         cfg = self.config
         inter = self.intermediate_size or cfg.intermediate_size
         linear = lambda n, name, parallel: Linear(n, self.dtype, cfg.mlp_bias, parallel, self.linear_backend,
-                                                  quant=cfg.weight_quant, name=name)
+                                                  quant=cfg.weight_quant, lora_slots=cfg.lora_slots,
+                                                  lora_rank=cfg.lora_rank, name=name)
         gate, up = linear(inter, "gate_proj", "column"), linear(inter, "up_proj", "column")
         if activation(cfg.hidden_act) is jax.nn.silu:
             hidden = silu_gated(x, gate, up, live_rows)  # one native call where it can
@@ -196,7 +197,8 @@ class PagedSelfAttention(Block):
         cfg = self.config
         num_tokens = x.shape[0]
         linear = lambda n, name, bias, parallel: Linear(n, self.dtype, bias, parallel, self.linear_backend,
-                                                        quant=cfg.weight_quant, name=name)
+                                                        quant=cfg.weight_quant, lora_slots=cfg.lora_slots,
+                                                        lora_rank=cfg.lora_rank, name=name)
         q = linear(cfg.q_size, "q_proj", cfg.attention_bias, "column")(x, live_rows)
         k = linear(cfg.kv_size, "k_proj", cfg.attention_bias, "column")(x, live_rows)
         v = linear(cfg.kv_size, "v_proj", cfg.attention_bias, "column")(x, live_rows)

@@ -108,6 +108,8 @@ def linear_backend(name: str) -> Callable:
     return LINEAR_BACKENDS[name]
 
 
+LORA_FACTORS = ("lora_a", "lora_b")  # the parameter names of a Linear's LoRA slots
+
 # The step's LoRA slot of every packed token (int32 [T]; -1: the base model alone), set while a step is traced
 # (`lora_token_slots`): every Linear built with LoRA slots reads it, so no call site passes it along.
 _LORA_TOKEN_SLOTS: contextvars.ContextVar = contextvars.ContextVar("lora_token_slots", default=None)

@@ -23,7 +23,7 @@ from safetensors import safe_open
 from paged.models.progress import progress
 
 from paged.models.config import ModelConfig, load_model_config
-from paged.models.linear import to_declared_layout
+from paged.models.linear import LORA_FACTORS, to_declared_layout
 from paged.models.orbax_checkpoint import SavedLayout, is_orbax_checkpoint, read_layout, restore_params
 from paged.models.quantization import WeightQuant
 from paged.models.quantized_checkpoints import convert, is_online, quantize_online, quantized_suffixes, weight_quant
@@ -95,7 +95,7 @@ def _flat(tree) -> dict[tuple[str, ...], Any]:
     return {tuple(p.key for p in path): leaf for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-def _expected(model) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
+def parameter_shapes(model) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
     """(shape, dtype) of every parameter the model needs: its global ones and its decoder layer's, stacked over
     layers (from the modules' own init)."""
     out = {key: (leaf.shape, np.dtype(leaf.dtype)) for key, leaf in _flat(nn.unbox(model.global_params())).items()}
@@ -105,7 +105,7 @@ def _expected(model) -> dict[tuple[str, ...], tuple[tuple[int, ...], np.dtype]]:
 
 
 def partition_specs(model) -> dict[tuple[str, ...], PartitionSpec]:
-    """Each parameter's `PartitionSpec` over mesh axes (paged.models.linear), keyed as `_expected` is: the
+    """Each parameter's `PartitionSpec` over mesh axes (paged.models.linear), keyed as `parameter_shapes` is: the
     stacked layers' leading layer axis is not split."""
     specs = {key: spec for key, spec in _flat(nn.get_partition_spec(model.global_params())).items()}
     for key, spec in _flat(nn.get_partition_spec(model.layer_params())).items():
@@ -126,7 +126,7 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
     that many times (the config already counts the copies). Without a mesh, `device` (default: the default
     device) receives every array.
     """
-    expected_with_dtypes = _expected(model)
+    expected_with_dtypes = parameter_shapes(model)
     expected = {key: shape for key, (shape, _) in expected_with_dtypes.items()}
     specs = partition_specs(model) if mesh is not None else {}
     params: dict = {}
@@ -186,6 +186,10 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
             in_features = packed_rows * (2 if scheme.bits == 4 else 1)  # int4: two rows a byte
             for part, array in convert(prefix, tensors, scheme, in_features, out_features, dtype).items():
                 offer(f"{prefix}.paged_{part}", lambda array=array: array)
+    for key, (shape, dtype) in expected_with_dtypes.items():
+        if key[-1] in LORA_FACTORS:  # no checkpoint has them: the slots start empty
+            for layer in range(shape[0]):
+                placer.place(key, (layer,), np.zeros(shape[1:], dtype))
     missing = [".".join(k) for k in expected if _get(params, k) is None and _get_layer0(params, k) is None]
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} lacks tensors for: {', '.join(missing)}")
@@ -292,11 +296,12 @@ def _get_layer0(tree: dict, key: tuple[str, ...]):
 
 def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stacked_layers: bool = True,
                linear_backend: str = "xla", mesh=None, quantization: str | None = None, device=None,
-               kv_cache_scales: bool = False, hf_overrides: dict | None = None):
+               kv_cache_scales: bool = False, hf_overrides: dict | None = None, lora=None):
     """Returns (model_dir, config, model, params, numpy dtype); see load_params for `stacked_layers`, `mesh` and
     `device`, paged.models.linear for `linear_backend`, models/quantized_checkpoints.py for `quantization` (None: the
     checkpoint's own `quantization_config`, if any). `kv_cache_scales`: the KV pool is fp8, so the checkpoint's
-    per-layer k/v scales are read where it has them (paged.models.llama.LlamaForCausalLM.KV_SCALE_RE)."""
+    per-layer k/v scales are read where it has them (paged.models.llama.LlamaForCausalLM.KV_SCALE_RE). `lora`
+    (paged.lora.LoRAConfig): every adapted projection gets its `max_loras` slots of LoRA factors, zeroed."""
     model_dir = resolve_model_path(model)
     config = load_model_config(model_dir, hf_overrides)
     cls = model_class(config.architecture)
@@ -326,18 +331,33 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
         config = dataclasses.replace(config, kv_scales=saved.kv_scales)
     elif kv_cache_scales and cls.__name__ == "LlamaForCausalLM" and _has_kv_scales(model_dir, cls.KV_SCALE_RE):
         config = dataclasses.replace(config, kv_scales=True)
+    if lora is not None:
+        if cls.__name__ != "LlamaForCausalLM" or config.num_experts or config.encoder_only:
+            raise NotImplementedError(f"LoRA adapters on {config.architecture} are not implemented (they are on the "
+                                      "dense Llama-family decoders: Llama, Mistral, Qwen2/3, Phi-3, Gemma, GLM)")
+        config = dataclasses.replace(config, lora_slots=lora.max_loras, lora_rank=lora.max_lora_rank)
     replicas = kv_head_replicas(config, mesh)
     if replicas > 1:  # the model is built with every KV head repeated; the loader repeats k/v_proj to match
         config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * replicas, kv_head_replicas=replicas)
     np_dtype = resolve_dtype(dtype, config)
     instance = cls(config, np_dtype, linear_backend=linear_backend)
     if saved is not None:
-        expected = _expected(instance)
+        expected = parameter_shapes(instance)
         specs = partition_specs(instance) if mesh is not None else {}
         shardings = {key: _target_sharding(mesh, device, specs.get(key), shape) for key, (shape, _) in
                      expected.items()}
-        params = restore_params(model_dir, expected, shardings, saved, saved_layout(config, np_dtype, mesh),
-                                stacked_layers)
+        lora_keys = [key for key in expected if key[-1] in LORA_FACTORS]  # never saved: the slots start empty
+        params = restore_params(model_dir, {k: v for k, v in expected.items() if k not in lora_keys}, shardings,
+                                saved, saved_layout(config, np_dtype, mesh), stacked_layers)
+        for key in lora_keys:
+            shape, dtype = expected[key]
+            if stacked_layers:
+                _put(params, key, jax.device_put(np.zeros(shape, dtype), shardings[key]))
+                continue
+            layer_sharding = _target_sharding(mesh, device, PartitionSpec(*tuple(specs[key])[1:]) if key in specs
+                                              else None, shape[1:])
+            for layer_tree in params["layers"]:
+                _put(layer_tree, key[1:], jax.device_put(np.zeros(shape[1:], dtype), layer_sharding))
     else:
         params = load_params(model_dir, instance, config, np_dtype, show_progress, stacked_layers, mesh,
                              replicas, device)

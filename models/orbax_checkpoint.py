@@ -92,7 +92,7 @@ def save_checkpoint(path: str, params: dict, source_dir: str, layout: SavedLayou
 
 def restore_params(model_dir: str, expected: dict, shardings: dict, layout: SavedLayout, wanted: SavedLayout,
                    stacked_layers: bool) -> dict:
-    """The saved tree, each array placed with `shardings[key]` (keys as models.loader._expected's, layers
+    """The saved tree, each array placed with `shardings[key]` (keys as models.loader.parameter_shapes', layers
     stacked), in the layer layout asked for (`stacked_layers`, else a list of layers).
 
     `expected`: key -> (shape, dtype) the restoring model needs; `wanted`: the layout it would build. A

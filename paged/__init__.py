@@ -19,6 +19,7 @@ from paged.models.registry import register_model
 from paged.engine import EngineBrokenError, LLMEngine, StepFailedError
 from paged.config import EngineConfig
 from paged.llm import LLM
+from paged.lora import LoRARequest
 from paged.outputs import (ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput,
                            EmbeddingRequestOutput, Logprob, PoolingOutput, PoolingRequestOutput, RequestOutput,
                            ScoringOutput, ScoringRequestOutput)
@@ -33,7 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = ["LLM", "LLMEngine", "AttentionMetadata", "ClassificationOutput", "ClassificationRequestOutput",
            "CompletionOutput", "EmbeddingOutput", "EmbeddingRequestOutput", "EngineBrokenError", "EngineConfig",
-           "InvalidParameter", "InvalidStructuredOutput", "InvalidTokenIds", "Logprob", "PoolerConfig",
+           "InvalidParameter", "InvalidStructuredOutput", "InvalidTokenIds", "Logprob", "LoRARequest", "PoolerConfig",
            "PagedModel", "PoolingOutput", "PoolingParams", "PoolingRequestOutput", "RequestOutput", "SamplingParams",
            "ScoringOutput", "ScoringRequestOutput", "StepFailedError", "StructuredOutputsParams",
            "register_attention_backend", "register_model", "__version__"]

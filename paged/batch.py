@@ -36,6 +36,8 @@ class Buckets:
     max_stop_token_ids: int = 1024
     # Every step carries AttentionMetadata.rope_lengths (the model's rope depends on the sequence length).
     rope_lengths: bool = False
+    # Every step carries each token's LoRA slot (StepInputs.lora_slots).
+    lora: bool = False
 
     def token_sizes(self) -> list[int]:
         sizes, size = [], self.min_tokens
@@ -98,6 +100,8 @@ class StepInputs:
     # PROMPT_LOGPROBS_CHUNKs. The runner computes them after the fused step, from its normed hidden states.
     prompt_logprob_indices: np.ndarray
     prompt_logprob_targets: np.ndarray
+    # int32 [T]: each token's LoRA slot (-1: the base model alone; padding too), or None when LoRA is off.
+    lora_slots: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +165,7 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     token_source = np.full(t_pad, -1, np.int32)
     positions = np.zeros(t_pad, np.int32)
     rope_lengths = np.ones(t_pad, np.int32) if buckets.rope_lengths else None
+    lora_slots = np.full(t_pad, -1, np.int32) if buckets.lora else None
     # Padded tokens write into the sink block and read as sequence 0 at position 0: harmless and NaN-free.
     slot_mapping = np.full(t_pad, SINK_BLOCK * block_manager.block_size, np.int32)
     token_seq_ids = np.zeros(t_pad, np.int32)
@@ -197,6 +202,8 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
             rope_lengths[offset:offset + num_new] = np.maximum(floor, np.arange(start + 1, stop + 1))
         slot_mapping[offset:offset + num_new] = block_manager.slots(request, start, stop)
         token_seq_ids[offset:offset + num_new] = i
+        if lora_slots is not None:
+            lora_slots[offset:offset + num_new] = request.lora_slot
         offset += num_new
         query_start[i + 1] = offset
         seq_lens[i] = stop
@@ -259,6 +266,7 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         adjustments=adjustments,
         prompt_logprob_indices=prompt_indices,
         prompt_logprob_targets=prompt_targets,
+        lora_slots=lora_slots,
     )
 
 

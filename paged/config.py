@@ -130,6 +130,12 @@ class EngineConfig:
                                               "dimensions, use_activation; default: the checkpoint's)")
     hf_overrides: str | None = _option(None, "fields set over the checkpoint's config.json, as JSON (vLLM's "
                                              "--hf-overrides), e.g. to read a causal LM as a reranker")
+    # LoRA (paged/lora.py): adapters live in `max_loras` device slots, each of every adapted layer's stacked
+    # factors padded to `max_lora_rank`; a step mixes them per token. More adapters wait in host memory.
+    enable_lora: bool = _option(False, "serve LoRA adapters over the base model (LoRARequest, --lora-modules)")
+    max_loras: int = _option(1, "LoRA adapters on the device at once (requests of others wait)")
+    max_lora_rank: int = _option(16, "largest LoRA rank served", (1, 8, 16, 32, 64, 128, 256, 320, 512))
+    max_cpu_loras: int | None = _option(None, "LoRA adapters kept in host memory (default: max_loras)")
     quantization: str | None = _option(None, "quantize online (int8 or fp8: weight-only, per output channel) or "
                                              "check the checkpoint's own quantization_config (gptq, awq, "
                                              "compressed-tensors, fp8); default: the checkpoint's")
@@ -203,8 +209,17 @@ class EngineConfig:
         if self.pooler_config is not None:
             from paged.pooling_params import PoolerConfig
             PoolerConfig.parse(self.pooler_config)  # raises ValueError naming what is wrong
+        if self.enable_lora:
+            self.lora_config()  # raises ValueError naming what is wrong
         check(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
               f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+
+    def lora_config(self):
+        """The LoRA settings (paged.lora.LoRAConfig), or None when LoRA is off."""
+        if not self.enable_lora:
+            return None
+        from paged.lora import LoRAConfig
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     def parsed_hf_overrides(self) -> dict | None:
         """`hf_overrides` as a dict (it may be given as one, or as its JSON text)."""

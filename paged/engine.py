@@ -19,6 +19,8 @@ from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.config import EngineConfig, engine_option_names
 from paged.grammar import GrammarCompiler
 from paged.input_processor import InputProcessor, load_tokenizer
+from paged.lora import LoRARequest
+from paged.lora_slots import LoRASlots
 from paged.models import load_model_config, resolve_model_path
 from paged.models.builtin import builtin_model, random_weights_note
 from paged.models.pooling_config import is_matryoshka, resolve_pooler
@@ -112,12 +114,15 @@ class LLMEngine:
                                rope_lengths=model_config.rope.length_dependent,
                                vocab_size=model_config.vocab_size, max_model_len=config.max_model_len,
                                max_logit_bias_entries=config.max_logit_bias_entries,
-                               max_stop_token_ids=config.max_stop_token_ids)
+                               max_stop_token_ids=config.max_stop_token_ids, lora=config.enable_lora)
+        # Which LoRA adapter is in which device slot, and which wait in host memory (None: LoRA is off).
+        self.lora_slots = (LoRASlots(worker.lora, worker.read_adapter, worker.write_adapter)
+                           if worker.lora is not None else None)
         recompute_len = model_config.rope_recompute_len
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, worker.mover if worker.mover.swap_blocks else None,
                                    rope_recompute=(recompute_len, model_config.rope.length_class(recompute_len))
-                                   if recompute_len is not None else None)
+                                   if recompute_len is not None else None, lora_slots=self.lora_slots)
         # When every layer slides, blocks behind the widest window are released as sequences advance.
         windows = self.model_config.layer_windows
         release_window = max(windows) if windows and all(w > 0 for w in windows) else 0
@@ -160,17 +165,34 @@ class LLMEngine:
 
     def make_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                      params: SamplingParams, cache_salt: str | None = None,
-                     tenant: str | None = None) -> ParentRequest:
+                     tenant: str | None = None, lora_request: LoRARequest | None = None) -> ParentRequest:
         """Tokenizes and validates one request without touching engine state (raises ValueError).
         `cache_salt`: its prefix-cache blocks are shared only with requests of the same salt; `tenant`: whom
-        it is accounted to (admission takes tenants' waiting requests in turn)."""
+        it is accounted to (admission takes tenants' waiting requests in turn); `lora_request`: the LoRA
+        adapter it runs with, read now (into host memory) if it is not held already."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         if self.runner_type == "pooling":
             raise ValueError(f"{self.model_name} is a pooling model ({self.pooling_task}): it returns vectors, "
                              "it does not generate (LLM.embed / LLM.classify, or /v1/embeddings, /classify, /score, "
                              "/rerank)")
-        return self.inputs.make_request(request_id, prompt, prompt_token_ids, params, cache_salt, tenant)
+        if lora_request is not None:
+            self.load_adapter(lora_request)
+        return self.inputs.make_request(request_id, prompt, prompt_token_ids, params, cache_salt, tenant,
+                                        lora_request)
+
+    def load_adapter(self, lora_request: LoRARequest) -> None:
+        """Reads a LoRA adapter into host memory (if it is not there already); ValueError when LoRA is off or
+        the adapter does not fit this model."""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a paged.LoRARequest, got {type(lora_request).__name__}")
+        if self.lora_slots is None:
+            raise ValueError(f"Got lora_request {lora_request!r} but LoRA is not enabled!")
+        self.lora_slots.load(lora_request)
+
+    def remove_adapter(self, lora_name: str) -> bool:
+        """Forgets a LoRA adapter (requests running with it finish first); False if it was not loaded."""
+        return self.lora_slots is not None and self.lora_slots.remove(lora_name)
 
     def make_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                              params: PoolingParams, tenant: str | None = None,

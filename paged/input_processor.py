@@ -41,7 +41,8 @@ class InputProcessor:
 
     def make_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                      params: SamplingParams, cache_salt: str | None = None,
-                     tenant: str | None = None) -> ParentRequest:
+                     tenant: str | None = None, lora_request=None) -> ParentRequest:
+        """`lora_request`: the adapter it runs with (checked by the engine); its K/V are cached apart."""
         prompt_token_ids = self._prompt_ids(prompt, prompt_token_ids)
         vocab, max_model_len = self.vocab_size, self.config.max_model_len
         if len(prompt_token_ids) >= max_model_len:  # first: a cheap refusal for a huge prompt
@@ -50,7 +51,8 @@ class InputProcessor:
         self._check_vocab(prompt_token_ids)
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise InvalidParameter("cache_salt", "cache_salt must be a non-empty string if provided")
-        root = prefix_root(cache_salt, self.rope_length_class(len(prompt_token_ids)))
+        root = prefix_root(cache_salt, self.rope_length_class(len(prompt_token_ids)),
+                           lora_request.lora_name if lora_request is not None else None)
         params.check_limits(self.config)
         params.check_vocab(vocab)
         if params.n > self.config.max_num_seqs:
@@ -71,7 +73,8 @@ class InputProcessor:
             children.append(Request(child_id, prompt, [int(t) for t in prompt_token_ids], params, seed,
                                     detokenizer, self.eos_token_ids, index=index, length_limit=length_limit,
                                     grammar=self.grammars.matcher(constraint) if constraint is not None else None,
-                                    prefix_root=root, tenant=tenant, cache_salt=cache_salt))
+                                    prefix_root=root, tenant=tenant, cache_salt=cache_salt,
+                                    lora_request=lora_request))
         return ParentRequest(request_id, children)
 
     def make_pooling_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,

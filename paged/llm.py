@@ -13,6 +13,7 @@ from paged.models.progress import progress
 from paged.chat import chat_prompt_token_ids
 from paged.config import EngineConfig
 from paged.engine import LLMEngine
+from paged.lora import LoRARequest
 from paged.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput, RequestOutput,
                            ScoringRequestOutput)
 from paged.pooling_params import PoolingParams
@@ -62,12 +63,15 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generates for every prompt; returns RequestOutputs in input order.
 
         prompts: a string, a list of strings, or dicts {"prompt_token_ids": [...]} (optionally with "prompt") or
           {"prompt": "..."}; a dict may carry "cache_salt" (its prefix-cache blocks are shared only with
           prompts of the same salt).
+        lora_request: the LoRA adapter every prompt runs with, or one per prompt (None: the base model); the
+          LLM must have been made with enable_lora=True.
         Every prompt and parameter set is validated before any work starts, so a bad one raises ValueError
         and nothing runs.
         """
@@ -84,16 +88,22 @@ class LLM:
         sampling_params = list(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            lora_request = [lora_request] * len(prompts)
+        lora_request = list(lora_request)
+        if len(lora_request) != len(prompts):
+            raise ValueError("The lengths of prompts and lora_request must be the same.")
 
         requests = []
-        for index, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+        for index, (prompt, params, adapter) in enumerate(zip(prompts, sampling_params, lora_request)):
             if not isinstance(params, SamplingParams):
                 raise ValueError(f"sampling_params[{index}] is a {type(params).__name__}, not SamplingParams")
             text, token_ids = _split_prompt(prompt, index)
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
             params.validate()
             try:
-                requests.append(self.engine.make_request(str(next(self._ids)), text, token_ids, params, salt))
+                requests.append(self.engine.make_request(str(next(self._ids)), text, token_ids, params, salt,
+                                                         lora_request=adapter))
             except ValueError as exc:
                 raise ValueError(f"prompt {index}: {exc}") from None
         for request in requests:
@@ -102,8 +112,10 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             add_generation_prompt: bool = True, chat_template: str | None = None) -> list[RequestOutput]:
-        """Applies the tokenizer's chat template to one conversation or a list of them, then generates.
+             add_generation_prompt: bool = True, chat_template: str | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Applies the tokenizer's chat template to one conversation or a list of them, then generates (with
+        `lora_request` as `generate` takes it).
 
         With the LLM's `reasoning_parser`, each output's `reasoning_content` holds the thinking (None when it
         wrote none) and `content` the answer; `text` is the whole output either way."""
@@ -115,7 +127,7 @@ class LLM:
                                         chat_template=chat_template)
             prompts.append({"prompt_token_ids": ids, "prompt": tokenizer.decode(ids)})
         if self.reasoning_parser is None:
-            return self.generate(prompts, sampling_params, use_tqdm)
+            return self.generate(prompts, sampling_params, use_tqdm, lora_request)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -126,7 +138,7 @@ class LLM:
         for prompt, params in zip(prompts, sampling_params):
             tail = tokenizer.decode(prompt["prompt_token_ids"][-16:])
             starts_inside.append(prepare_reasoning(self.reasoning_parser, tail, params)[1])
-        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
         parser = REASONING_PARSERS[self.reasoning_parser]
         for output, inside in zip(outputs, starts_inside):
             for completion in output.outputs:

@@ -36,17 +36,22 @@ class LoRASlots:
         if adapter is None:
             adapter = self._read(request)
             self.host[request.lora_name] = adapter
-            self._evict_host()
+            self._evict_host(keep=request.lora_name)
         self.host.move_to_end(request.lora_name)
         return adapter
 
-    def _evict_host(self) -> None:
+    def _evict_host(self, keep: str) -> None:
+        """Drops the least recently used adapters past max_cpu_loras, never `keep` or one in a slot."""
         in_slots = set(self.slot_adapter)
         for name in list(self.host):
             if len(self.host) <= self.config.host_capacity:
                 return
-            if name not in in_slots:
+            if name not in in_slots and name != keep:
                 del self.host[name]
+
+    def can_acquire(self, request: LoRARequest) -> bool:
+        """Whether `acquire` would give `request` a slot now."""
+        return request.lora_name in self.slot_adapter or 0 in self.slot_users
 
     def acquire(self, request: LoRARequest) -> int | None:
         """The slot `request` runs in, its adapter placed there if it was not; None when every slot is in use
@@ -84,6 +89,10 @@ class LoRASlots:
                 self.slot_adapter[slot] = None
             known = True
         return known
+
+    def loaded_adapters(self) -> list[str]:
+        """Adapters held in host memory or a slot."""
+        return list(dict.fromkeys([*self.host, *(name for name in self.slot_adapter if name is not None)]))
 
     def running_adapters(self) -> list[str]:
         return [name for name, users in zip(self.slot_adapter, self.slot_users) if name is not None and users]

@@ -16,14 +16,15 @@ import numpy as np
 _ROOT_DOMAIN = b"paged.prefix-cache.v1"
 
 
-def prefix_root(cache_salt: str | None = None, rope_class: str | None = None) -> bytes:
+def prefix_root(cache_salt: str | None = None, rope_class: str | None = None, lora_name: str | None = None
+                ) -> bytes:
     """The chain's root key: sha256 of a domain tag followed by each extra that is given, as one kind byte
-    (0: the cache salt, 1: the rope class), its UTF-8 length (4 bytes, little-endian) and its UTF-8 bytes.
-    Requests with different salts share no block (vLLM's `cache_salt`), nor do prompts whose rotary
-    frequencies differ (`rope_class`, RopeConfig.length_class); the lengths keep one extra from posing as
-    another."""
+    (0: the cache salt, 1: the rope class, 2: the LoRA adapter), its UTF-8 length (4 bytes, little-endian) and
+    its UTF-8 bytes. Requests with different salts share no block (vLLM's `cache_salt`), nor do prompts whose
+    rotary frequencies differ (`rope_class`, RopeConfig.length_class) or that run with different adapters
+    (whose K/V differ); the lengths keep one extra from posing as another."""
     data = _ROOT_DOMAIN
-    for kind, extra in ((0, cache_salt), (1, rope_class)):
+    for kind, extra in ((0, cache_salt), (1, rope_class), (2, lora_name)):
         if extra is not None:
             raw = extra.encode("utf-8")
             data += bytes([kind]) + len(raw).to_bytes(4, "little") + raw

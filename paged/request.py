@@ -12,6 +12,7 @@ from paged.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from paged.grammar import GrammarMatcher
+    from paged.lora import LoRARequest
     from paged.pooling_params import PoolingParams
 
 
@@ -39,7 +40,8 @@ class Request:
                  params: SamplingParams, seed: int, detokenizer: IncrementalDetokenizer | None,
                  eos_token_ids: tuple[int, ...] = (), index: int = 0, parent: "ParentRequest | None" = None,
                  length_limit: int | None = None, grammar: "GrammarMatcher | None" = None,
-                 prefix_root: bytes | None = None, tenant: str | None = None, cache_salt: str | None = None):
+                 prefix_root: bytes | None = None, tenant: str | None = None, cache_salt: str | None = None,
+                 lora_request: "LoRARequest | None" = None):
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = list(prompt_token_ids)
@@ -68,6 +70,8 @@ class Request:
         # The prefix cache's chain of full blocks starts here (block_manager.prefix_root: covers the cache salt).
         self.prefix_root = prefix_root if prefix_root is not None else DEFAULT_ROOT
         self.cache_salt = cache_salt
+        self.lora_request = lora_request  # the adapter it runs with (None: the base model)
+        self.lora_slot = -1  # the device slot holding its adapter while it runs (paged/lora_slots.py)
         # Rotary frequencies follow at least this sequence length (a length-dependent rope; raised when the
         # sequence switches to LongRoPE's long factors and recomputes its K/V).
         self.rope_length_floor = 0

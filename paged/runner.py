@@ -14,7 +14,7 @@ from paged.kernels import cpu
 from paged.batch import StepInputs
 from paged.multihost import CopyBlocks, Launch
 from paged.parallel import kv_pool_sharding, placement
-from paged.models.linear import LastHidden
+from paged.models.linear import LastHidden, lora_token_slots
 from paged.logit_adjustments import LogitAdjustments, apply_entries
 from paged.pooler import PoolerOutput, pool_tokens
 from paged.sampler import (AdjustedSamples, SamplerOutput, SamplingMetadata, apply_token_mask, draw, first_argmax,
@@ -136,8 +136,9 @@ class ModelRunner:
         # request option gives this step another shape.
         num_seqs, num_tokens = inputs.logits_indices.shape[0], token_ids.shape[0]
         indices = jnp.concatenate([inputs.logits_indices, jnp.arange(num_tokens, dtype=jnp.int32)])
-        normed, kv_cache = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention, indices,
-                                                    self.attention)
+        with lora_token_slots(inputs.lora_slots):
+            normed, kv_cache = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention, indices,
+                                                        self.attention)
         last, token_hidden = LastHidden(normed.h[:num_seqs], normed.live_rows), normed.h[num_seqs:]
         # Rows sampled apart still pass through here as plain greedy rows; a step of nothing else skips it.
         out = jax.lax.cond(inputs.sample_in_step,
@@ -154,8 +155,9 @@ class ModelRunner:
         self.num_compilations += 1
         meta = inputs.attention
         every_token = jnp.arange(inputs.token_ids.shape[0], dtype=jnp.int32)
-        normed, kv_cache = self.model.hidden_states(params, kv_cache, inputs.token_ids, meta, every_token,
-                                                    self.attention)
+        with lora_token_slots(inputs.lora_slots):
+            normed, kv_cache = self.model.hidden_states(params, kv_cache, inputs.token_ids, meta, every_token,
+                                                        self.attention)
         pooling_type, head = self.pooling
         pooled = pool_tokens(normed.h, meta.token_seq_ids, meta.query_start, pooling_type)
         if head:

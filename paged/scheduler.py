@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import TYPE_CHECKING
 from paged.block_manager import BlockManager
 from paged.prefix_keys import prefix_root
 from paged.request import Request, RequestStatus
 from paged.waiting_queue import WaitingQueue
+
+if TYPE_CHECKING:
+    from paged.lora_slots import LoRASlots
 
 
 @dataclasses.dataclass
@@ -44,17 +48,21 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 enable_chunked_prefill: bool, swapper=None, rope_recompute: tuple[int, str] | None = None):
+                 enable_chunked_prefill: bool, swapper=None, rope_recompute: tuple[int, str] | None = None,
+                 lora_slots: "LoRASlots | None" = None):
         """`swapper` (optional) moves a request's K/V to host and back: swap_out(request) -> bool,
         swap_in(request) after its blocks are allocated. `rope_recompute` (length, rope class): a sequence
         that reaches `length` tokens recomputes its K/V with the frequencies of that class (Phi-3's LongRoPE
-        switch to its long factors, ModelConfig.rope_recompute_len)."""
+        switch to its long factors, ModelConfig.rope_recompute_len). `lora_slots`: the device slots of LoRA
+        adapters (paged/lora_slots.py); a request with an adapter runs only while it holds one, and one whose
+        adapter cannot have a slot now is passed over by those behind it (as vLLM's scheduler does)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
         self.swapper = swapper
         self.rope_recompute = rope_recompute
+        self.lora_slots = lora_slots
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -88,11 +96,17 @@ class Scheduler:
 
         # Admitting new work in a step that had to preempt would only thrash.
         while self.waiting and not batch.preempted and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting.peek()
+            request = self._next_admissible()
+            if request is None:
+                break  # every waiting request's adapter waits for a slot
             num_new = self._admit(request, budget)
             if num_new == 0:
+                self._release_lora(request)
                 break  # FCFS: the head waits for room rather than being overtaken
-            self.waiting.popleft()
+            if request is self.waiting.peek():
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(request)
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = time.monotonic()
             request.status = RequestStatus.RUNNING
@@ -101,6 +115,26 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         return batch
+
+    def _next_admissible(self) -> Request | None:
+        """The request admission takes next: the queue's head, unless its LoRA adapter can have no slot now;
+        then the first request behind it that can run. Its adapter's slot is taken."""
+        head = self.waiting.peek()
+        if self.lora_slots is None:
+            return head
+        for request in (head, *self.waiting):
+            if request.lora_request is None:
+                return request
+            if self.lora_slots.can_acquire(request.lora_request):
+                request.lora_slot = self.lora_slots.acquire(request.lora_request)
+                return request
+        return None
+
+    def _release_lora(self, request: Request) -> None:
+        """Gives back the LoRA slot `request` held (it stopped running, or could not start)."""
+        if request.lora_slot >= 0:
+            self.lora_slots.release(request.lora_slot)
+            request.lora_slot = -1
 
     def _admit(self, request: Request, budget: int) -> int:
         """Gives a waiting request its blocks; returns the tokens it computes now (0: it cannot start)."""
@@ -145,7 +179,8 @@ class Scheduler:
             self.swapper.release(request)
         self.block_manager.free(request)
         request.num_computed_tokens = 0
-        request.prefix_root = prefix_root(request.cache_salt, rope_class)
+        request.prefix_root = prefix_root(request.cache_salt, rope_class,
+                                          request.lora_request.lora_name if request.lora_request else None)
         request.block_hashes = []
 
     def _allocate_or_preempt(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
@@ -164,6 +199,7 @@ class Scheduler:
         else:
             request.num_computed_tokens = 0  # recompute: drop the K/V, keep the tokens
         self.block_manager.free(request)
+        self._release_lora(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -180,9 +216,12 @@ class Scheduler:
         bm = self.block_manager
         last = leader.num_prompt_tokens - 1
         shared = last // bm.block_size
-        if len(self.running) >= self.max_num_seqs or bm.num_free_blocks == 0:
+        if len(self.running) >= self.max_num_seqs or bm.num_free_blocks == 0 or (
+                child.lora_request is not None and not self.lora_slots.can_acquire(child.lora_request)):
             self.waiting.append(child)
             return None
+        if child.lora_request is not None:
+            child.lora_slot = self.lora_slots.acquire(child.lora_request)
         bm.share(child, leader.block_ids[:shared])
         bm.allocate(child, (shared + 1) * bm.block_size)
         child.num_computed_tokens = last
@@ -198,6 +237,7 @@ class Scheduler:
         elif request.status is RequestStatus.WAITING and request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request)
+        self._release_lora(request)
         if self.swapper is not None:
             self.swapper.release(request)
         request.drop_placeholders()

@@ -21,7 +21,9 @@ from paged.logit_adjustments import build_adjustments
 from paged.models import get_attention_backend, load_model
 from paged.models.attention import resolve_backends
 from paged.models.config import ModelConfig
-from paged.models.loader import saved_layout, weight_bytes
+from paged.lora import LoRAAdapter, LoRARequest, read_peft_adapter
+from paged.lora_weights import match_adapter, with_lora_of, without_lora, write_slot
+from paged.models.loader import parameter_shapes, saved_layout, weight_bytes
 from paged.models.orbax_checkpoint import save_checkpoint, stacked, unstacked
 from paged.parallel import ShardedAttention, make_mesh, placement, replica_devices
 from paged.runner import BlockMover, ModelRunner, kv_block_bytes, kv_budget
@@ -52,7 +54,10 @@ class Worker:
         # A single-device replica other than the first commits its arrays to its own device (jitted steps then
         # run there); on the default device nothing changes.
         self.device = devices[0] if self.mesh is None and devices[0] != jax.devices()[0] else None
+        self.lora = config.lora_config()
         if channel is not None:
+            if self.lora is not None:  # a slot's writes would have to reach every process
+                raise NotImplementedError("LoRA adapters do not run over several processes yet")
             if config.preemption_mode == "swap":  # the leader holds only its own heads' K/V to swap out
                 raise NotImplementedError("preemption_mode='swap' does not run over several processes yet")
             multihost.check_same_run(channel, multihost.fingerprint(config, model_config))
@@ -63,7 +68,10 @@ class Worker:
         self.model_dir, self.model_config, self.model, params, self.dtype = load_model(
             model_dir, config.dtype, show_progress, stacked_layers=not unroll, linear_backend=self.linear_backend,
             mesh=self.mesh, quantization=config.quantization, device=self.device,
-            kv_cache_scales=config.kv_cache_dtype.startswith("fp8"), hf_overrides=config.parsed_hf_overrides())
+            kv_cache_scales=config.kv_cache_dtype.startswith("fp8"), hf_overrides=config.parsed_hf_overrides(),
+            lora=self.lora)
+        # What every parameter's shape is (LoRA adapters are checked against it when they are read).
+        self.expected_params = parameter_shapes(self.model)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)
         check = None if model_config.encoder_only else getattr(attention, "check_model", None)  # its own attention
         if check is not None:  # refused now, not at the first trace
@@ -80,7 +88,7 @@ class Worker:
         self.load_options = dict(dtype=config.dtype, stacked_layers=not unroll, linear_backend=self.linear_backend,
                                  mesh=self.mesh, quantization=config.quantization, device=self.device,
                                  kv_cache_scales=config.kv_cache_dtype.startswith("fp8"),
-                                 hf_overrides=config.parsed_hf_overrides())
+                                 hf_overrides=config.parsed_hf_overrides(), lora=self.lora)
         if (where := placement(self.mesh, self.device)) is not None:  # beside the weights, not copied per step
             precomputed = jax.device_put(precomputed, where)
         self.runner = ModelRunner(self.model, {**params, **precomputed}, attention, self.num_blocks,
@@ -173,12 +181,25 @@ class Worker:
         startup.log_precompiled(len(shapes), len(adjustment_shapes), time.perf_counter() - started,
                                 now_hits - hits, now_misses - misses, cache_dir)
 
+    # ---- LoRA adapters --------------------------------------------------------------------------------
+
+    def read_adapter(self, request: LoRARequest) -> LoRAAdapter:
+        """The PEFT adapter `request` names, read into host memory with its factors matched to this model's
+        projections (paged/lora_weights.py); ValueError naming what does not fit."""
+        adapter = read_peft_adapter(request.lora_name, request.lora_path, self.lora.max_lora_rank)
+        return dataclasses.replace(adapter, modules=match_adapter(adapter, self.model, self.expected_params))
+
+    def write_adapter(self, slot: int, adapter: LoRAAdapter) -> None:
+        """Puts `adapter` (read_adapter's) into device slot `slot` of every adapted projection."""
+        write_slot(self.runner.params, self.expected_params, slot, adapter.modules)
+
     # ---- weights and memory ---------------------------------------------------------------------------
 
     @property
     def params(self) -> dict:
-        """The weights the model runs on (quantized codes and all), without the precomputed tables."""
-        return {k: v for k, v in self.runner.params.items() if k not in self.precomputed_keys}
+        """The weights the model runs on (quantized codes and all), without the precomputed tables and the LoRA
+        slots."""
+        return without_lora({k: v for k, v in self.runner.params.items() if k not in self.precomputed_keys})
 
     def save(self, path: str, tokenizer=None) -> None:
         """The weights as an Orbax checkpoint with the model's config and tokenizer (models/orbax_checkpoint.py)."""
@@ -204,8 +225,10 @@ class Worker:
             if tuple(leaf.shape) != old.shape or np.dtype(leaf.dtype) != old.dtype:
                 raise ValueError(f"{jax.tree_util.keystr(path)}: expected {old.dtype}{list(old.shape)}, got "
                                  f"{np.dtype(leaf.dtype)}{list(leaf.shape)}")
+        new = without_lora(new)
         placed = jax.tree.map(lambda old, leaf: jax.device_put(leaf, old.sharding), current, new)
-        self.runner.params = {**self.runner.params, **placed}
+        # The adapters in the LoRA slots stay where they are.
+        self.runner.params = with_lora_of({**self.runner.params, **placed}, self.runner.params)
 
     def sleep(self) -> None:
         """Releases the KV pool's device memory (its contents are lost); `wake_up` allocates it again."""
