@@ -81,6 +81,9 @@ class LLMEngine:
             config = dataclasses.replace(config, enable_chunked_prefill=False, enable_prefix_caching=False)
             self.pooler_config = resolve_pooler(model_dir, PoolerConfig.parse(config.pooler_config),
                                                 model_config.encoder_only)
+        if self.runner_type == "pooling" and config.enable_lora:
+            raise ValueError("LoRA adapters are served for generation; a pooling model runs without them "
+                             "(leave enable_lora off)")
         # What a pooling model's vectors are: a classifier's scores, else embeddings.
         self.pooling_task = None if self.pooler_config is None else "classify" if model_config.labels else "embed"
         self.config = config = config.resolved(model_config.max_context_len, model_config.max_position_embeddings)

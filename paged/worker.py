@@ -177,6 +177,8 @@ class Worker:
             adjustments = build_adjustments([], step.sampling, buckets.max_num_seqs, buckets.mask_words,
                                             num_rows, num_entries)
             self.runner.run(dataclasses.replace(step, adjustments=adjustments))
+        if self.lora is not None:  # the slot writers, on an empty slot (every slot is empty before traffic)
+            write_slot(self.runner.params, self.expected_params, 0, {})
         now_hits, now_misses = startup.compilation_cache_counts()
         startup.log_precompiled(len(shapes), len(adjustment_shapes), time.perf_counter() - started,
                                 now_hits - hits, now_misses - misses, cache_dir)

@@ -213,11 +213,12 @@ def _openapi(app: FastAPI) -> dict:
 def build_app(engine: AsyncEngine | ReplicatedEngine, served_model_name: str, metrics: EngineMetrics | None = None,
               api_keys: list[ApiKey] | None = None, model_path: str | None = None,
               limits: ServerLimits = ServerLimits(), tool_call_parser: str | None = None,
-              reasoning_parser: str | None = None) -> FastAPI:
+              reasoning_parser: str | None = None, lora_adapters: list | None = None) -> FastAPI:
     """The app starts the engine thread on startup and stops it (aborting what is left) on shutdown.
 
     `api_keys`: none, an open server; otherwise every route but OPEN_ROUTES needs one of them, and each key's
-    limits apply to its generation requests (token limits need `metrics`, which sees the tokens generated)."""
+    limits apply to its generation requests (token limits need `metrics`, which sees the tokens generated).
+    `lora_adapters`: the LoRARequests served by name (`--lora-modules`; each replica has read them already)."""
     keys = KeyRing(api_keys or [])
     if keys.limits_tokens and metrics is None:
         raise ValueError("tokens_per_minute limits need the server's metrics (they count generated tokens)")
@@ -238,7 +239,7 @@ def build_app(engine: AsyncEngine | ReplicatedEngine, served_model_name: str, me
 
     app = FastAPI(title="paged", version="0.1.0", lifespan=lifespan)
     app.state.paged = ServerState(engine, served_model_name, metrics, keys, model_path, limits, tool_call_parser,
-                                  reasoning_parser)
+                                  reasoning_parser, lora_adapters={a.lora_name: a for a in lora_adapters or []})
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
@@ -246,7 +247,8 @@ def build_app(engine: AsyncEngine | ReplicatedEngine, served_model_name: str, me
     app.add_middleware(BearerAuth, keys=keys, metrics=metrics)
     app.add_middleware(BodyLimit, max_bytes=limits.max_request_body_bytes)  # outermost: before auth reads it
     app.router.route_class = OffLoopJSONRoute  # large request bodies are decoded off the event loop
-    for path, handler, methods, success in ROUTES:
+    from paged.serving.lora_routes import LORA_ROUTES, runtime_updates_allowed
+    for path, handler, methods, success in [*ROUTES, *(LORA_ROUTES if runtime_updates_allowed() else [])]:
         app.add_api_route(path, handler, methods=methods, response_model=None,
                           responses={200: success, **_JSON_ERRORS})
     app.openapi = lambda: _openapi(app)

@@ -15,7 +15,7 @@ import threading
 import time
 from typing import AsyncIterator
 
-from paged import LLMEngine, PoolingParams, RequestOutput, SamplingParams, StepFailedError
+from paged import LLMEngine, LoRARequest, PoolingParams, RequestOutput, SamplingParams, StepFailedError
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,7 @@ class Add:
     cache_salt: str | None = None
     tenant: str | None = None
     token_type_ids: list[int] | None = None  # a cross-encoder's pair segments
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +221,8 @@ class Generating:
 
     async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                      params: SamplingParams | PoolingParams, cache_salt: str | None = None,
-                     tenant: str | None = None, token_type_ids: list[int] | None = None) -> RequestStream:
+                     tenant: str | None = None, token_type_ids: list[int] | None = None,
+                     lora_request: LoRARequest | None = None) -> RequestStream:
         raise NotImplementedError
 
     async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
@@ -284,7 +286,8 @@ class AsyncEngine(Generating):
 
     async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                      params: SamplingParams | PoolingParams, cache_salt: str | None = None,
-                     tenant: str | None = None, token_type_ids: list[int] | None = None) -> "RequestStream":
+                     tenant: str | None = None, token_type_ids: list[int] | None = None,
+                     lora_request: LoRARequest | None = None) -> "RequestStream":
         """Validates and queues one request; raises ValueError (bad input), QueueFullError or EngineDeadError.
 
         Returns its stream of cumulative RequestOutputs (one PoolingRequestOutput for PoolingParams). Closing
@@ -294,7 +297,7 @@ class AsyncEngine(Generating):
         stream = _Stream(loop, self.stream_stall_timeout_s)
         accepted = loop.create_future()
         self._post(Add(request_id, prompt, prompt_token_ids, params, stream, accepted, cache_salt, tenant,
-                       token_type_ids))
+                       token_type_ids, lora_request))
         await accepted
         return RequestStream(self, request_id, stream)
 
@@ -339,7 +342,8 @@ class AsyncEngine(Generating):
                                                          command.token_type_ids)
                 else:
                     parent = engine.make_request(command.request_id, command.prompt, command.prompt_token_ids,
-                                                 command.params, command.cache_salt, command.tenant)
+                                                 command.params, command.cache_salt, command.tenant,
+                                                 command.lora_request)
             except (ValueError, QueueFullError) as exc:
                 _resolve(command.accepted, error=exc)
                 return

@@ -76,7 +76,7 @@ class ToolSetup:
 @counted("chat_completions")
 async def chat_completions(body: ChatCompletionRequest, raw: Request, state: State):
     """POST /v1/chat/completions"""
-    check_model(state, body.model)
+    adapter = check_model(state, body.model)
     check_generating(state, "/v1/chat/completions")
     refuse_unimplemented(body)
     if body.top_logprobs and not body.logprobs:
@@ -91,7 +91,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
     user_constraint = params.structured_outputs is not None
     tools = tool_setup(state, body, params)
     await compile_constraint(state, params, constraint_field(body) if user_constraint else "tools")
-    served_model_name = state.served_model_name
+    served_model_name = adapter.lora_name if adapter is not None else state.served_model_name
     ids = await chat_token_ids(state, message_dicts(body.messages), body.chat_template, body.add_generation_prompt,
                                tools.tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -102,7 +102,8 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request, state: Sta
                      "top_logprobs")
     admit(state, raw, len(ids))
     try:
-        streams = await submit_all(state, [(None, ids)], params, request_id, key_name(raw), body.cache_salt, raw)
+        streams = await submit_all(state, [(None, ids)], params, request_id, key_name(raw), body.cache_salt, raw,
+                                   lora_request=adapter)
     except APIError as err:
         err.param = "messages" if err.param and err.param.startswith("prompt") else err.param
         raise

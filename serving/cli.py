@@ -156,6 +156,9 @@ def _serve(args: argparse.Namespace) -> int:
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (" + ", ".join(TOOL_CALL_PARSERS) + ")")
     model = _model(args)
+    adapters = parse_lora_modules(args.lora_modules or [])
+    if adapters and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
     env_key = os.environ.get("PAGED_API_KEY")
     api_keys = parse_api_keys((args.api_key or []) + ([env_key] if env_key else []), args.api_keys_file)
     options = engine_kwargs_from_cli_args(args)
@@ -189,9 +192,12 @@ def _serve(args: argparse.Namespace) -> int:
                           max_reply_logprobs=args.max_reply_logprobs,
                           responses_store_bytes=int(args.responses_store_mb * 2**20),
                           responses_store_ttl_s=args.responses_store_ttl_s)
+    for adapter in adapters:  # read now: a bad adapter stops the start, not a request
+        for replica in replicas:
+            replica.engine.load_adapter(adapter)
     app = build_app(async_engine, name, metrics, api_keys=api_keys, model_path=model, limits=limits,
                     tool_call_parser=args.tool_call_parser if args.enable_auto_tool_choice else None,
-                    reasoning_parser=args.reasoning_parser)
+                    reasoning_parser=args.reasoning_parser, lora_adapters=adapters)
     # uvicorn stops accepting on SIGINT/SIGTERM, lets in-flight requests finish for up to the grace period,
     # then the app's shutdown aborts whatever is left.
     class GracefulServer(uvicorn.Server):
@@ -251,6 +257,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help='a JSON list of keys with names and limits: [{"name": "team-a", "key": "...", '
                             '"requests_per_minute": 60, "tokens_per_minute": 100000}]; over a limit is HTTP 429')
     serve.add_argument("--served-model-name", default=None, help="the model name clients use (default: --model)")
+    serve.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                       help="LoRA adapters served by name (with --enable-lora): name=path, or JSON "
+                            "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
     serve.add_argument("--max-waiting-requests", type=int, default=1024,
                        help="beyond this many waiting requests, new ones get HTTP 503")
     serve.add_argument("--batching-delay-ms", type=float, default=0.0,
@@ -317,6 +326,29 @@ def _version() -> str:
     except PackageNotFoundError:  # run from a source tree that was never installed
         import paged
         return paged.__version__
+
+
+def parse_lora_modules(values: list[str]) -> list:
+    """`--lora-modules` values as LoRARequests: name=path, or vLLM's JSON form {"name", "path", "base_model_name"}."""
+    from paged.serving.lora_routes import new_lora_request
+    adapters = []
+    for value in values:
+        if value.lstrip().startswith("{"):
+            try:
+                spec = json.loads(value)
+                name, path = spec["name"], spec["path"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ValueError(f"--lora-modules: {value!r} is not JSON with a name and a path") from None
+            base = spec.get("base_model_name")
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name or not path:
+                raise ValueError(f"--lora-modules: expected name=path or JSON, got {value!r}")
+            base = None
+        if any(a.lora_name == name for a in adapters):
+            raise ValueError(f"--lora-modules: the name {name!r} is given twice")
+        adapters.append(new_lora_request(name, path, base))
+    return adapters
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,7 +22,7 @@ from paged.serving.state import State, key_name
 @counted("completions")
 async def completions(body: CompletionRequest, raw: Request, state: State):
     """POST /v1/completions"""
-    check_model(state, body.model)
+    adapter = check_model(state, body.model)
     check_generating(state, "/v1/completions")
     refuse_unimplemented(body)
     check_options(state, body, body.logprobs, "logprobs")
@@ -36,7 +36,8 @@ async def completions(body: CompletionRequest, raw: Request, state: State):
     prompt_k = body.prompt_logprobs if body.prompt_logprobs is not None else body.logprobs if body.echo else None
     params = sampling_params(body, max_tokens, body.logprobs, prompt_k)
     await compile_constraint(state, params, constraint_field(body))
-    tokenizer, served_model_name = state.tokenizer, state.served_model_name
+    tokenizer = state.tokenizer
+    served_model_name = adapter.lora_name if adapter is not None else state.served_model_name
     prompt = body.prompt
     batched = not isinstance(prompt, str) and bool(prompt) and not isinstance(prompt[0], int)
     if batched and len(prompt) > state.limits.max_prompts_per_request:  # counted before anything is copied
@@ -55,7 +56,8 @@ async def completions(body: CompletionRequest, raw: Request, state: State):
     check_room(state, prompts, max_tokens, "max_tokens")
     check_reply_size(state, body, prompts, max_tokens, body.logprobs, prompt_k, "logprobs", prompt_copies=body.n)
     admit(state, raw, sum(len(ids) for _, ids in prompts))
-    streams = await submit_all(state, prompts, params, request_id, key_name(raw), body.cache_salt, raw)
+    streams = await submit_all(state, prompts, params, request_id, key_name(raw), body.cache_salt, raw,
+                               lora_request=adapter)
     n = params.n
     decode = lambda token: tokenizer.decode([token]) if tokenizer is not None else ""
 

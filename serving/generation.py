@@ -11,7 +11,7 @@ import math
 from fastapi import Request
 from fastapi.responses import Response
 
-from paged import InvalidParameter, InvalidStructuredOutput, PoolingParams, RequestOutput, SamplingParams
+from paged import InvalidParameter, LoRARequest, InvalidStructuredOutput, PoolingParams, RequestOutput, SamplingParams
 from paged.chat import chat_prompt_token_ids, text_token_ids
 from paged.serving.api_keys import ANONYMOUS, RateLimited
 from paged.serving.async_engine import EngineDeadError, QueueFullError, RequestFailedError, RequestStream
@@ -77,12 +77,17 @@ def counted(route: str):
     return wrap
 
 
-def check_model(state: ServerState, model: str | None) -> None:
+def check_model(state: ServerState, model: str | None) -> LoRARequest | None:
+    """The LoRA adapter `model` names (None: the base model); a 404 for a model this server does not serve."""
+    if model is not None and model in state.lora_adapters:
+        return state.lora_adapters[model]
     if model is not None and model not in state.model_names:
         # repr: the name as the client sent it, escaped (a control character or a lone surrogate stays inert)
+        adapters = f" and the LoRA adapters {sorted(state.lora_adapters)}" if state.lora_adapters else ""
         raise APIError(404, f"the model {model[:200]!r} does not exist; this server serves "
-                            f"{state.served_model_name!r}",
+                            f"{state.served_model_name!r}{adapters[:1000]}",
                        param="model", code="model_not_found")
+    return None
 
 
 GENERATION_ROUTES_HINT = "/v1/completions, /v1/chat/completions or /v1/responses"
@@ -265,10 +270,12 @@ DISCONNECT_CHECK_EVERY = 32
 async def submit_all(state: ServerState, prompts: list[tuple[str | None, list[int] | None]],
                      params: SamplingParams | PoolingParams, request_id: str, key: str = ANONYMOUS,
                      cache_salt: str | None = None, raw: Request | None = None,
-                     token_types: list[list[int] | None] | None = None) -> list[RequestStream]:
+                     token_types: list[list[int] | None] | None = None,
+                     lora_request: LoRARequest | None = None) -> list[RequestStream]:
     """Submits every prompt; their generated tokens are counted (and charged) under API key `key`. With `raw`,
     a client that disconnects while a batch is being submitted ends it (ClientDisconnected, nothing left
-    running). `token_types`: per prompt, a cross-encoder's pair segments (PoolingParams only)."""
+    running). `token_types`: per prompt, a cross-encoder's pair segments (PoolingParams only); `lora_request`:
+    the LoRA adapter the request named as its model (`check_model`)."""
     streams = []
     try:
         for i, (text, ids) in enumerate(prompts):
@@ -281,7 +288,8 @@ async def submit_all(state: ServerState, prompts: list[tuple[str | None, list[in
                 state.metrics.attribute(child_id, key)
             try:
                 streams.append(await state.engine.submit(child_id, text, ids, params, cache_salt, tenant=key,
-                                                         token_type_ids=token_types[i] if token_types else None))
+                                                         token_type_ids=token_types[i] if token_types else None,
+                                                         lora_request=lora_request))
             except BaseException:
                 if state.metrics is not None:
                     state.metrics.forget(child_id)  # refused: nothing of it is ever counted

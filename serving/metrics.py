@@ -66,6 +66,13 @@ class EngineMetrics:
         self.itl = hist("paged:inter_token_latency_seconds", "Time between consecutive output tokens")
         self.e2e = hist("paged:e2e_request_latency_seconds", "Arrival to finish")
         self.queue_time = hist("paged:request_queue_time_seconds", "Arrival to first scheduled")
+        # A compile after start-up is a stall for every running request: this should stay flat while serving.
+        self.compilations = Counter("paged:step_compilations", "Device programs compiled (step shapes, sampling "
+                                    "and block moves traced for a new shape)", labels, registry=r)
+        # vLLM's LoRA gauge: its labels say which adapters are in the running batch and which wait; the value
+        # is when that was read (one series per replica, replaced at each update).
+        self.lora_info = Gauge("paged:lora_requests_info", "LoRA adapters of running and waiting requests",
+                               labels + ["max_lora", "running_lora_adapters", "waiting_lora_adapters"], registry=r)
         self.pooling_requests = Counter("paged:pooling_requests", "Finished requests of a pooling model, by task "
                                         "(embed, classify, score)", labels + ["task"], registry=r)
         self.api_requests = Counter("paged:api_requests", "Generation and pooling requests by route, API key name and outcome",
@@ -80,6 +87,7 @@ class EngineMetrics:
                          registry=r)
         ProcessCollector(registry=r)
         self.model_name = model_name
+        self._lora_series: dict[tuple[str, str], tuple[str, ...]] = {}  # each replica's current LoRA series
         # Called with (key name, tokens) for every generated token batch (the key ring's charge).
         self.usage_hook = None
         # Per request id (engine thread and event loop; single dict operations): its API key's name.
@@ -134,10 +142,23 @@ class EngineMetrics:
         self._advance(self.prefix_queries, labels, rank, "queries", stats["prefix_cache_queries"])
         self._advance(self.prefix_hits, labels, rank, "hits", stats["prefix_cache_hits"])
         self._advance(self.constrained, labels, rank, "constrained", engine.num_constrained_requests)
+        self._advance(self.compilations, labels, rank, "compilations", engine.num_compilations)
+        if engine.lora_slots is not None:
+            self._lora_info(engine, labels)
         # Replicas share one grammar cache, compiled on server workers: its totals are counted on replica 0.
         if engine.grammars is not None and rank == 0:
             self._advance(self.grammars_compiled, labels, rank, "compiled", engine.grammars.num_compiled)
             self._advance(self.grammar_compile_seconds, labels, rank, "compile_s", engine.grammars.compile_seconds)
+
+    def _lora_info(self, engine, labels: tuple[str, str]) -> None:
+        waiting = {r.lora_request.lora_name for r in engine.scheduler.waiting if r.lora_request is not None}
+        series = (*labels, str(engine.lora_slots.config.max_loras),
+                  ",".join(sorted(engine.lora_slots.running_adapters())), ",".join(sorted(waiting)))
+        previous = self._lora_series.get(labels)
+        if previous is not None and previous != series:
+            self.lora_info.remove(*previous)
+        self._lora_series[labels] = series
+        self.lora_info.labels(*series).set(time.time())
 
     def update_device_memory(self, engine) -> None:
         """The allocator's bytes in use and limit for each of this process's devices of `engine`."""

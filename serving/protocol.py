@@ -430,6 +430,21 @@ class DetokenizeRequest(_TextOnly):
     tokens: list[int]
 
 
+class LoadLoRAAdapterRequest(_TextOnly):
+    model_config = _STRICT
+
+    lora_name: str = ""
+    lora_path: str = ""
+    load_inplace: bool = False  # vLLM's reload of a name in place: refused below when the name is taken
+
+
+class UnloadLoRAAdapterRequest(_TextOnly):
+    model_config = _STRICT
+
+    lora_name: str = ""
+    lora_int_id: int | None = None
+
+
 def non_text_part(messages: list[ChatMessage]) -> str | None:
     """The type of the first content part that is not text (an image, audio, a file), or None."""
     for message in messages:

@@ -13,7 +13,7 @@ saves the prefill, but sending every request with a shared system prompt to one 
 
 from __future__ import annotations
 
-from paged import PoolingParams, SamplingParams
+from paged import LoRARequest, PoolingParams, SamplingParams
 from paged.prefix_keys import prefix_chain
 from paged.serving.async_engine import AsyncEngine, EngineDeadError, Generating, RequestStream
 
@@ -97,14 +97,17 @@ class ReplicatedEngine(Generating):
 
     async def submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                      params: SamplingParams | PoolingParams, cache_salt: str | None = None,
-                     tenant: str | None = None, token_type_ids: list[int] | None = None) -> RequestStream:
+                     tenant: str | None = None, token_type_ids: list[int] | None = None,
+                     lora_request: LoRARequest | None = None) -> RequestStream:
         """AsyncEngine.submit on the chosen replica; the stream counts toward its load until it ends."""
         # An invalid salt is the chosen engine's to refuse; routing only needs a string.
-        index = self.choose(prompt_token_ids, cache_salt if isinstance(cache_salt, str) else None)
+        # (An adapter's prefix blocks are keyed apart: its prompts are routed by load alone.)
+        index = self.choose(prompt_token_ids if lora_request is None else None,
+                            cache_salt if isinstance(cache_salt, str) else None)
         self.in_flight[index] += 1
         try:
             stream = await self.replicas[index].submit(request_id, prompt, prompt_token_ids, params, cache_salt,
-                                                      tenant, token_type_ids)
+                                                      tenant, token_type_ids, lora_request)
         except BaseException:
             self.in_flight[index] -= 1
             raise

@@ -48,7 +48,7 @@ from paged.serving.state import State, key_name
 @counted("responses")
 async def responses(body: ResponsesRequest, raw: Request, state: State):
     """POST /v1/responses"""
-    check_model(state, body.model)
+    adapter = check_model(state, body.model)
     check_generating(state, "/v1/responses")
     if (field := body.unimplemented_field()) is not None:
         raise APIError(400, f"{field} is not supported by this server's Responses API yet", param=field)
@@ -81,12 +81,14 @@ async def responses(body: ResponsesRequest, raw: Request, state: State):
     admit(state, raw, len(ids))
     response_id = f"resp_{uuid.uuid4().hex}"
     try:
-        streams = await submit_all(state, [(None, ids)], params, response_id, key_name(raw), body.cache_salt, raw)
+        streams = await submit_all(state, [(None, ids)], params, response_id, key_name(raw), body.cache_salt, raw,
+                                   lora_request=adapter)
     except APIError as err:
         err.param = "input" if err.param and err.param.startswith("prompt") else err.param
         raise
     store = state.response_store if body.store and state.response_store.enabled else None
-    shell = _Shell(response_id, state.served_model_name, body, stored=store is not None)
+    shell = _Shell(response_id, adapter.lora_name if adapter is not None else state.served_model_name, body,
+                   stored=store is not None)
     conversation = [*earlier, *body.input_items()]
 
     if not body.stream:

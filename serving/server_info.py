@@ -21,15 +21,21 @@ def _card(state) -> dict:
             "task": task}  # generate, embed or classify: which routes the model answers
 
 
+def _adapter_card(state, adapter) -> dict:
+    """A LoRA adapter, as vLLM lists it: its path as root, the base model as parent."""
+    return {**_card(state), "id": adapter.lora_name, "root": adapter.lora_path,
+            "parent": adapter.base_model_name or state.served_model_name}
+
+
 async def models(state: State):
-    """GET /v1/models"""
-    return {"object": "list", "data": [_card(state)]}
+    """GET /v1/models: the base model, then its LoRA adapters"""
+    return {"object": "list", "data": [_card(state), *(_adapter_card(state, a) for a in state.lora_adapters.values())]}
 
 
 async def model(model: str, state: State):
     """GET /v1/models/{model} (the openai client's `models.retrieve`)"""
-    check_model(state, model)
-    return _card(state)
+    adapter = check_model(state, model)
+    return _card(state) if adapter is None else _adapter_card(state, adapter)
 
 
 async def version():

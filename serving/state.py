@@ -11,6 +11,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
+from paged.lora import LoRARequest
 from paged.serving.api_keys import ANONYMOUS, KeyRing
 from paged.serving.async_engine import AsyncEngine
 from paged.serving.metrics import EngineMetrics
@@ -54,6 +55,8 @@ class ServerState:
     tool_call_parser: str | None = None  # finds calls in tool_choice=auto outputs; None: auto is refused
     reasoning_parser: str | None = None  # separates a reasoning model's thinking (paged/reasoning.py)
     created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+    # LoRA adapters served by name (`--lora-modules`, /v1/load_lora_adapter): a request names one as its model.
+    lora_adapters: dict[str, LoRARequest] = dataclasses.field(default_factory=dict)
     # Tokenization and chat templates run here, off the event loop and the engine thread.
     workers: ThreadPoolExecutor = dataclasses.field(
         default_factory=lambda: ThreadPoolExecutor(max_workers=2, thread_name_prefix="paged-tokenize"))

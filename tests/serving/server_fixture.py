@@ -24,14 +24,15 @@ class Server:
     once)."""
 
     def __init__(self, model_dir: str, *extra: str, env: dict[str, str] | None = None, wait: bool = True,
-                 cwd: str | None = None):
+                 cwd: str | None = None, eager: bool = True):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
         self.log = open(os.path.join(model_dir, f"server-{self.port}.log"), "w")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "paged.serving.cli", "serve", "--model", model_dir, "--port", str(self.port),
-             "--served-model-name", "tiny", "--enforce-eager", *extra],  # shapes compile on first use
+             "--served-model-name", "tiny", *(["--enforce-eager"] if eager else []), *extra],  # eager: shapes
+            # compile on first use
             stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=cwd)
         if wait:
             self.wait_healthy()

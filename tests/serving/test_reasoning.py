@@ -46,7 +46,8 @@ class _ScriptedEngine:
         self.config = type("Config", (), {"max_model_len": 512, "max_num_seqs": 4})()
         self.model_config = type("ModelConfig", (), {"vocab_size": len(tokenizer)})()
 
-    async def submit(self, request_id, prompt, ids, params, cache_salt=None, tenant=None, token_type_ids=None):
+    async def submit(self, request_id, prompt, ids, params, cache_salt=None, tenant=None, token_type_ids=None,
+                     lora_request=None):
         return _ScriptedStream(request_id, ids, self.pieces)
 
     def start(self):
