@@ -11,7 +11,10 @@ output_len tokens):
     batch running until its longest output is done (the approach continuous batching replaced);
   - hf-continuous: transformers' own continuous batching (init_continuous_batching), when available;
   - paged-json-F: with --json-fractions, this engine again with a fraction F of the requests constrained to a
-    JSON schema (structured outputs), to measure what constraints cost the batch.
+    JSON schema (structured outputs), to measure what constraints cost the batch;
+  - paged-lora-N: with --lora, this engine again with LoRA on and the requests spread round-robin over N random
+    adapters of rank --lora-rank on every projection (all N in device slots: max_loras N), to measure what
+    serving adapters costs against the base alone.
 Warm-up and compilation are excluded from every system's timing and reported separately. MFU is model FLOPs
 (prompt + output tokens, see benchmarks/common.py) over time, against a matmul rate measured in the same run.
 """
@@ -80,14 +83,15 @@ def _constrained(index: int, fraction: float) -> bool:
     return int((index + 1) * fraction) > int(index * fraction)
 
 
-def _generate_on_replicas(llms, prompts, params) -> list:
+def _generate_on_replicas(llms, prompts, params, adapters) -> list:
     """Every replica generates its share (each N-th request) at once, in a thread of its own (JAX releases the
     GIL while a step runs); the outputs in input order."""
     n = len(llms)
     if n == 1:
-        return llms[0].generate(prompts, params, use_tqdm=False)
+        return llms[0].generate(prompts, params, use_tqdm=False, lora_request=adapters)
     with ThreadPoolExecutor(n) as pool:
-        parts = list(pool.map(lambda r: llms[r].generate(prompts[r::n], params[r::n], use_tqdm=False), range(n)))
+        parts = list(pool.map(lambda r: llms[r].generate(prompts[r::n], params[r::n], use_tqdm=False,
+                                                         lora_request=adapters[r::n]), range(n)))
     outputs = [None] * len(prompts)
     for rank, part in enumerate(parts):
         outputs[rank::n] = part
@@ -95,10 +99,17 @@ def _generate_on_replicas(llms, prompts, params) -> list:
 
 
 def run_paged(model_dir: str, workload, engine_args: dict, vocab: int,
-              json_fraction: float = 0.0) -> tuple[float, float, dict]:
+              json_fraction: float = 0.0, lora_paths: list[str] | None = None, lora_rank: int = 16
+              ) -> tuple[float, float, dict]:
     """With data_parallel_size N, N engines (one per data_parallel_rank, on disjoint devices) share the
-    requests evenly, as `paged serve` would route an offline batch; their counters are summed."""
-    from paged import LLM, SamplingParams, StructuredOutputsParams
+    requests evenly, as `paged serve` would route an offline batch; their counters are summed. `lora_paths`:
+    request i runs with adapter i mod len(lora_paths), every adapter in a device slot."""
+    from paged import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
+    adapters = [None] * len(workload.prompts)
+    if lora_paths:
+        engine_args = {**engine_args, "enable_lora": True, "max_loras": len(lora_paths), "max_lora_rank": lora_rank}
+        requests = [LoRARequest(f"adapter{i}", i + 1, path) for i, path in enumerate(lora_paths)]
+        adapters = [requests[i % len(requests)] for i in range(len(workload.prompts))]
     hits = _CacheHits.so_far()
     start = time.perf_counter()
     llms = [LLM(model_dir, show_progress=False, **engine_args, data_parallel_rank=rank)
@@ -110,14 +121,15 @@ def run_paged(model_dir: str, workload, engine_args: dict, vocab: int,
               for i, o in enumerate(workload.output_lens)]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
     # Warm-up: compiles every shape this workload produces, on other token ids (nothing to hit in a prefix cache).
-    _generate_on_replicas(llms, [{"prompt_token_ids": p} for p in warmup_twin(workload, vocab).prompts], params)
+    _generate_on_replicas(llms, [{"prompt_token_ids": p} for p in warmup_twin(workload, vocab).prompts], params,
+                          adapters)
     warmup = time.perf_counter() - start
     engines = [llm.engine for llm in llms]
     compiles = sum(engine.num_compilations for engine in engines)
     for engine in engines:
         engine.step_timings = dict.fromkeys(engine.step_timings, 0.0)
     start = time.perf_counter()
-    outputs = _generate_on_replicas(llms, prompts, params)
+    outputs = _generate_on_replicas(llms, prompts, params, adapters)
     seconds = time.perf_counter() - start
     split = {k: sum(engine.step_timings[k] for engine in engines) for k in engines[0].step_timings}
     by_kind = {k: split.pop(k) for k in ("device_decode_only", "device_with_prefill")}
@@ -133,6 +145,8 @@ def run_paged(model_dir: str, workload, engine_args: dict, vocab: int,
              "output_tokens": sum(len(c.token_ids) for o in outputs for c in o.outputs)}
     if len(engines) > 1:
         extra["requests_per_replica"] = [len(range(rank, len(prompts), len(engines))) for rank in range(len(engines))]
+    if lora_paths:
+        extra.update(lora_adapters=len(lora_paths), lora_rank=lora_rank)
     if json_fraction:
         extra.update(json_fraction=json_fraction, grammar_compile_seconds=sum(e.grammars.compile_seconds
                                                                               for e in engines),
@@ -290,6 +304,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(parser, defaults={"enable_prefix_caching": False}, exclude=("seed", "data_parallel_rank"))
     parser.add_argument("--json-fractions", type=float, nargs="*", default=[], metavar="F",
                         help="also run paged with these fractions of the requests JSON-constrained (e.g. 0.5 1)")
+    parser.add_argument("--lora", type=int, nargs="*", default=[], metavar="N",
+                        help="also run paged with the requests spread over N random LoRA adapters (e.g. 1 4 16)")
+    parser.add_argument("--lora-rank", type=int, default=16, help="rank of --lora's adapters")
     parser.add_argument("--json", default=None)
     parser.add_argument("--png", default=None)
     return parser
@@ -329,6 +346,14 @@ def main(argv=None) -> int:
         results.append(_result(f"paged-json-{fraction:.0%}", workload, *measured[:2], flops, rate, **measured[2]))
         print(f"paged with {fraction:.0%} JSON-constrained: grammar compile "
               f"{measured[2]['grammar_compile_seconds'] * 1e3:.1f} ms", file=sys.stderr)
+    for count in args.lora:
+        if count < 1:
+            raise SystemExit(f"--lora counts must be >= 1, got {count}")
+        from paged.benchmarks.lora_adapters import write_random_adapters
+        paths = write_random_adapters(model_dir, count, args.lora_rank)
+        measured = run_paged(model_dir, workload, engine_args, config.vocab_size, lora_paths=paths,
+                             lora_rank=args.lora_rank)
+        results.append(_result(f"paged-lora-{count}", workload, *measured[:2], flops, rate, **measured[2]))
     try:
         import torch
         torch.set_num_threads(max(1, torch.get_num_threads()))

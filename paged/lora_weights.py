@@ -1,6 +1,6 @@
 """The device side of LoRA: a PEFT adapter's factors matched to the model's slots, and written into one.
 
-Every adapted projection holds `lora_a` [slots, in, rank] and `lora_b` [slots, rank, out] (paged.models.linear),
+Every adapted projection holds `lora_a` [in, slots, rank] and `lora_b` [slots, rank, out] (paged.models.linear),
 stacked over layers ([layers, slots, ...]) or one per layer, as the model's other weights are. An adapter's
 factors are checked against those shapes when it is read (an adapter made for another model is refused then,
 not at its first step), and a slot is written by replacing each factor's slice: the arrays keep their shapes
@@ -52,7 +52,7 @@ def match_adapter(adapter: LoRAAdapter, model, expected: dict) -> dict[ModuleKey
             if cfg.kv_head_replicas > 1 and key[-2:] in (("self_attn", "k_proj"), ("self_attn", "v_proj")):
                 from paged.models.loader import _repeat_kv_heads
                 part_b = _repeat_kv_heads(part_b, cfg.kv_head_replicas, cfg.head_dim)
-            (_, _, in_features, _), (_, _, _, out_features) = (expected[key + ("lora_a",)][0],
+            (_, in_features, _, _), (_, _, _, out_features) = (expected[key + ("lora_a",)][0],
                                                               expected[key + ("lora_b",)][0])
             if a.shape[0] != in_features or part_b.shape[1] != out_features:
                 raise ValueError(f"LoRA adapter {adapter.name!r}: {name[:-len('.weight')]} maps {a.shape[0]} -> "
@@ -72,7 +72,7 @@ def write_slot(params: dict, expected: dict, slot: int, factors: dict[ModuleKey,
     """Writes an adapter's factors (`match_adapter`'s) into `slot` of every adapted projection in `params` (in
     place in the dict; the arrays are replaced). Projections the adapter leaves alone get zeros."""
     for key in lora_keys(expected):
-        (layers, _, in_features, rank), (_, _, _, out_features) = (expected[key + ("lora_a",)][0],
+        (layers, in_features, _, rank), (_, _, _, out_features) = (expected[key + ("lora_a",)][0],
                                                                   expected[key + ("lora_b",)][0])
         a = np.zeros((layers, in_features, rank), np.float32)
         b = np.zeros((layers, rank, out_features), np.float32)
@@ -81,14 +81,18 @@ def write_slot(params: dict, expected: dict, slot: int, factors: dict[ModuleKey,
                 layer_a, layer_b = factors[(key, layer)]
                 a[layer, :, :layer_a.shape[1]], b[layer, :layer_b.shape[0]] = layer_a, layer_b
         for name, value in zip(LORA_FACTORS, (a, b)):
+            slot_axis = 1 if name == "lora_a" else 0  # of one layer's factor: A [in, slots, rank], B [slots, ...]
             if isinstance(params["layers"], list):
                 for layer, tree in enumerate(params["layers"]):
                     leaf_tree = _subtree(tree, key[1:])
-                    leaf_tree[name] = _slot_writer(leaf_tree[name].sharding, False)(leaf_tree[name], value[layer],
-                                                                                    np.int32(slot))
+                    leaf = leaf_tree[name]
+                    write = _slot_writer(placement_of(leaf), slot_axis)
+                    leaf_tree[name] = write(leaf, value[layer].astype(leaf.dtype), np.int32(slot))
             else:
                 leaf_tree = _subtree(params, key)
-                leaf_tree[name] = _slot_writer(leaf_tree[name].sharding, True)(leaf_tree[name], value, np.int32(slot))
+                leaf = leaf_tree[name]
+                write = _slot_writer(placement_of(leaf), slot_axis + 1)
+                leaf_tree[name] = write(leaf, value.astype(leaf.dtype), np.int32(slot))
 
 
 def _subtree(tree: dict, path: tuple[str, ...]) -> dict:
@@ -97,13 +101,22 @@ def _subtree(tree: dict, path: tuple[str, ...]) -> dict:
     return tree
 
 
+def placement_of(leaf: jax.Array):
+    """The sharding a rewritten factor must keep: its own where it was placed explicitly; None for an array on
+    the default device that was never committed to it (as the loader leaves the other weights there: a step
+    whose arguments mix committed and uncommitted arrays leaves jit's fast dispatch path, which cost a 30M
+    model's steps 3 ms each)."""
+    return leaf.sharding if getattr(leaf, "_committed", True) else None
+
+
 @functools.lru_cache(maxsize=None)
-def _slot_writer(sharding, stacked: bool):
-    """(factor, value, slot) -> factor with its slot replaced (the slot axis follows the layer axis when the
-    layers are stacked), kept in `sharding`; the slot is traced, so one compile serves every slot."""
-    if stacked:
-        return jax.jit(lambda leaf, value, slot: leaf.at[:, slot].set(value), out_shardings=sharding)
-    return jax.jit(lambda leaf, value, slot: leaf.at[slot].set(value), out_shardings=sharding)
+def _slot_writer(sharding, axis: int):
+    """(factor, value, slot) -> factor with its slot (index `slot` of axis `axis`) replaced by value, kept in
+    `sharding` (None: left uncommitted); the slot is traced, so one compile serves every slot."""
+    def write(leaf, value, slot):
+        index = (slice(None),) * axis + (slot,)
+        return leaf.at[index].set(value)
+    return jax.jit(write) if sharding is None else jax.jit(write, out_shardings=sharding)
 
 
 def without_lora(tree):

@@ -22,7 +22,7 @@ from paged.models import get_attention_backend, load_model
 from paged.models.attention import resolve_backends
 from paged.models.config import ModelConfig
 from paged.lora import LoRAAdapter, LoRARequest, read_peft_adapter
-from paged.lora_weights import match_adapter, with_lora_of, without_lora, write_slot
+from paged.lora_weights import match_adapter, placement_of, with_lora_of, without_lora, write_slot
 from paged.models.loader import parameter_shapes, saved_layout, weight_bytes
 from paged.models.orbax_checkpoint import save_checkpoint, stacked, unstacked
 from paged.parallel import ShardedAttention, make_mesh, placement, replica_devices
@@ -228,7 +228,9 @@ class Worker:
                 raise ValueError(f"{jax.tree_util.keystr(path)}: expected {old.dtype}{list(old.shape)}, got "
                                  f"{np.dtype(leaf.dtype)}{list(leaf.shape)}")
         new = without_lora(new)
-        placed = jax.tree.map(lambda old, leaf: jax.device_put(leaf, old.sharding), current, new)
+        # Each array placed as the one it replaces (uncommitted ones stay uncommitted: a step mixing the two
+        # leaves jit's fast dispatch path).
+        placed = jax.tree.map(lambda old, leaf: jax.device_put(leaf, placement_of(old)), current, new)
         # The adapters in the LoRA slots stay where they are.
         self.runner.params = with_lora_of({**self.runner.params, **placed}, self.runner.params)
 

@@ -290,14 +290,14 @@ def test_lora_slots_add_each_tokens_adapter(parallel):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(5, 16)).astype(np.float32)
     params = nn.unbox(layer.init(jax.random.key(0), jnp.asarray(x))["params"])
-    params["lora_a"] = jnp.asarray(rng.normal(size=(3, 16, 4)), jnp.float32)
+    params["lora_a"] = jnp.asarray(rng.normal(size=(16, 3, 4)), jnp.float32)
     params["lora_b"] = jnp.asarray(rng.normal(size=(3, 4, 24)), jnp.float32)
     slots = np.array([-1, 0, 2, 1, 2], np.int32)
     with lora_token_slots(jnp.asarray(slots)):
         got = np.asarray(layer.apply({"params": params}, jnp.asarray(x)), np.float64)
     base = x.astype(np.float64) @ np.asarray(params["kernel"], np.float64)
     a, b = np.asarray(params["lora_a"], np.float64), np.asarray(params["lora_b"], np.float64)
-    want = base + np.stack([np.zeros(24) if s < 0 else x[t] @ a[s] @ b[s] for t, s in enumerate(slots)])
+    want = base + np.stack([np.zeros(24) if s < 0 else x[t] @ a[:, s] @ b[s] for t, s in enumerate(slots)])
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(layer.apply({"params": params}, jnp.asarray(x))), base, rtol=1e-5,
                                atol=1e-5)

@@ -75,7 +75,8 @@ def test_a_mixed_batch_equals_peft(family):
     prompts = [shared] * 4 + others
     chosen = [*requests, None, requests[2], None, requests[0], requests[1]]
     llm = LLM(base, dtype="float32", enable_lora=True, max_loras=3, max_lora_rank=16, show_progress=False)
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True),
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=MAX_NEW_TOKENS, ignore_eos=True),
                            use_tqdm=False, lora_request=chosen)
     got = [list(o.outputs[0].token_ids) for o in outputs]
     want = [peft_greedy(base, r.lora_path if r else None, p) for p, r in zip(prompts, chosen)]
@@ -192,7 +193,7 @@ def test_tensor_parallel_splits_the_factors_with_their_kernels(llama, size):
     result = json.loads(lines[0][len("RESULT "):])
     chosen = [adapter_paths[0], adapter_paths[1], None, adapter_paths[2]]
     assert result["tokens"] == [peft_greedy(base, path, p) for p, path in zip(prompts, chosen)]
-    (slots, rank, q_out), (_, o_in, _) = result["q_b"][0], result["o_a"][0]
+    (slots, rank, q_out), (o_in, _, _) = result["q_b"][0], result["o_a"][0]
     assert len(result["q_b"]) == size and (slots, rank) == (3, 16)
     assert q_out * size == o_in * size == 64  # each device holds 1 / size of q's columns and o's rows
 

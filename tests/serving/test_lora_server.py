@@ -33,7 +33,8 @@ def setup(tmp_path_factory):
              for i, (targets, rank) in enumerate(ADAPTERS["llama-gqa"])]
     tokenizer = AutoTokenizer.from_pretrained(base)
     text = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
-    want = {(path, i): text(peft_greedy(base, path, prompt)) for path in [None, *paths] for i, prompt in enumerate(PROMPTS)}
+    want = {(path, i): text(peft_greedy(base, path, prompt))
+            for path in [None, *paths] for i, prompt in enumerate(PROMPTS)}
     return base, paths, want
 
 
