@@ -178,6 +178,7 @@ class Linear(nn.Module):
         if self.held_packed:
             y = self._amx_packed(x, live_rows, axes)
             return self._add_lora(x, y, axes) if self.lora_slots else y
+        inputs = x  # what an adapter reads: the input as given, not as the quantized product reorders it
         if self.quant is None:
             kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(), axes),
                                 (x.shape[-1], self.features), self.dtype)
@@ -193,7 +194,7 @@ class Linear(nn.Module):
         if self.use_bias:
             y = y + self._bias(axes).astype(y.dtype)
         if self.lora_slots:
-            y = self._add_lora(x, y, axes)
+            y = self._add_lora(inputs, y, axes)
         return y
 
     def _add_lora(self, x: jax.Array, y: jax.Array, axes) -> jax.Array:

@@ -29,6 +29,9 @@ class LoRASlots:
         self.slot_users = [0] * config.max_loras
         self._last_used = [0] * config.max_loras
         self._clock = 0
+        # Slots whose adapter was removed while requests still ran with it: emptied when the last one ends,
+        # never handed to a new request (a name loaded again may be another adapter).
+        self._retired: set[int] = set()
 
     def load(self, request: LoRARequest) -> LoRAAdapter:
         """The adapter in host memory (read now if it is not), marked most recently used."""
@@ -49,18 +52,23 @@ class LoRASlots:
             if name not in in_slots and name != keep:
                 del self.host[name]
 
+    def _slot_of(self, name: str) -> int | None:
+        for slot, held in enumerate(self.slot_adapter):
+            if held == name and slot not in self._retired:
+                return slot
+        return None
+
     def can_acquire(self, request: LoRARequest) -> bool:
         """Whether `acquire` would give `request` a slot now."""
-        return request.lora_name in self.slot_adapter or 0 in self.slot_users
+        return self._slot_of(request.lora_name) is not None or 0 in self.slot_users
 
     def acquire(self, request: LoRARequest) -> int | None:
         """The slot `request` runs in, its adapter placed there if it was not; None when every slot is in use
         by other adapters (the request waits)."""
         self._clock += 1
         name = request.lora_name
-        if name in self.slot_adapter:
-            slot = self.slot_adapter.index(name)
-        else:
+        slot = self._slot_of(name)
+        if slot is None:
             idle = [s for s in range(len(self.slot_adapter)) if self.slot_users[s] == 0]
             if not idle:
                 return None
@@ -78,15 +86,20 @@ class LoRASlots:
         if self.slot_users[slot] <= 0:
             raise RuntimeError(f"LoRA slot {slot} released more often than acquired")
         self.slot_users[slot] -= 1
+        if self.slot_users[slot] == 0 and slot in self._retired:
+            self._retired.discard(slot)
+            self.slot_adapter[slot] = None
 
     def remove(self, name: str) -> bool:
         """Forgets adapter `name` (host memory and its idle slot); False if it was not loaded. A slot in use
         keeps it until its requests finish."""
         known = self.host.pop(name, None) is not None
-        if name in self.slot_adapter:
-            slot = self.slot_adapter.index(name)
+        slot = self._slot_of(name)
+        if slot is not None:
             if self.slot_users[slot] == 0:
                 self.slot_adapter[slot] = None
+            else:
+                self._retired.add(slot)
             known = True
         return known
 

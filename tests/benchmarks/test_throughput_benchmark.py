@@ -76,3 +76,27 @@ def test_throughput_benchmark_runs_data_and_tensor_parallel(tiny_model_dir, tmp_
     assert paged["requests_per_replica"] == [3, 2]
     assert paged["output_tokens"] == report["workload"]["output_tokens"]
     assert paged["compilations_in_timed_run"] == 0
+
+
+def test_throughput_benchmark_runs_requests_over_lora_adapters(tiny_model_dir, tmp_path):
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", tiny_model_dir, "--num-requests", "4", "--input-len", "4", "8",
+                 "--output-len", "6", "10", "--hf-batch-sizes", "--no-hf-continuous", "--lora", "2",
+                 "--lora-rank", "8", "--json", str(out)]) == 0
+    results = {r["system"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(results) == {"paged", "paged-lora-2"}
+    lora = results["paged-lora-2"]
+    assert (lora["lora_adapters"], lora["lora_rank"]) == (2, 8)
+    assert lora["output_tokens"] == results["paged"]["output_tokens"] and lora["compilations_in_timed_run"] == 0
+
+
+def test_benchmark_adapters_are_peft_adapters(tiny_model_dir):
+    """The random adapters load in PEFT itself, on every projection of the model."""
+    import pytest
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    from paged.benchmarks.lora_adapters import TARGETS, write_random_adapters
+    (path,) = write_random_adapters(tiny_model_dir, 1, rank=8)
+    model = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir), path)
+    adapted = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if hasattr(module, "lora_A")}
+    assert adapted == set(TARGETS)

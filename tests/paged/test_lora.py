@@ -131,11 +131,16 @@ def test_host_memory_keeps_max_cpu_loras_and_never_drops_an_adapter_in_a_slot():
 
 
 def test_removed_adapters_leave_idle_slots_and_stay_while_running():
-    slots, _, _ = _slots(max_loras=2)
+    slots, reads, writes = _slots(max_loras=2)
     slot = slots.acquire(_request("a", 1))
     assert slots.remove("a") and slots.slot_adapter[slot] == "a"  # still running
+    # Loaded again (perhaps another adapter under the name) while the old one runs: a fresh read, another slot.
+    again = slots.acquire(_request("a", 2))
+    assert again != slot and reads == ["a", "a"] and writes == [(slot, "a"), (again, "a")]
     slots.release(slot)
-    assert slots.remove("a") and slots.slot_adapter[slot] is None
+    assert slots.slot_adapter[slot] is None  # emptied once its last request ended
+    slots.release(again)
+    assert slots.remove("a") and slots.slot_adapter[again] is None
     assert not slots.remove("never-loaded")
     with pytest.raises(RuntimeError, match="released more often"):
         slots.release(slot)

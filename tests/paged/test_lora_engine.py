@@ -116,13 +116,15 @@ def test_more_adapters_than_slots_wait_their_turn(llama):
     assert llm.engine.lora_slots.slot_users == [0]
 
 
-def test_a_gptq_base_with_adapters_equals_peft_on_the_dequantized_weights(llama, tmp_path):
+@pytest.mark.parametrize("desc_act", [False, True], ids=["plain", "act-order"])
+def test_a_gptq_base_with_adapters_equals_peft_on_the_dequantized_weights(llama, tmp_path, desc_act):
+    """The adapter reads the layer's input as given (act-order GPTQ regroups it for the quantized product)."""
     from tests.models.test_quantized_checkpoints import _gptq_layer, _write_quantized
     base, adapter_paths = llama
-    config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False,
+    config = {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": desc_act, "sym": False,
               "checkpoint_format": "gptq"}
     quantized, reference = _write_quantized(base, tmp_path / "q", tmp_path / "ref",
-                                            lambda w, rng: _gptq_layer(w, 4, 32, False, rng), config)
+                                            lambda w, rng: _gptq_layer(w, 4, 32, desc_act, rng), config)
     requests = [LoRARequest(f"adapter{i}", i + 1, path) for i, path in enumerate(adapter_paths)]
     prompts = _prompts(4)
     chosen = [requests[0], None, requests[1], requests[2]]
@@ -214,3 +216,14 @@ def test_weights_saved_updated_and_restored_keep_adapters_apart(llama, tmp_path)
     assert restored.generate(prompt, greedy, lora_request=request, use_tqdm=False)[0].outputs[0].token_ids == adapted
     assert (restored.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids
             == llm.generate(prompt, greedy, use_tqdm=False)[0].outputs[0].token_ids)
+
+
+def test_an_adapted_request_follows_its_structured_output_constraint(llama):
+    from paged import StructuredOutputsParams
+    base, adapter_paths = llama
+    llm = LLM(base, dtype="float32", enable_lora=True, show_progress=False)
+    choices = ["alpha", "beta gamma", "delta"]
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=choices))
+    outputs = llm.generate([{"prompt_token_ids": p} for p in _prompts(3)], params, use_tqdm=False,
+                           lora_request=LoRARequest("adapter0", 1, adapter_paths[0]))
+    assert all(o.outputs[0].text in choices for o in outputs)
