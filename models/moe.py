@@ -13,13 +13,10 @@ Parameters (per layer; the decoder stacks them over layers):
 
 from __future__ import annotations
 
-from typing import Any
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from paged.models.config import ModelConfig
 from paged.models.layers import Block, GatedMLP, activation
 from paged.models.linear import TILE_ROWS, GroupedLinear, Linear, grouped_matmul
 
