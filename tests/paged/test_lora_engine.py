@@ -177,15 +177,22 @@ print("RESULT " + json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in o
 """ % MAX_NEW_TOKENS
 
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_tensor_parallel_splits_the_factors_with_their_kernels(llama, size):
-    """Column-parallel layers split B's columns, row-parallel ones A's rows; at 4 devices over 2 KV heads k/v's
-    B columns are repeated with their heads. The tokens are PEFT's."""
+def test_tensor_parallel_splits_the_factors_with_their_kernels(family):
+    """Column-parallel layers split B's columns, row-parallel ones A's rows (Phi-3's fused factors cut first).
+    The tokens are PEFT's."""
+    _tensor_parallel_case(*family, size=2)
+
+
+def test_tensor_parallel_repeats_kv_factors_with_their_heads(llama):
+    """At 4 devices over 2 KV heads, k/v's B columns are repeated with the heads they belong to."""
+    _tensor_parallel_case(*llama, size=4)
+
+
+def _tensor_parallel_case(base: str, adapter_paths: list[str], size: int) -> None:
     import json
     import os
     import subprocess
     import sys
-    base, adapter_paths = llama
     prompts = _prompts(4)
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={size}"}
     run = subprocess.run([sys.executable, "-c", TP_SCRIPT, json.dumps([base, adapter_paths, prompts, size])],
