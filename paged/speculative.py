@@ -1,0 +1,122 @@
+"""Speculative decoding's settings as vLLM spells them (`speculative_config`), and the n-gram proposer.
+
+`SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4})` checks a
+configuration the way vLLM does: `method` is "ngram" (prompt lookup), "draft_model" (a smaller checkpoint
+given as `model`), "eagle" or "eagle3" (a head given as `model`); a `model` without a method is a draft model
+(or "[ngram]", vLLM's old spelling of prompt lookup).
+
+The n-gram proposer (prompt lookup decoding) needs no model: the last n tokens of a sequence (n from
+`prompt_lookup_max` down to `prompt_lookup_min`) are looked up earlier in the same sequence, and the tokens that
+followed their latest earlier occurrence are proposed. Outputs that copy from their prompt (a rewrite, a
+summary quoting it, code edits) continue what they copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+import numpy as np
+
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+# vLLM's other methods, named so a configuration asking for one is refused by name.
+OTHER_METHODS = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp", "ernie_mtp", "qwen3_next_mtp", "mimo_mtp",
+                 "longcat_flash_mtp", "suffix")
+_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min",
+         "disable_by_batch_size", "draft_tensor_parallel_size")
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
+    # Requests arriving while more than this many wait run without speculation (None: always speculate).
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def parse(cls, value: "dict | str | SpeculativeConfig | None") -> "SpeculativeConfig | None":
+        """A configuration from a dict or its JSON text (the CLI's `--speculative-config`); ValueError naming
+        what is wrong."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"speculative_config must be a JSON object, got {value!r}: {exc}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        unknown = sorted(set(value) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; the keys are {', '.join(_KEYS)}")
+        fields: dict[str, Any] = dict(value)
+        if fields.pop("draft_tensor_parallel_size", None) not in (None, 1):
+            raise ValueError("speculative_config: draft_tensor_parallel_size other than 1 is not supported")
+        method, model = fields.get("method"), fields.get("model")
+        if method is None or method == "[ngram]":
+            if model == "[ngram]" or method == "[ngram]":
+                method, model = "ngram", None
+            elif model is not None:
+                method = "draft_model"
+            else:
+                raise ValueError("speculative_config needs a method (ngram, draft_model, eagle, eagle3) or a model")
+        if method in OTHER_METHODS:
+            raise ValueError(f"speculative_config: method {method!r} is not supported; supported: "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        if method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: unknown method {method!r}; supported: "
+                             f"{', '.join(SPECULATIVE_METHODS)}")
+        fields.update(method=method, model=model)
+        k = fields.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if method == "ngram":
+            fields.update(_lookup_bounds(fields.get("prompt_lookup_min"), fields.get("prompt_lookup_max")))
+        else:
+            if not model:
+                raise ValueError(f"speculative_config: method {method!r} needs a model (the draft's or the head's "
+                                 "checkpoint)")
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                if fields.get(key) is not None:
+                    raise ValueError(f"speculative_config: {key} is for method 'ngram', not {method!r}")
+        limit = fields.get("disable_by_batch_size")
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 2):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 2, got {limit!r}")
+        return cls(**fields)
+
+
+def _lookup_bounds(low, high) -> dict[str, int]:
+    """vLLM's defaults and checks for the n-gram lengths: both 5 when neither is given, else the one given for
+    both."""
+    if low is None and high is None:
+        low = high = 5
+    elif low is None:
+        low = high
+    elif high is None:
+        high = low
+    for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"speculative_config: {name}={value!r} must be > 0")
+    if low > high:
+        raise ValueError(f"speculative_config: prompt_lookup_min={low} must be <= prompt_lookup_max={high}")
+    return {"prompt_lookup_min": low, "prompt_lookup_max": high}
+
+
+def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """Up to `k` tokens proposed for `token_ids` (int [L], the sequence so far): for the longest n in
+    [min_n, max_n] whose last-n-token suffix occurred earlier, the tokens that followed its latest earlier
+    occurrence (fewer when that occurrence sits near the end; none without a match)."""
+    length = len(token_ids)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = token_ids[length - n:]
+        # Windows starting at 0 .. length - n - 1: every earlier n-gram (the suffix itself excluded).
+        windows = np.lib.stride_tricks.sliding_window_view(token_ids[:length - 1], n)
+        starts = np.flatnonzero((windows == suffix).all(axis=1))
+        if starts.size:
+            follow = starts[-1] + n
+            return token_ids[follow:follow + k]
+    return token_ids[:0]
