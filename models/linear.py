@@ -211,8 +211,11 @@ class Linear(nn.Module):
         if slots is None:
             return y
         lead = x.shape[:-1]
-        delta = lora_delta(x.reshape(-1, in_features), a, b, slots)
-        return (y.astype(jnp.float32) + delta.reshape(*lead, self.features)).astype(y.dtype)
+        flat = x.reshape(-1, in_features)
+        adapted = lambda: (y.astype(jnp.float32)
+                           + lora_delta(flat, a, b, slots).reshape(*lead, self.features)).astype(y.dtype)
+        # A step of base-model requests only (the common case on a server with adapters) skips the products.
+        return jax.lax.cond(jnp.any(slots >= 0), adapted, lambda: y)
 
     def _bias(self, axes) -> jax.Array:
         # A row-parallel layer adds its bias once, after the partial sums are reduced: replicated.
