@@ -223,16 +223,7 @@ class EngineConfig:
 
     def parsed_hf_overrides(self) -> dict | None:
         """`hf_overrides` as a dict (it may be given as one, or as its JSON text)."""
-        value = self.hf_overrides
-        if value is None or isinstance(value, dict):
-            return value
-        try:
-            parsed = json.loads(value)
-        except (TypeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"hf_overrides must be a JSON object, got {value!r}: {exc}") from None
-        if not isinstance(parsed, dict):
-            raise ValueError(f"hf_overrides must be a JSON object, got {value!r}")
-        return parsed
+        return None if self.hf_overrides is None else json_object(self.hf_overrides, "hf_overrides")
 
     def resolved(self, model_max_len: int, max_position_embeddings: int | None = None) -> "EngineConfig":
         """Fills max_model_len and max_num_batched_tokens from the model and each other. `model_max_len`: the
@@ -297,3 +288,17 @@ def engine_kwargs_from_cli_args(args: argparse.Namespace) -> dict[str, Any]:
 
 def engine_option_names() -> tuple[str, ...]:
     return tuple(f.name for f in dataclasses.fields(EngineConfig))
+
+
+def json_object(value: Any, option: str) -> dict:
+    """An option given as a dict or as its JSON text (a command-line flag), as a dict; ValueError naming the
+    option otherwise."""
+    if isinstance(value, dict):
+        return value
+    try:
+        parsed = json.loads(value)
+    except (TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{option} must be a JSON object, got {value!r}: {exc}") from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{option} must be a JSON object, got {value!r}")
+    return parsed

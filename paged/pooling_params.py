@@ -9,9 +9,9 @@ classification head.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
+from paged.config import json_object
 from paged.sampling_params import InvalidParameter
 
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -42,13 +42,7 @@ class PoolerConfig:
             return cls()
         if isinstance(value, cls):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"pooler_config must be a JSON object, got {value!r}: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config must be a PoolerConfig, a dict or a JSON object, got {value!r}")
+        value = json_object(value, "pooler_config")
         known = {f.name for f in dataclasses.fields(cls)}
         value = _renamed_normalize(value)
         unknown = sorted(set(value) - known)

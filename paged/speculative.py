@@ -14,10 +14,11 @@ summary quoting it, code edits) continue what they copy.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any
 
 import numpy as np
+
+from paged.config import json_object
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # vLLM's other methods, named so a configuration asking for one is refused by name.
@@ -43,13 +44,7 @@ class SpeculativeConfig:
         what is wrong."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"speculative_config must be a JSON object, got {value!r}: {exc}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(value).__name__}")
+        value = json_object(value, "speculative_config")
         unknown = sorted(set(value) - set(_KEYS))
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)}; the keys are {', '.join(_KEYS)}")
