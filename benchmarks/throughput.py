@@ -12,6 +12,7 @@ output_len tokens):
   - hf-continuous: transformers' own continuous batching (init_continuous_batching), when available;
   - paged-json-F: with --json-fractions, this engine again with a fraction F of the requests constrained to a
     JSON schema (structured outputs), to measure what constraints cost the batch;
+  - paged-no-spec: with --speculative-config, this engine again without it (the same requests, for the ratio);
   - paged-lora-N: with --lora, this engine again with LoRA on and the requests spread round-robin over N random
     adapters of rank --lora-rank on every projection (all N in device slots: max_loras N), to measure what
     serving adapters costs against the base alone.
@@ -147,6 +148,13 @@ def run_paged(model_dir: str, workload, engine_args: dict, vocab: int,
         extra["requests_per_replica"] = [len(range(rank, len(prompts), len(engines))) for rank in range(len(engines))]
     if lora_paths:
         extra.update(lora_adapters=len(lora_paths), lora_rank=lora_rank)
+    if engine.speculative is not None:  # counted over the warm-up and the timed run alike
+        stats = [e.spec_stats for e in engines]
+        drafts, proposed = sum(s.num_drafts for s in stats), sum(s.num_draft_tokens for s in stats)
+        accepted = sum(s.num_accepted_tokens for s in stats)
+        extra.update(spec_drafts=drafts, spec_draft_tokens=proposed, spec_accepted_tokens=accepted,
+                     spec_acceptance_rate=accepted / proposed if proposed else 0.0,
+                     spec_mean_acceptance_length=1 + accepted / drafts if drafts else 0.0)
     if json_fraction:
         extra.update(json_fraction=json_fraction, grammar_compile_seconds=sum(e.grammars.compile_seconds
                                                                               for e in engines),
@@ -339,6 +347,11 @@ def main(argv=None) -> int:
           f"{rate / 1e9:.1f} GFLOP/s; compute floor {sum(workload.output_lens) * rate / flops:.0f} output tokens/s",
           file=sys.stderr)
     results.append(_result("paged", workload, seconds, warmup, flops, rate, **extra))
+    if engine_args.get("speculative_config"):
+        measured = run_paged(model_dir, workload, {**engine_args, "speculative_config": None}, config.vocab_size)
+        results.append(_result("paged-no-spec", workload, *measured[:2], flops, rate, **measured[2]))
+        print(f"speculative decoding: acceptance rate {extra['spec_acceptance_rate']:.1%}, mean acceptance length "
+              f"{extra['spec_mean_acceptance_length']:.2f} tokens a step", file=sys.stderr)
     for fraction in args.json_fractions:
         if not 0 < fraction <= 1:
             raise SystemExit(f"--json-fractions must be in (0, 1], got {fraction}")

@@ -136,6 +136,9 @@ class EngineConfig:
     max_loras: int = _option(1, "LoRA adapters on the device at once (requests of others wait)")
     max_lora_rank: int = _option(16, "largest LoRA rank served", (1, 8, 16, 32, 64, 128, 256, 320, 512))
     max_cpu_loras: int | None = _option(None, "LoRA adapters kept in host memory (default: max_loras)")
+    # vLLM's --speculative-config (paged/speculative.py): here the n-gram (prompt lookup) method, greedy requests.
+    speculative_config: str | None = _option(None, "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
+                                                   "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}'")
     quantization: str | None = _option(None, "quantize online (int8 or fp8: weight-only, per output channel) or "
                                              "check the checkpoint's own quantization_config (gptq, awq, "
                                              "compressed-tensors, fp8); default: the checkpoint's")
@@ -211,6 +214,7 @@ class EngineConfig:
             PoolerConfig.parse(self.pooler_config)  # raises ValueError naming what is wrong
         if self.enable_lora:
             self.lora_config()  # raises ValueError naming what is wrong
+        self.parsed_speculative_config()  # raises ValueError naming what is wrong
         check(isinstance(self.swap_space, (int, float)) and self.swap_space >= 0,
               f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
 
@@ -220,6 +224,11 @@ class EngineConfig:
             return None
         from paged.lora import LoRAConfig
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+
+    def parsed_speculative_config(self):
+        """`speculative_config` checked (paged.speculative.SpeculativeConfig), or None."""
+        from paged.speculative import SpeculativeConfig
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def parsed_hf_overrides(self) -> dict | None:
         """`hf_overrides` as a dict (it may be given as one, or as its JSON text)."""

@@ -33,6 +33,7 @@ from paged.request import PLACEHOLDER, ParentRequest
 from paged.sampler import SamplerOutput
 from paged.sampling_params import SamplingParams
 from paged.scheduler import ScheduledBatch, Scheduler
+from paged.speculative import SpecDecodeStats, ngram_proposer
 from paged.trace import EngineTrace, StepRecord, record_step
 from paged.worker import Worker
 
@@ -121,15 +122,25 @@ class LLMEngine:
         # Which LoRA adapter is in which device slot, and which wait in host memory (None: LoRA is off).
         self.lora_slots = (LoRASlots(worker.lora, worker.read_adapter, worker.write_adapter)
                            if worker.lora is not None else None)
+        self.speculative = speculative = config.parsed_speculative_config()
+        if speculative is not None and speculative.method != "ngram":
+            raise NotImplementedError(f"speculative decoding by {speculative.method!r} is not implemented yet; "
+                                      "method 'ngram' is")
+        if speculative is not None and self.runner_type == "pooling":
+            raise ValueError("speculative decoding is for generation; a pooling model does not decode")
+        # Proposals and their verification (paged/speculative.py); counts as vLLM's spec-decode metrics.
+        self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
         recompute_len = model_config.rope_recompute_len
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs, config.max_num_batched_tokens,
                                    config.enable_chunked_prefill, worker.mover if worker.mover.swap_blocks else None,
                                    rope_recompute=(recompute_len, model_config.rope.length_class(recompute_len))
-                                   if recompute_len is not None else None, lora_slots=self.lora_slots)
+                                   if recompute_len is not None else None, lora_slots=self.lora_slots,
+                                   propose=ngram_proposer(speculative) if speculative is not None else None)
         # When every layer slides, blocks behind the widest window are released as sequences advance.
         windows = self.model_config.layer_windows
         release_window = max(windows) if windows and all(w > 0 for w in windows) else 0
-        self.outputs = OutputProcessor(self.scheduler, self.block_manager, self.tokenizer, eos, release_window)
+        self.outputs = OutputProcessor(self.scheduler, self.block_manager, self.tokenizer, eos, release_window,
+                                       self.spec_stats)
         self.requests: dict[str, ParentRequest] = {}
         self.num_constrained_requests = 0  # requests added with a structured-output constraint
         self.num_computed_prompt_tokens = 0  # prompt tokens actually run through the model (not cache hits)
@@ -305,7 +316,8 @@ class LLMEngine:
         self.num_computed_prompt_tokens += sum(batch.prompt_tokens_per_row())
         spans = prompt_logprob_spans(batch)
         inputs = prepare_inputs(batch, self.block_manager, self.buckets, spans)
-        out, tokens = self.worker.launch(inputs, previous.tokens if previous is not None else None)
+        verify = any(request.num_drafts for request in batch.requests)
+        out, tokens = self.worker.launch(inputs, previous.tokens if previous is not None else None, verify)
         token_index = []
         reads_back = False
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
@@ -316,7 +328,9 @@ class LLMEngine:
             token_index.append(request.num_tokens)
             request.token_ids.append(PLACEHOLDER)
             request.placeholder_row = row
-            reads_back = reads_back or request.params.has_penalties or request.grammar is not None
+            # A proposal is made from the tokens read back: a speculating engine reads every step back.
+            reads_back = (reads_back or request.params.has_penalties or request.grammar is not None
+                          or self.speculative is not None)
         return _InFlight(batch, token_index, out, tokens, reads_back, spans)
 
     def _postprocess(self, flight: "_InFlight") -> list[RequestOutput]:

@@ -8,6 +8,8 @@ import dataclasses
 import logging
 import time
 
+import numpy as np
+
 from paged.batch import PromptLogprobSpan
 from paged.block_manager import BlockManager
 from paged.detokenizer import find_stop_string
@@ -18,6 +20,7 @@ from paged.pooling_params import PoolerConfig
 from paged.request import ParentRequest, Request, RequestStatus
 from paged.sampler import PromptLogprobs, SamplerOutput
 from paged.scheduler import ScheduledBatch, Scheduler
+from paged.speculative import SpecDecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -33,14 +36,15 @@ class ProcessedStep:
 
 class OutputProcessor:
     def __init__(self, scheduler: Scheduler, block_manager: BlockManager, tokenizer, eos_token_ids: tuple[int, ...],
-                 release_window: int):
+                 release_window: int, spec_stats: SpecDecodeStats | None = None):
         """`release_window`: when every layer slides, the widest window (blocks wholly behind it are freed as
-        sequences advance); 0 otherwise."""
+        sequences advance); 0 otherwise. `spec_stats`: where verified proposals are counted."""
         self.scheduler = scheduler
         self.block_manager = block_manager
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.release_window = release_window
+        self.spec_stats = spec_stats
 
     def process(self, batch: ScheduledBatch, token_index: list[int], sampled: SamplerOutput,
                 prompt_spans: list[PromptLogprobSpan] = ()) -> ProcessedStep:
@@ -52,10 +56,14 @@ class OutputProcessor:
         for span in prompt_spans:
             if not span.request.finished:
                 self._record_prompt_logprobs(span, sampled.prompt)
+        offsets = np.cumsum([0, *batch.num_new_tokens])
         for i, (request, index) in enumerate(zip(batch.requests, token_index)):
             if request.finished:
                 continue  # stopped or aborted while this step ran: its row is discarded
-            if index >= 0:
+            new_tokens = None
+            if index >= 0 and request.num_drafts:
+                new_tokens = self._verify_drafts(request, sampled.verified[offsets[i]:offsets[i + 1]])
+            elif index >= 0:
                 request.token_ids[index] = int(sampled.tokens[i])
             self.block_manager.cache_full_blocks(request)
             if self.release_window:
@@ -69,7 +77,13 @@ class OutputProcessor:
                 copies += self._fork(parent)
             if request.logprobs is not None:
                 self._record_logprobs(request, sampled, i)
-            self._accept_token(request, index)
+            if new_tokens is None:
+                self._accept_token(request, index)
+            for token in new_tokens or ():  # one at a time: a stop among them ends the output there
+                request.token_ids.append(token)
+                self._accept_token(request, request.num_tokens - 1)
+                if request.finished:
+                    break
             if request.finished and request.detokenizer is not None and not isinstance(request.stop_reason, str):
                 request.text += request.detokenizer.flush()
             touched[parent.request_id] = parent
@@ -133,6 +147,23 @@ class OutputProcessor:
                 copies.append(pair)
         parent.pending_forks = []
         return copies
+
+    def _verify_drafts(self, request: Request, greedy: np.ndarray) -> list[int]:
+        """Checks a row's proposed tokens against the target's greedy tokens after each of its packed tokens
+        (`greedy`: after the last verified token, then after each proposal): the leading proposals it agrees
+        with are accepted, then its own next token. The rest leave token_ids, and the request's computed tokens
+        end after the last accepted one (the rejected positions' K/V are written over later). Returns the
+        tokens to append, in order."""
+        drafts = request.token_ids[request.num_tokens_before_drafts:request.num_tokens_before_drafts
+                                   + request.num_drafts]
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == int(greedy[accepted]):
+            accepted += 1
+        if self.spec_stats is not None:
+            self.spec_stats.record(len(drafts), accepted)
+        request.drop_drafts()  # and the placeholder after them
+        request.num_computed_tokens = request.num_tokens + accepted
+        return [*drafts[:accepted], int(greedy[accepted])]
 
     def _accept_token(self, request: Request, index: int) -> None:
         """Checks the token just read into token_ids[index] against the request's stop conditions (finishing

@@ -72,6 +72,8 @@ class Request:
         self.cache_salt = cache_salt
         self.lora_request = lora_request  # the adapter it runs with (None: the base model)
         self.lora_slot = -1  # the device slot holding its adapter while it runs (paged/lora_slots.py)
+        # Proposed tokens at the end of token_ids, computed by the step under way and not yet verified.
+        self.num_drafts = 0
         # Rotary frequencies follow at least this sequence length (a length-dependent rope; raised when the
         # sequence switches to LongRoPE's long factors and recomputes its K/V).
         self.rope_length_floor = 0
@@ -123,6 +125,20 @@ class Request:
         """Whether some prompt logprob it asked for is still to be computed (its prompt cannot then come from
         the prefix cache, which keeps K/V but no logits)."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
+
+    def drop_drafts(self) -> None:
+        """Removes unverified proposed tokens from the end (and what followed them)."""
+        if self.num_drafts:
+            del self.token_ids[self.num_tokens_before_drafts:]
+            self.num_drafts = 0
+
+    @property
+    def num_tokens_before_drafts(self) -> int:
+        """Tokens before the proposals (with the placeholder after them, if any, counted out too)."""
+        end = len(self.token_ids)
+        if end and self.token_ids[-1] == PLACEHOLDER:
+            end -= 1
+        return end - self.num_drafts
 
     def drop_placeholders(self) -> None:
         """Removes tokens still in flight from the end (a finished request keeps only what it produced)."""

@@ -125,6 +125,8 @@ class ModelRunner:
         self._draw_adjusted = jax.jit(self._draw_adjusted_impl, donate_argnums=(4,))
         # Prompt logprobs from the step's normed hidden states (per token bucket).
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl)
+        # The greedy next token after every packed token, to verify proposed tokens (per token bucket).
+        self._verify = jax.jit(self._verify_impl)
 
     def _step_impl(self, params, kv_cache, inputs: StepInputs, previous_tokens):
         self.num_compilations += 1  # runs only while tracing, i.e. once per new input shape
@@ -169,6 +171,11 @@ class ModelRunner:
         head = lambda h: self.model.logits(params, LastHidden(h, jnp.int32(h.shape[0])))
         return prompt_logprobs(head, jnp.take(token_hidden, indices, axis=0, mode="clip"), targets)
 
+    def _verify_impl(self, params, token_hidden):
+        self.num_compilations += 1
+        logits = self.model.logits(params, LastHidden(token_hidden, jnp.int32(token_hidden.shape[0])))
+        return self.argmax(logits)
+
     def _adjusted_logits_impl(self, params, hidden, rows, num_rows, allowed_tokens):
         self.num_compilations += 1
         h = jnp.take(hidden, rows, axis=0, mode="clip")
@@ -194,13 +201,14 @@ class ModelRunner:
             tokens = jax.device_put(tokens, self.no_tokens.sharding)
         return AdjustedSamples(a.rows, samples), tokens
 
-    def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None = None
+    def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None = None, verify: bool = False
                ) -> tuple[SamplerOutput, jax.Array]:
         """Starts one step without waiting for it (JAX dispatches asynchronously).
 
         `previous_tokens` is the padded token array the previous launch returned: the tokens `inputs` marks in
         `token_source` are read from it on the device. Returns the sampler's output (device arrays; `fetch` reads
-        them) and this step's padded tokens for the next launch.
+        them) and this step's padded tokens for the next launch. `verify`: the step carries proposed tokens;
+        its output then holds the greedy next token after every packed token (`SamplerOutput.verified`).
         """
         if self.publish is not None:
             self.publish(Launch(inputs, previous_tokens is not None))
@@ -220,6 +228,8 @@ class ModelRunner:
         if prompt_indices.shape[0]:
             out = dataclasses.replace(out, prompt=self._prompt_logprobs(self.params, token_hidden, prompt_indices,
                                                                         prompt_targets))
+        if verify:
+            out = dataclasses.replace(out, verified=self._verify(self.params, token_hidden))
         if adjustments is not None:
             adjusted, tokens = self.sample_adjusted(hidden, tokens, adjustments)
             out = dataclasses.replace(out, adjusted=adjusted)
@@ -254,9 +264,9 @@ class ModelRunner:
         host = jax.tree.map(np.asarray, out)
         return host.merged() if isinstance(host, SamplerOutput) else host
 
-    def run(self, inputs: StepInputs) -> SamplerOutput:
+    def run(self, inputs: StepInputs, verify: bool = False) -> SamplerOutput:
         """Runs one step and waits for it; returns the sampler's output as host numpy arrays."""
-        return self.fetch(self.launch(inputs)[0])
+        return self.fetch(self.launch(inputs, verify=verify)[0])
 
 
 def _blocks_bucket(n: int) -> int:

@@ -74,6 +74,9 @@ class SamplerOutput:
     top_logprobs: jax.Array
     prompt: PromptLogprobs | None = None
     adjusted: AdjustedSamples | None = None
+    # int32 [T]: the greedy next token after every packed token, for verifying proposed tokens (speculative
+    # decoding); None when the step verified none.
+    verified: jax.Array | None = None
 
     def merged(self) -> SamplerOutput:
         """On host arrays: the adjusted rows' samples written over the fused step's (which sampled them as
@@ -87,7 +90,7 @@ class SamplerOutput:
             values = np.array(getattr(self, name))
             values[rows[real]] = np.asarray(getattr(self.adjusted.samples, name))[real]
             fields[name] = values
-        return SamplerOutput(**fields, prompt=self.prompt)
+        return SamplerOutput(**fields, prompt=self.prompt, verified=self.verified)
 
 
 @jax.tree_util.register_dataclass

@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING
 from paged.block_manager import BlockManager
 from paged.prefix_keys import prefix_root
-from paged.request import Request, RequestStatus
+from paged.request import PLACEHOLDER, Request, RequestStatus
 from paged.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
@@ -49,13 +49,16 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, swapper=None, rope_recompute: tuple[int, str] | None = None,
-                 lora_slots: "LoRASlots | None" = None):
+                 lora_slots: "LoRASlots | None" = None, propose=None):
         """`swapper` (optional) moves a request's K/V to host and back: swap_out(request) -> bool,
         swap_in(request) after its blocks are allocated. `rope_recompute` (length, rope class): a sequence
         that reaches `length` tokens recomputes its K/V with the frequencies of that class (Phi-3's LongRoPE
         switch to its long factors, ModelConfig.rope_recompute_len). `lora_slots`: the device slots of LoRA
         adapters (paged/lora_slots.py); a request with an adapter runs only while it holds one, and one whose
-        adapter cannot have a slot now is passed over by those behind it (as vLLM's scheduler does)."""
+        adapter cannot have a slot now is passed over by those behind it (as vLLM's scheduler does).
+        `propose(request, limit) -> list[int]`: speculative decoding's proposer (paged/speculative.py): up to
+        `limit` tokens appended to a decoding request that may speculate, computed with its next token and
+        verified when the step is read back."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -63,6 +66,7 @@ class Scheduler:
         self.swapper = swapper
         self.rope_recompute = rope_recompute
         self.lora_slots = lora_slots
+        self.propose = propose
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -86,6 +90,8 @@ class Scheduler:
                 continue
             if self.rope_recompute is not None:
                 self._switch_rope(request)
+            if self.propose is not None:
+                self._add_drafts(request, budget)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self._allocate_or_preempt(request, num_new, batch):
                 break  # `request` itself was preempted; everything after it already was
@@ -115,6 +121,19 @@ class Scheduler:
             batch.num_new_tokens.append(num_new)
             budget -= num_new
         return batch
+
+    def _add_drafts(self, request: Request, budget: int) -> None:
+        """Appends the proposer's tokens to a request about to compute its one next token, within the step's
+        budget and the request's length limit (its last verified token must stay within it)."""
+        if (request.num_computed_tokens != request.num_tokens - 1 or request.token_ids[-1] == PLACEHOLDER
+                or not may_speculate(request)):
+            return
+        room = budget - 1
+        if request.length_limit is not None:
+            room = min(room, request.length_limit - request.num_tokens - 1)
+        drafts = self.propose(request, room) if room > 0 else []
+        request.token_ids.extend(int(t) for t in drafts)
+        request.num_drafts = len(drafts)
 
     def _next_admissible(self) -> Request | None:
         """The request admission takes next: the queue's head, unless its LoRA adapter can have no slot now;
@@ -194,6 +213,7 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
+        request.drop_drafts()
         if self.swapper is not None and self.swapper.swap_out(request):
             self.num_swaps += 1  # K/V now on the host; num_computed_tokens stays
         else:
@@ -240,7 +260,17 @@ class Scheduler:
         self._release_lora(request)
         if self.swapper is not None:
             self.swapper.release(request)
+        request.drop_drafts()  # never verified: not part of the output
         request.drop_placeholders()
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         request.stop_reason = stop_reason
+
+
+def may_speculate(request: Request) -> bool:
+    """Whether proposed tokens can be verified for `request` by the greedy check: a greedy request whose
+    logits nothing adjusts (no penalties, logit_bias, banned stop ids, grammar) and that wants no logprobs."""
+    params = request.params
+    return (params.temperature == 0 and params.logprobs is None and not params.logit_bias
+            and not params.has_penalties and request.grammar is None and request.pooling is None
+            and request.num_output_tokens >= params.min_tokens)

@@ -115,3 +115,43 @@ def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.n
             follow = starts[-1] + n
             return token_ids[follow:follow + k]
     return token_ids[:0]
+
+
+def ngram_proposer(config: SpeculativeConfig):
+    """The scheduler's `propose(request, limit)` for method "ngram": up to min(k, limit) tokens."""
+    def propose(request, limit: int) -> list[int]:
+        tokens = np.asarray(request.token_ids, np.int64)
+        return propose_ngram(tokens, config.prompt_lookup_min, config.prompt_lookup_max,
+                             min(config.num_speculative_tokens, limit)).tolist()
+    return propose
+
+
+@dataclasses.dataclass
+class SpecDecodeStats:
+    """vLLM's spec-decode counters: rows that carried proposals (drafts), proposed and accepted tokens, and
+    acceptances by position (index i: proposals whose first i + 1 tokens were all accepted)."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_per_position = [0] * self.num_speculative_tokens
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        for position in range(accepted):
+            self.accepted_per_position[position] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a speculating row produced per step on average (accepted ones plus the target's own)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

@@ -55,9 +55,12 @@ class Worker:
         # run there); on the default device nothing changes.
         self.device = devices[0] if self.mesh is None and devices[0] != jax.devices()[0] else None
         self.lora = config.lora_config()
+        self.speculative = config.parsed_speculative_config()
         if channel is not None:
             if self.lora is not None:  # a slot's writes would have to reach every process
                 raise NotImplementedError("LoRA adapters do not run over several processes yet")
+            if config.speculative_config is not None:
+                raise NotImplementedError("speculative decoding does not run over several processes yet")
             if config.preemption_mode == "swap":  # the leader holds only its own heads' K/V to swap out
                 raise NotImplementedError("preemption_mode='swap' does not run over several processes yet")
             multihost.check_same_run(channel, multihost.fingerprint(config, model_config))
@@ -134,9 +137,11 @@ class Worker:
 
     # ---- what the engine runs -------------------------------------------------------------------------
 
-    def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None) -> tuple[SamplerOutput, jax.Array]:
-        """Starts one step (ModelRunner.launch): its sampler output on the device, and its padded samples."""
-        return self.runner.launch(inputs, previous_tokens)
+    def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None, verify: bool = False
+               ) -> tuple[SamplerOutput, jax.Array]:
+        """Starts one step (ModelRunner.launch): its sampler output on the device, and its padded samples;
+        `verify`: with the greedy next token after every packed token (proposed tokens to check)."""
+        return self.runner.launch(inputs, previous_tokens, verify)
 
     def fetch(self, out: SamplerOutput) -> SamplerOutput:
         """Waits for a launched step: its samples (token ids, requested logprobs) as host arrays."""
@@ -171,7 +176,8 @@ class Worker:
                 continue
             prompt_rows = np.zeros(prompt_logprob_rows(t_pad), np.int32)
             self.runner.run(dataclasses.replace(padding, prompt_logprob_indices=prompt_rows,
-                                                prompt_logprob_targets=prompt_rows))
+                                                prompt_logprob_targets=prompt_rows),
+                            verify=self.speculative is not None)  # the verifying program too
         step = padding_inputs(block_manager, buckets, shapes[0][0])
         for num_rows, num_entries in progress(adjustment_shapes, desc="Compiling sampling", disable=not show_progress):
             adjustments = build_adjustments([], step.sampling, buckets.max_num_seqs, buckets.mask_words,

@@ -69,6 +69,16 @@ class EngineMetrics:
         # A compile after start-up is a stall for every running request: this should stay flat while serving.
         self.compilations = Counter("paged:step_compilations", "Device programs compiled (step shapes, sampling "
                                     "and block moves traced for a new shape)", labels, registry=r)
+        # vLLM's spec-decode counters: rows that carried proposals, proposed and accepted tokens, and accepted
+        # tokens by position in the proposal.
+        self.spec_drafts = Counter("paged:spec_decode_num_drafts", "Rows that carried proposed tokens", labels,
+                                   registry=r)
+        self.spec_draft_tokens = Counter("paged:spec_decode_num_draft_tokens", "Proposed tokens", labels, registry=r)
+        self.spec_accepted_tokens = Counter("paged:spec_decode_num_accepted_tokens", "Proposed tokens accepted",
+                                            labels, registry=r)
+        self.spec_accepted_per_position = Counter("paged:spec_decode_num_accepted_tokens_per_pos",
+                                                  "Proposed tokens accepted at each position of a proposal",
+                                                  labels + ["position"], registry=r)
         # vLLM's LoRA gauge: its labels say which adapters are in the running batch and which wait; the value
         # is when that was read (one series per replica, replaced at each update).
         self.lora_info = Gauge("paged:lora_requests_info", "LoRA adapters of running and waiting requests",
@@ -143,12 +153,24 @@ class EngineMetrics:
         self._advance(self.prefix_hits, labels, rank, "hits", stats["prefix_cache_hits"])
         self._advance(self.constrained, labels, rank, "constrained", engine.num_constrained_requests)
         self._advance(self.compilations, labels, rank, "compilations", engine.num_compilations)
+        if engine.speculative is not None:
+            self._spec_counts(engine.spec_stats, labels, rank)
         if engine.lora_slots is not None:
             self._lora_info(engine, labels)
         # Replicas share one grammar cache, compiled on server workers: its totals are counted on replica 0.
         if engine.grammars is not None and rank == 0:
             self._advance(self.grammars_compiled, labels, rank, "compiled", engine.grammars.num_compiled)
             self._advance(self.grammar_compile_seconds, labels, rank, "compile_s", engine.grammars.compile_seconds)
+
+    def _spec_counts(self, stats, labels: tuple[str, str], rank: int) -> None:
+        self._advance(self.spec_drafts, labels, rank, "spec_drafts", stats.num_drafts)
+        self._advance(self.spec_draft_tokens, labels, rank, "spec_draft_tokens", stats.num_draft_tokens)
+        self._advance(self.spec_accepted_tokens, labels, rank, "spec_accepted", stats.num_accepted_tokens)
+        seen = self._seen.setdefault(rank, {})
+        for position, total in enumerate(stats.accepted_per_position):
+            key = f"spec_accepted_{position}"
+            self.spec_accepted_per_position.labels(*labels, str(position)).inc(max(0, total - seen.get(key, 0)))
+            seen[key] = total
 
     def _lora_info(self, engine, labels: tuple[str, str]) -> None:
         waiting = {r.lora_request.lora_name for r in engine.scheduler.waiting if r.lora_request is not None}

@@ -31,7 +31,6 @@ ACCEPTED = {
 REFUSED = {
     "--pipeline-parallel-size": (True, "1", "pipeline parallelism is not implemented; use --tensor-parallel-size "
                                             "(and --data-parallel-size)"),
-    "--speculative-config": (True, None, "speculative decoding is not implemented"),
     "--cpu-offload-gb": (True, "0", "weight offloading is not implemented"),
 }
 

@@ -1,0 +1,125 @@
+"""Speculative decoding in the engine: greedy outputs equal the same engine without it, whatever the
+proposals (an oracle that knows the answer and then errs, the n-gram proposer on copied text)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged import LLM, SamplingParams
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def _prompts(count: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(5, 400, size=int(rng.integers(4, 30))).tolist() for _ in range(count)]
+
+
+def _tokens(llm, prompts, params=GREEDY) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def _oracle(answers: dict[tuple, list[int]], wrong_every: int):
+    """A proposer that knows each prompt's greedy continuation: it proposes the next tokens of it, with the
+    last one replaced by a wrong token on every `wrong_every`-th proposal (so some are accepted in full, some
+    in part)."""
+    calls = [0]
+
+    def propose(request, limit):
+        answer = answers[tuple(request.prompt_token_ids)]
+        done = request.num_tokens - request.num_prompt_tokens
+        drafts = answer[done:done + min(limit, 3)]
+        calls[0] += 1
+        if drafts and calls[0] % wrong_every == 0:
+            drafts = [*drafts[:-1], (drafts[-1] + 1) % 400]
+        return drafts
+    return propose
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir):
+    prompts = _prompts(6)
+    return prompts, _tokens(LLM(tiny_model_dir, show_progress=False), prompts)
+
+
+@pytest.mark.parametrize("wrong_every", [1, 2, 1000], ids=["always-one-wrong", "every-other", "all-right"])
+def test_greedy_outputs_do_not_change_whatever_is_accepted(tiny_model_dir, reference, wrong_every):
+    prompts, want = reference
+    llm = LLM(tiny_model_dir, show_progress=False, speculative_config=NGRAM)
+    llm.engine.scheduler.propose = _oracle(dict(zip(map(tuple, prompts), want)), wrong_every)
+    assert _tokens(llm, prompts) == want
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 0
+    if wrong_every == 1000:  # every proposal right: each row takes 4 tokens a step
+        assert stats.num_accepted_tokens == stats.num_draft_tokens
+    else:
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert stats.accepted_per_position[0] >= stats.accepted_per_position[-1]
+
+
+def test_preempted_rows_drop_their_proposals(tiny_model_dir, reference):
+    """A pool too small for every row at once: rows are preempted (recompute) with proposals appended."""
+    prompts, want = reference
+    llm = LLM(tiny_model_dir, show_progress=False, speculative_config=NGRAM, num_kv_blocks=12, block_size=8,
+              max_model_len=64)
+    llm.engine.scheduler.propose = _oracle(dict(zip(map(tuple, prompts), want)), 2)
+    assert _tokens(llm, prompts) == want
+    assert llm.engine.num_preemptions > 0
+
+
+def test_stops_and_length_end_inside_accepted_tokens(tiny_model_dir, reference):
+    prompts, want = reference
+    stop = want[0][5]
+    params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop])
+    plain = LLM(tiny_model_dir, show_progress=False).generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                             use_tqdm=False)
+    llm = LLM(tiny_model_dir, show_progress=False, speculative_config=NGRAM)
+    llm.engine.scheduler.propose = _oracle(dict(zip(map(tuple, prompts), want)), 1000)
+    fast = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for a, b in zip(plain, fast):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert (b.outputs[0].finish_reason, b.outputs[0].stop_reason) == (a.outputs[0].finish_reason,
+                                                                         a.outputs[0].stop_reason)
+        assert len(b.outputs[0].token_ids) <= 10
+
+
+def test_sampled_and_logprob_requests_run_unspeculated_beside_greedy_ones(tiny_model_dir, reference):
+    prompts, want = reference
+    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=2)
+    mixed = [GREEDY, seeded] * 3
+    plain = LLM(tiny_model_dir, show_progress=False).generate([{"prompt_token_ids": p} for p in prompts], mixed,
+                                                             use_tqdm=False)
+    llm = LLM(tiny_model_dir, show_progress=False, speculative_config=NGRAM)
+    llm.engine.scheduler.propose = _oracle(dict(zip(map(tuple, prompts), want)), 2)
+    fast = llm.generate([{"prompt_token_ids": p} for p in prompts], mixed, use_tqdm=False)
+    for a, b in zip(plain, fast):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        # (the steps' shapes differ with proposals in them: float32 sums in another order)
+        assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob, abs=1e-4)
+
+
+def test_the_ngram_proposer_speeds_up_copying_without_changing_it(tiny_model_dir):
+    """A prompt that repeats itself: the model's continuation repeats it too often enough for prompt lookup to
+    be accepted; nothing compiles after precompile()."""
+    rng = np.random.default_rng(1)
+    phrase = rng.integers(5, 400, 6).tolist()
+    prompts = [phrase * 6, _prompts(1, seed=4)[0]]
+    want = _tokens(LLM(tiny_model_dir, show_progress=False), prompts)
+    llm = LLM(tiny_model_dir, show_progress=False, speculative_config=NGRAM)
+    llm.engine.precompile()
+    compiled = llm.engine.num_compilations
+    assert _tokens(llm, prompts) == want
+    assert llm.engine.num_compilations == compiled
+    assert llm.engine.spec_stats.num_drafts > 0
+
+
+def test_methods_not_implemented_are_refused_by_name(tiny_model_dir):
+    with pytest.raises(NotImplementedError, match="'draft_model' is not implemented yet"):
+        LLM(tiny_model_dir, show_progress=False,
+            speculative_config={"model": tiny_model_dir, "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="prompt_lookup_min=3 must be <= prompt_lookup_max=2"):
+        LLM(tiny_model_dir, show_progress=False, speculative_config='{"method": "ngram", "num_speculative_tokens": 2, '
+                                                                   '"prompt_lookup_min": 3, "prompt_lookup_max": 2}')
