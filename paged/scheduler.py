@@ -131,6 +131,9 @@ class Scheduler:
         room = budget - 1
         if request.length_limit is not None:
             room = min(room, request.length_limit - request.num_tokens - 1)
+        if self.rope_recompute is not None and request.rope_length_floor < self.rope_recompute[0]:
+            # Tokens predicted from a sequence of the recompute length or longer come after its recompute.
+            room = min(room, self.rope_recompute[0] - 1 - request.num_tokens)
         drafts = self.propose(request, room) if room > 0 else []
         request.token_ids.extend(int(t) for t in drafts)
         request.num_drafts = len(drafts)

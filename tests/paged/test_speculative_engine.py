@@ -123,3 +123,56 @@ def test_methods_not_implemented_are_refused_by_name(tiny_model_dir):
     with pytest.raises(ValueError, match="prompt_lookup_min=3 must be <= prompt_lookup_max=2"):
         LLM(tiny_model_dir, show_progress=False, speculative_config='{"method": "ngram", "num_speculative_tokens": 2, '
                                                                    '"prompt_lookup_min": 3, "prompt_lookup_max": 2}')
+
+
+TP_SCRIPT = """
+import json, sys
+from paged import LLM, SamplingParams
+model, prompts, answers = json.loads(sys.argv[1])
+llm = LLM(model, tensor_parallel_size=2, show_progress=False, speculative_config={"method": "ngram",
+          "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+table = {tuple(p): a for p, a in zip(prompts, answers)}
+def propose(request, limit):  # right, then one wrong token every other time
+    done = request.num_tokens - request.num_prompt_tokens
+    drafts = table[tuple(request.prompt_token_ids)][done:done + min(limit, 3)]
+    return drafts if done % 2 else [*drafts[:-1], (drafts[-1] + 1) % 400] if drafts else drafts
+llm.engine.scheduler.propose = propose
+outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                       SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+print("RESULT " + json.dumps([list(o.outputs[0].token_ids) for o in outputs]))
+"""
+
+
+def test_tensor_parallel_verification_keeps_the_tokens(tiny_model_dir, reference):
+    import json
+    import os
+    import subprocess
+    import sys
+    prompts, want = reference
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    run = subprocess.run([sys.executable, "-c", TP_SCRIPT, json.dumps([tiny_model_dir, prompts, want])],
+                         capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    assert json.loads(lines[0][len("RESULT "):]) == want
+
+
+# One of each kind of difference the step has: GQA, a sliding window, fused projections, learned positions,
+# soft caps and alternating windows, local rotary bases, partial interleaved rotary, MoE routing.
+FAMILIES = ["llama-gqa", "mistral-window", "phi3-fused", "gpt2", "gemma2", "gemma3", "glm", "qwen3-moe"]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_keeps_its_tokens(name, tmp_path_factory):
+    """Proposals right, then wrong every other time, on each family's tiny checkpoint (sliding windows, soft
+    caps, MoE routing): the tokens of the same engine without speculation."""
+    pytest.importorskip("torch")
+    from tests.hf_checkpoints import build_checkpoint
+    model = build_checkpoint(name, str(tmp_path_factory.mktemp(name)))
+    prompts = _prompts(3, seed=7)
+    want = _tokens(LLM(model, show_progress=False, dtype="float32"), prompts)
+    llm = LLM(model, show_progress=False, dtype="float32", speculative_config=NGRAM)
+    llm.engine.scheduler.propose = _oracle(dict(zip(map(tuple, prompts), want)), 2)
+    assert _tokens(llm, prompts) == want
+    assert 0 < llm.engine.spec_stats.num_accepted_tokens < llm.engine.spec_stats.num_draft_tokens
