@@ -23,6 +23,13 @@ def test_a_speculating_server_answers_as_without_and_counts_its_proposals(tiny_m
         reply = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 16,
                                                                  "temperature": 0, "ignore_eos": True}, timeout=60)
         assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == want
+        # Streamed: a step may add several tokens; the chunks still add up to the same text.
+        with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                                "ignore_eos": True, "stream": True}) as stream:
+            chunks = [json.loads(line[len("data: "):]) for line in stream.iter_lines()
+                      if line.startswith("data: {")]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want
         metrics = httpx.get(server.url + "/metrics").text
         counts = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
                   if line.startswith("paged:spec_decode_num_") and not line.startswith("paged:spec_decode_num_"
