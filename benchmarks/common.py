@@ -107,6 +107,20 @@ def jsonl_workload(path: str, tokenizer) -> Workload:
                     [n for _, n in requests])
 
 
+def copy_workload(tokenizer, count: int, output_len: int, seed: int = 0) -> Workload:
+    """An input-grounded workload: each prompt is a standard-library docstring, a blank line, and its first
+    few words again, so the answer can copy from the prompt (what prompt lookup speculates on). Docstrings of
+    at least `output_len` tokens, chosen at random."""
+    from paged.models.demo_model.train import stdlib_docstrings
+    rng = np.random.default_rng(seed)
+    docs = [d for d in stdlib_docstrings() if len(tokenizer.encode(d)) >= output_len + 16]
+    prompts = []
+    for index in rng.choice(len(docs), size=count, replace=len(docs) < count):
+        doc = docs[int(index)]
+        prompts.append(tokenizer.encode(doc + "\n\n" + " ".join(doc.split()[:4])))
+    return Workload(prompts, [output_len] * count)
+
+
 def matmul_rate(dtype="float32", size: int = 1024, repeats: int = 20, calls_per_sample: int = 1) -> float:
     """FLOP/s of a square jax matmul on the default device (best of `repeats`): the machine's compute roof.
 

@@ -29,8 +29,8 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from paged.benchmarks.common import (copy_bandwidth, default_model_dir, jsonl_workload, matmul_rate, pyplot,
-                                     random_workload, warmup_twin, workload_flops)
+from paged.benchmarks.common import (copy_bandwidth, copy_workload, default_model_dir, jsonl_workload, matmul_rate,
+                                     pyplot, random_workload, warmup_twin, workload_flops)
 from paged.benchmarks.shapes import MODEL_SHAPES, model_shape_dir
 from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
 
@@ -121,6 +121,9 @@ def run_paged(model_dir: str, workload, engine_args: dict, vocab: int,
                              structured_outputs=constraint if _constrained(i, json_fraction) else None)
               for i, o in enumerate(workload.output_lens)]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
+    if engine_args.get("speculative_config"):  # proposals make step shapes the warm-up's prompts may not
+        for llm in llms:
+            llm.engine.precompile()
     # Warm-up: compiles every shape this workload produces, on other token ids (nothing to hit in a prefix cache).
     _generate_on_replicas(llms, [{"prompt_token_ids": p} for p in warmup_twin(workload, vocab).prompts], params,
                           adapters)
@@ -129,6 +132,7 @@ def run_paged(model_dir: str, workload, engine_args: dict, vocab: int,
     compiles = sum(engine.num_compilations for engine in engines)
     for engine in engines:
         engine.step_timings = dict.fromkeys(engine.step_timings, 0.0)
+        engine.spec_stats.reset()
     start = time.perf_counter()
     outputs = _generate_on_replicas(llms, prompts, params, adapters)
     seconds = time.perf_counter() - start
@@ -148,7 +152,7 @@ def run_paged(model_dir: str, workload, engine_args: dict, vocab: int,
         extra["requests_per_replica"] = [len(range(rank, len(prompts), len(engines))) for rank in range(len(engines))]
     if lora_paths:
         extra.update(lora_adapters=len(lora_paths), lora_rank=lora_rank)
-    if engine.speculative is not None:  # counted over the warm-up and the timed run alike
+    if engine.speculative is not None:  # the timed run's
         stats = [e.spec_stats for e in engines]
         drafts, proposed = sum(s.num_drafts for s in stats), sum(s.num_draft_tokens for s in stats)
         accepted = sum(s.num_accepted_tokens for s in stats)
@@ -298,6 +302,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--input-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=[16, 256], metavar=("MIN", "MAX"))
     parser.add_argument("--dataset", default=None, help="JSONL of {prompt, output_len} instead of random")
+    parser.add_argument("--copy-workload", action="store_true",
+                        help="prompts whose answers can copy from them (a docstring, then its first words again; "
+                             "--num-requests of them, outputs of --output-len MAX tokens) instead of random")
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed, and the engine's")
     parser.add_argument("--hf-batch-sizes", nargs="*", default=["16", "all"], help="static batch sizes ('all')")
     parser.add_argument("--no-hf-continuous", action="store_true")
@@ -328,9 +335,11 @@ def main(argv=None) -> int:
         raise SystemExit("give --model or --model-shape, not both")
     model_dir = model_shape_dir(args.model_shape) if args.model_shape else args.model or default_model_dir()
     config = load_model_config(model_dir)
-    if args.dataset:
+    if args.dataset or args.copy_workload:
         from transformers import AutoTokenizer
-        workload = jsonl_workload(args.dataset, AutoTokenizer.from_pretrained(model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        workload = (jsonl_workload(args.dataset, tokenizer) if args.dataset else
+                    copy_workload(tokenizer, args.num_requests, args.output_len[1], args.seed))
     else:
         workload = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len),
                                    config.vocab_size, args.seed)

@@ -138,6 +138,10 @@ class SpecDecodeStats:
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
 
     def __post_init__(self):
+        self.reset()
+
+    def reset(self) -> None:
+        self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.accepted_per_position = [0] * self.num_speculative_tokens
 
     def record(self, proposed: int, accepted: int) -> None:

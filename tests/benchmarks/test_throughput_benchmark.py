@@ -104,10 +104,13 @@ def test_benchmark_adapters_are_peft_adapters(tiny_model_dir):
 
 def test_throughput_benchmark_reports_speculation_beside_the_same_run_without(tiny_model_dir, tmp_path):
     out = tmp_path / "throughput.json"
-    assert main(["bench", "throughput", "--model", tiny_model_dir, "--num-requests", "3", "--input-len", "4", "8",
+    assert main(["bench", "throughput", "--model", tiny_model_dir, "--num-requests", "3", "--copy-workload",
                  "--output-len", "6", "10", "--hf-batch-sizes", "--no-hf-continuous", "--speculative-config",
                  '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}', "--json", str(out)]) == 0
     results = {r["system"]: r for r in json.loads(out.read_text())["results"]}
     assert set(results) == {"paged", "paged-no-spec"}
     assert results["paged"]["output_tokens"] == results["paged-no-spec"]["output_tokens"]
     assert 0 <= results["paged"]["spec_acceptance_rate"] <= 1 and "spec_drafts" not in results["paged-no-spec"]
+    assert results["paged"]["compilations_in_timed_run"] == 0
+    workload = json.loads(out.read_text())["workload"]
+    assert workload["requests"] == 3 and workload["output_tokens"] == 30
