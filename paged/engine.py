@@ -135,7 +135,8 @@ class LLMEngine:
                                    config.enable_chunked_prefill, worker.mover if worker.mover.swap_blocks else None,
                                    rope_recompute=(recompute_len, model_config.rope.length_class(recompute_len))
                                    if recompute_len is not None else None, lora_slots=self.lora_slots,
-                                   propose=ngram_proposer(speculative) if speculative is not None else None)
+                                   propose=ngram_proposer(speculative) if speculative is not None else None,
+                                   speculation_limit=speculative.disable_by_batch_size if speculative else None)
         # When every layer slides, blocks behind the widest window are released as sequences advance.
         windows = self.model_config.layer_windows
         release_window = max(windows) if windows and all(w > 0 for w in windows) else 0

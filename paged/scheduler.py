@@ -49,7 +49,7 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
                  enable_chunked_prefill: bool, swapper=None, rope_recompute: tuple[int, str] | None = None,
-                 lora_slots: "LoRASlots | None" = None, propose=None):
+                 lora_slots: "LoRASlots | None" = None, propose=None, speculation_limit: int | None = None):
         """`swapper` (optional) moves a request's K/V to host and back: swap_out(request) -> bool,
         swap_in(request) after its blocks are allocated. `rope_recompute` (length, rope class): a sequence
         that reaches `length` tokens recomputes its K/V with the frequencies of that class (Phi-3's LongRoPE
@@ -58,7 +58,8 @@ class Scheduler:
         adapter cannot have a slot now is passed over by those behind it (as vLLM's scheduler does).
         `propose(request, limit) -> list[int]`: speculative decoding's proposer (paged/speculative.py): up to
         `limit` tokens appended to a decoding request that may speculate, computed with its next token and
-        verified when the step is read back."""
+        verified when the step is read back; not while `speculation_limit` or more requests run (a full batch
+        is compute-bound: computing proposals there costs more than it saves)."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -67,6 +68,7 @@ class Scheduler:
         self.rope_recompute = rope_recompute
         self.lora_slots = lora_slots
         self.propose = propose
+        self.speculation_limit = speculation_limit
         self.waiting = WaitingQueue()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -127,6 +129,8 @@ class Scheduler:
         budget and the request's length limit (its last verified token must stay within it)."""
         if (request.num_computed_tokens != request.num_tokens - 1 or request.token_ids[-1] == PLACEHOLDER
                 or not may_speculate(request)):
+            return
+        if self.speculation_limit is not None and len(self.running) >= self.speculation_limit:
             return
         room = budget - 1
         if request.length_limit is not None:

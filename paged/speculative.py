@@ -35,7 +35,7 @@ class SpeculativeConfig:
     model: str | None = None
     prompt_lookup_max: int | None = None
     prompt_lookup_min: int | None = None
-    # Requests arriving while more than this many wait run without speculation (None: always speculate).
+    # No proposals while this many requests or more run (None: always speculate).
     disable_by_batch_size: int | None = None
 
     @classmethod

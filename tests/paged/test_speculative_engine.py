@@ -176,3 +176,17 @@ def test_every_family_keeps_its_tokens(name, tmp_path_factory):
     llm.engine.scheduler.propose = _oracle(dict(zip(map(tuple, prompts), want)), 2)
     assert _tokens(llm, prompts) == want
     assert 0 < llm.engine.spec_stats.num_accepted_tokens < llm.engine.spec_stats.num_draft_tokens
+
+
+def test_no_proposals_while_the_batch_is_large(tiny_model_dir, reference):
+    prompts, want = reference
+    config = {**NGRAM, "disable_by_batch_size": 4}
+    llm = LLM(tiny_model_dir, show_progress=False, speculative_config=config)
+    calls = []
+    oracle = _oracle(dict(zip(map(tuple, prompts), want)), 1000)
+    llm.engine.scheduler.propose = lambda request, limit: calls.append(len(llm.engine.scheduler.running)) or \
+        oracle(request, limit)
+    lengths = [4, 6, 8, 24, 24, 24]  # three finish early: then three run, and they speculate
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    assert _tokens(llm, prompts, params) == [w[:n] for w, n in zip(want, lengths)]
+    assert calls and max(calls) < 4
