@@ -107,13 +107,14 @@ def jsonl_workload(path: str, tokenizer) -> Workload:
                     [n for _, n in requests])
 
 
-def copy_workload(tokenizer, count: int, output_len: int, seed: int = 0) -> Workload:
+def copy_workload(tokenizer, count: int, output_len: int, max_len: int, seed: int = 0) -> Workload:
     """An input-grounded workload: each prompt is a standard-library docstring, a blank line, and its first
     few words again, so the answer can copy from the prompt (what prompt lookup speculates on). Docstrings of
-    at least `output_len` tokens, chosen at random."""
+    at least `output_len` tokens whose prompt and output fit `max_len`, chosen at random."""
     from paged.models.demo_model.train import stdlib_docstrings
     rng = np.random.default_rng(seed)
-    docs = [d for d in stdlib_docstrings() if len(tokenizer.encode(d)) >= output_len + 16]
+    docs = [d for d in stdlib_docstrings()
+            if output_len + 16 <= len(tokenizer.encode(d)) <= (max_len - output_len) // 2 - 16]
     prompts = []
     for index in rng.choice(len(docs), size=count, replace=len(docs) < count):
         doc = docs[int(index)]

@@ -339,7 +339,8 @@ def main(argv=None) -> int:
         from transformers import AutoTokenizer
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         workload = (jsonl_workload(args.dataset, tokenizer) if args.dataset else
-                    copy_workload(tokenizer, args.num_requests, args.output_len[1], args.seed))
+                    copy_workload(tokenizer, args.num_requests, args.output_len[1], config.max_position_embeddings,
+                                  args.seed))
     else:
         workload = random_workload(args.num_requests, tuple(args.input_len), tuple(args.output_len),
                                    config.vocab_size, args.seed)

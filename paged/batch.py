@@ -102,6 +102,9 @@ class StepInputs:
     prompt_logprob_targets: np.ndarray
     # int32 [T]: each token's LoRA slot (-1: the base model alone; padding too), or None when LoRA is off.
     lora_slots: np.ndarray | None = None
+    # bool []: the step carries proposed tokens (speculative decoding): a speculating engine's step then gives
+    # the greedy token after every packed token too (SamplerOutput.verified).
+    verify: np.ndarray = dataclasses.field(default_factory=lambda: np.asarray(False))
 
 
 @dataclasses.dataclass(frozen=True)

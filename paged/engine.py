@@ -12,6 +12,7 @@ import time
 from typing import NoReturn
 
 import jax
+import numpy as np
 
 from paged import compilation_cache, multihost, startup
 from paged.batch import Buckets, PromptLogprobSpan, prepare_inputs, prompt_logprob_spans
@@ -317,8 +318,9 @@ class LLMEngine:
         self.num_computed_prompt_tokens += sum(batch.prompt_tokens_per_row())
         spans = prompt_logprob_spans(batch)
         inputs = prepare_inputs(batch, self.block_manager, self.buckets, spans)
-        verify = any(request.num_drafts for request in batch.requests)
-        out, tokens = self.worker.launch(inputs, previous.tokens if previous is not None else None, verify)
+        if any(request.num_drafts for request in batch.requests):
+            inputs = dataclasses.replace(inputs, verify=np.asarray(True))
+        out, tokens = self.worker.launch(inputs, previous.tokens if previous is not None else None)
         token_index = []
         reads_back = False
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):

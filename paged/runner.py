@@ -85,12 +85,14 @@ def kv_budget(memory_utilization: float, memory_bytes: int | None, device) -> tu
 
 class ModelRunner:
     def __init__(self, model, params, attention, num_blocks: int, block_size: int, dtype, max_num_seqs: int,
-                 mesh=None, device=None, publish=None, pooling: tuple[str, bool] | None = None):
+                 mesh=None, device=None, publish=None, pooling: tuple[str, bool] | None = None,
+                 speculative: bool = False):
         """`mesh`: the tensor-parallel mesh (None: one device); `device`: that one device when it is not the
         default (a data-parallel replica's); `publish(operation)`: on a multi-host leader, hands each device
         operation's host inputs to the followers before it runs (paged/multihost.py); `pooling`: for a pooling
         model, (pooling type, whether the model's classifier head follows): each step then returns pooled rows
-        (paged/pooler.py) instead of samples."""
+        (paged/pooler.py) instead of samples; `speculative`: a step carrying proposed tokens (`StepInputs.verify`)
+        also gives the greedy token after every packed token, to verify them."""
         cfg = model.config
         self.model = model
         self.params = params
@@ -116,6 +118,7 @@ class ModelRunner:
         self.argmax = cpu.argmax_rows_cpu if mesh is None and on_cpu and cpu.available()[0] else first_argmax
         # The pool is donated: XLA writes the new K/V into the same buffers instead of copying the pool.
         self.pooling = pooling
+        self.speculative = speculative
         self._step = jax.jit(self._step_impl if pooling is None else self._pool_step_impl, donate_argnums=(1,))
         # The rows a request adjusts (paged/logit_adjustments.py) in three small programs: the LM head and the
         # grammar mask (per R), the entries (per R x E: the only product, and the cheapest to compile), the
@@ -125,8 +128,6 @@ class ModelRunner:
         self._draw_adjusted = jax.jit(self._draw_adjusted_impl, donate_argnums=(4,))
         # Prompt logprobs from the step's normed hidden states (per token bucket).
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl)
-        # The greedy next token after every packed token, to verify proposed tokens (per token bucket).
-        self._verify = jax.jit(self._verify_impl)
 
     def _step_impl(self, params, kv_cache, inputs: StepInputs, previous_tokens):
         self.num_compilations += 1  # runs only while tracing, i.e. once per new input shape
@@ -137,6 +138,7 @@ class ModelRunner:
         # cheap beside the layers): prompt logprobs read theirs from it in a program of their own, so no
         # request option gives this step another shape.
         num_seqs, num_tokens = inputs.logits_indices.shape[0], token_ids.shape[0]
+        live_tokens = inputs.attention.query_start[-1]
         indices = jnp.concatenate([inputs.logits_indices, jnp.arange(num_tokens, dtype=jnp.int32)])
         with lora_token_slots(inputs.lora_slots):
             normed, kv_cache = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention, indices,
@@ -147,6 +149,10 @@ class ModelRunner:
                            lambda: sample(lambda: self.model.logits(params, last), inputs.sampling, self.argmax,
                                           self.model.greedy_head(params, last)),
                            lambda: no_samples(num_seqs))
+        if self.speculative:  # in the step itself: a separate program's dispatch and read cost more on CPU
+            out = dataclasses.replace(out, verified=jax.lax.cond(
+                inputs.verify, lambda: self.argmax(self.model.logits(params, LastHidden(token_hidden, live_tokens))),
+                lambda: jnp.zeros(num_tokens, jnp.int32)))
         # The sampled rows' final hidden states at the fixed width, for the adjusted rows' own LM head.
         hidden = jnp.zeros((self.max_num_seqs, last.h.shape[1]), last.h.dtype).at[:num_seqs].set(last.h)
         return kv_cache, out, self.no_tokens.at[:num_seqs].set(out.tokens), hidden, token_hidden
@@ -170,11 +176,6 @@ class ModelRunner:
         self.num_compilations += 1
         head = lambda h: self.model.logits(params, LastHidden(h, jnp.int32(h.shape[0])))
         return prompt_logprobs(head, jnp.take(token_hidden, indices, axis=0, mode="clip"), targets)
-
-    def _verify_impl(self, params, token_hidden):
-        self.num_compilations += 1
-        logits = self.model.logits(params, LastHidden(token_hidden, jnp.int32(token_hidden.shape[0])))
-        return self.argmax(logits)
 
     def _adjusted_logits_impl(self, params, hidden, rows, num_rows, allowed_tokens):
         self.num_compilations += 1
@@ -201,14 +202,13 @@ class ModelRunner:
             tokens = jax.device_put(tokens, self.no_tokens.sharding)
         return AdjustedSamples(a.rows, samples), tokens
 
-    def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None = None, verify: bool = False
+    def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None = None
                ) -> tuple[SamplerOutput, jax.Array]:
         """Starts one step without waiting for it (JAX dispatches asynchronously).
 
         `previous_tokens` is the padded token array the previous launch returned: the tokens `inputs` marks in
         `token_source` are read from it on the device. Returns the sampler's output (device arrays; `fetch` reads
-        them) and this step's padded tokens for the next launch. `verify`: the step carries proposed tokens;
-        its output then holds the greedy next token after every packed token (`SamplerOutput.verified`).
+        them) and this step's padded tokens for the next launch.
         """
         if self.publish is not None:
             self.publish(Launch(inputs, previous_tokens is not None))
@@ -228,8 +228,6 @@ class ModelRunner:
         if prompt_indices.shape[0]:
             out = dataclasses.replace(out, prompt=self._prompt_logprobs(self.params, token_hidden, prompt_indices,
                                                                         prompt_targets))
-        if verify:
-            out = dataclasses.replace(out, verified=self._verify(self.params, token_hidden))
         if adjustments is not None:
             adjusted, tokens = self.sample_adjusted(hidden, tokens, adjustments)
             out = dataclasses.replace(out, adjusted=adjusted)
@@ -264,9 +262,9 @@ class ModelRunner:
         host = jax.tree.map(np.asarray, out)
         return host.merged() if isinstance(host, SamplerOutput) else host
 
-    def run(self, inputs: StepInputs, verify: bool = False) -> SamplerOutput:
+    def run(self, inputs: StepInputs) -> SamplerOutput:
         """Runs one step and waits for it; returns the sampler's output as host numpy arrays."""
-        return self.fetch(self.launch(inputs, verify=verify)[0])
+        return self.fetch(self.launch(inputs)[0])
 
 
 def _blocks_bucket(n: int) -> int:

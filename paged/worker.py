@@ -97,7 +97,7 @@ class Worker:
         self.runner = ModelRunner(self.model, {**params, **precomputed}, attention, self.num_blocks,
                                   config.block_size, self.kv_dtype, config.max_num_seqs, self.mesh, self.device,
                                   publish=channel.publish if channel is not None and channel.leader else None,
-                                  pooling=pooling)
+                                  pooling=pooling, speculative=self.speculative is not None)
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.kv_dtype)
         self.kv_pool_bytes = self.num_blocks * block_bytes  # K and V over all layers, every device's share
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
@@ -137,11 +137,9 @@ class Worker:
 
     # ---- what the engine runs -------------------------------------------------------------------------
 
-    def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None, verify: bool = False
-               ) -> tuple[SamplerOutput, jax.Array]:
-        """Starts one step (ModelRunner.launch): its sampler output on the device, and its padded samples;
-        `verify`: with the greedy next token after every packed token (proposed tokens to check)."""
-        return self.runner.launch(inputs, previous_tokens, verify)
+    def launch(self, inputs: StepInputs, previous_tokens: jax.Array | None) -> tuple[SamplerOutput, jax.Array]:
+        """Starts one step (ModelRunner.launch): its sampler output on the device, and its padded samples."""
+        return self.runner.launch(inputs, previous_tokens)
 
     def fetch(self, out: SamplerOutput) -> SamplerOutput:
         """Waits for a launched step: its samples (token ids, requested logprobs) as host arrays."""
@@ -176,8 +174,7 @@ class Worker:
                 continue
             prompt_rows = np.zeros(prompt_logprob_rows(t_pad), np.int32)
             self.runner.run(dataclasses.replace(padding, prompt_logprob_indices=prompt_rows,
-                                                prompt_logprob_targets=prompt_rows),
-                            verify=self.speculative is not None)  # the verifying program too
+                                                prompt_logprob_targets=prompt_rows))
         step = padding_inputs(block_manager, buckets, shapes[0][0])
         for num_rows, num_entries in progress(adjustment_shapes, desc="Compiling sampling", disable=not show_progress):
             adjustments = build_adjustments([], step.sampling, buckets.max_num_seqs, buckets.mask_words,
