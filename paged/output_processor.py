@@ -56,7 +56,7 @@ class OutputProcessor:
         for span in prompt_spans:
             if not span.request.finished:
                 self._record_prompt_logprobs(span, sampled.prompt)
-        offsets = np.cumsum([0, *batch.num_new_tokens])
+        offsets = np.cumsum([0, *batch.num_new_tokens]) if sampled.verified is not None else None
         for i, (request, index) in enumerate(zip(batch.requests, token_index)):
             if request.finished:
                 continue  # stopped or aborted while this step ran: its row is discarded
