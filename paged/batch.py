@@ -38,6 +38,9 @@ class Buckets:
     rope_lengths: bool = False
     # Every step carries each token's LoRA slot (StepInputs.lora_slots).
     lora: bool = False
+    # Speculative decoding: the most packed tokens a step verifies (the speculating rows' last verified token and
+    # proposals); 0 when the engine does not speculate.
+    max_verify_tokens: int = 0
 
     def token_sizes(self) -> list[int]:
         sizes, size = [], self.min_tokens
@@ -53,6 +56,10 @@ class Buckets:
 
     def seqs(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_num_seqs)
+
+    def verify_rows(self, num_tokens_bucket: int) -> int:
+        """V, the verified rows of a step of token bucket T: never more than its tokens."""
+        return min(num_tokens_bucket, self.max_verify_tokens)
 
     def all_shapes(self) -> list[tuple[int, int]]:
         """Every (T, S) the engine can produce; what a full warm-up compiles."""
@@ -102,9 +109,13 @@ class StepInputs:
     prompt_logprob_targets: np.ndarray
     # int32 [T]: each token's LoRA slot (-1: the base model alone; padding too), or None when LoRA is off.
     lora_slots: np.ndarray | None = None
-    # bool []: the step carries proposed tokens (speculative decoding): a speculating engine's step then gives
-    # the greedy token after every packed token too (SamplerOutput.verified).
-    verify: np.ndarray = dataclasses.field(default_factory=lambda: np.asarray(False))
+    # Speculative decoding: int32 []: how many of the V rows below are live (0: the step verifies nothing);
+    # int32 [V]: the packed tokens whose next token is drawn to verify proposals (a speculating row's last
+    # verified token and its proposals); their sampling inputs [V], each token's output_index its own. The step
+    # gives their samples as SamplerOutput.verified. V is Buckets.verify_rows(T): 0 unless speculating.
+    num_verify: np.ndarray = dataclasses.field(default_factory=lambda: np.asarray(0, np.int32))
+    verify_indices: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
+    verify_sampling: SamplingMetadata | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,6 +197,7 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     output_index = np.zeros(s_pad, np.int32)
     wants_logprobs = np.zeros(s_pad, bool)
     adjusted_rows: list[RowAdjustment] = []  # rows whose logits the request changes
+    verify = _VerifyRows(buckets.verify_rows(t_pad))
 
     offset = 0
     row_offsets = []
@@ -222,6 +234,8 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         seeds[i] = request.seed
         output_index[i] = request.num_output_tokens
         wants_logprobs[i] = params.logprobs is not None
+        if batch.drafts_of(i):  # the last verified token and the proposals: each one's next token is drawn
+            verify.add(request, offset - num_new, num_new, request.num_output_tokens - batch.drafts_of(i))
         banned = []  # stop ids are banned until min_tokens
         if request.num_output_tokens < params.min_tokens:
             banned = [*params.stop_token_ids, *(() if params.ignore_eos else request.eos_token_ids)]
@@ -270,7 +284,41 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         prompt_logprob_indices=prompt_indices,
         prompt_logprob_targets=prompt_targets,
         lora_slots=lora_slots,
+        num_verify=np.asarray(verify.count, np.int32),
+        verify_indices=verify.indices,
+        verify_sampling=verify.sampling() if buckets.max_verify_tokens else None,
     )
+
+
+class _VerifyRows:
+    """The verified rows of a step (StepInputs.verify_*), filled row by row."""
+
+    def __init__(self, size: int):
+        self.count = 0
+        self.indices = np.zeros(size, np.int32)
+        self.temperature = np.zeros(size, np.float32)
+        self.top_k = np.zeros(size, np.int32)
+        self.top_p = np.ones(size, np.float32)
+        self.min_p = np.zeros(size, np.float32)
+        self.seeds = np.zeros(size, np.uint32)
+        self.output_index = np.zeros(size, np.int32)
+        self.wants_logprobs = np.zeros(size, bool)
+
+    def add(self, request: Request, first: int, count: int, first_output_index: int) -> None:
+        """`count` packed tokens of `request` from packed index `first`; the first one's next token is output
+        token `first_output_index`, so each keeps the random key it would have without proposals."""
+        rows, params = slice(self.count, self.count + count), request.params
+        self.indices[rows] = np.arange(first, first + count)
+        self.temperature[rows], self.top_k[rows], self.top_p[rows] = params.temperature, params.top_k, params.top_p
+        self.min_p[rows], self.seeds[rows] = params.min_p, request.seed
+        self.output_index[rows] = np.arange(first_output_index, first_output_index + count)
+        self.wants_logprobs[rows] = params.logprobs is not None
+        self.count += count
+
+    def sampling(self) -> SamplingMetadata:
+        return SamplingMetadata(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p,
+                                seeds=self.seeds, output_index=self.output_index,
+                                wants_logprobs=self.wants_logprobs)
 
 
 def _penalty_tokens(request) -> tuple[np.ndarray, np.ndarray]:

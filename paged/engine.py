@@ -12,7 +12,6 @@ import time
 from typing import NoReturn
 
 import jax
-import numpy as np
 
 from paged import compilation_cache, multihost, startup
 from paged.batch import Buckets, PromptLogprobSpan, prepare_inputs, prompt_logprob_spans
@@ -34,7 +33,7 @@ from paged.request import PLACEHOLDER, ParentRequest
 from paged.sampler import SamplerOutput
 from paged.sampling_params import SamplingParams
 from paged.scheduler import ScheduledBatch, Scheduler
-from paged.speculative import SpecDecodeStats, ngram_proposer
+from paged.speculative import SpecDecodeStats, SpeculativeConfig, ngram_proposer
 from paged.trace import EngineTrace, StepRecord, record_step
 from paged.worker import Worker
 
@@ -56,6 +55,16 @@ class StepFailedError(RuntimeError):
 
 class EngineBrokenError(RuntimeError):
     """The engine lost state it cannot rebuild (its KV pool); it must be restarted."""
+
+
+def max_verify_tokens(speculative: SpeculativeConfig | None, max_num_seqs: int) -> int:
+    """The most packed tokens a step verifies: k + 1 for each row that may speculate (fewer than
+    disable_by_batch_size rows, when set)."""
+    if speculative is None:
+        return 0
+    rows = max_num_seqs if speculative.disable_by_batch_size is None else \
+        min(max_num_seqs, speculative.disable_by_batch_size - 1)
+    return rows * (speculative.num_speculative_tokens + 1)
 
 
 class LLMEngine:
@@ -115,20 +124,21 @@ class LLMEngine:
                                                is_matryoshka(worker.model_dir))
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.max_num_seqs,
                                           worker.max_blocks_per_seq, config.enable_prefix_caching)
-        self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs,
-                               rope_lengths=model_config.rope.length_dependent,
-                               vocab_size=model_config.vocab_size, max_model_len=config.max_model_len,
-                               max_logit_bias_entries=config.max_logit_bias_entries,
-                               max_stop_token_ids=config.max_stop_token_ids, lora=config.enable_lora)
-        # Which LoRA adapter is in which device slot, and which wait in host memory (None: LoRA is off).
-        self.lora_slots = (LoRASlots(worker.lora, worker.read_adapter, worker.write_adapter)
-                           if worker.lora is not None else None)
         self.speculative = speculative = config.parsed_speculative_config()
         if speculative is not None and speculative.method != "ngram":
             raise NotImplementedError(f"speculative decoding by {speculative.method!r} is not implemented yet; "
                                       "method 'ngram' is")
         if speculative is not None and self.runner_type == "pooling":
             raise ValueError("speculative decoding is for generation; a pooling model does not decode")
+        self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs,
+                               rope_lengths=model_config.rope.length_dependent,
+                               vocab_size=model_config.vocab_size, max_model_len=config.max_model_len,
+                               max_logit_bias_entries=config.max_logit_bias_entries,
+                               max_stop_token_ids=config.max_stop_token_ids, lora=config.enable_lora,
+                               max_verify_tokens=max_verify_tokens(speculative, config.max_num_seqs))
+        # Which LoRA adapter is in which device slot, and which wait in host memory (None: LoRA is off).
+        self.lora_slots = (LoRASlots(worker.lora, worker.read_adapter, worker.write_adapter)
+                           if worker.lora is not None else None)
         # Proposals and their verification (paged/speculative.py); counts as vLLM's spec-decode metrics.
         self.spec_stats = SpecDecodeStats(speculative.num_speculative_tokens if speculative else 0)
         recompute_len = model_config.rope_recompute_len
@@ -318,8 +328,6 @@ class LLMEngine:
         self.num_computed_prompt_tokens += sum(batch.prompt_tokens_per_row())
         spans = prompt_logprob_spans(batch)
         inputs = prepare_inputs(batch, self.block_manager, self.buckets, spans)
-        if any(request.num_drafts for request in batch.requests):
-            inputs = dataclasses.replace(inputs, verify=np.asarray(True))
         out, tokens = self.worker.launch(inputs, previous.tokens if previous is not None else None)
         token_index = []
         reads_back = False

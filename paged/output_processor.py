@@ -56,13 +56,16 @@ class OutputProcessor:
         for span in prompt_spans:
             if not span.request.finished:
                 self._record_prompt_logprobs(span, sampled.prompt)
-        offsets = np.cumsum([0, *batch.num_new_tokens]) if sampled.verified is not None else None
+        # Each speculating row's verified samples, in row order: its last verified token's, then each proposal's.
+        verify_ends = np.cumsum([batch.drafts_of(i) + 1 if batch.drafts_of(i) else 0
+                                 for i in range(len(batch.requests))])
         for i, (request, index) in enumerate(zip(batch.requests, token_index)):
             if request.finished:
                 continue  # stopped or aborted while this step ran: its row is discarded
-            new_tokens = None
-            if index >= 0 and request.num_drafts:
-                new_tokens = self._verify_drafts(request, sampled.verified[offsets[i]:offsets[i + 1]])
+            first_verified = None
+            if index >= 0 and batch.drafts_of(i):
+                first_verified = verify_ends[i] - batch.drafts_of(i) - 1
+                new_tokens = self._verify_drafts(request, sampled.verified.tokens[first_verified:verify_ends[i]])
             elif index >= 0:
                 request.token_ids[index] = int(sampled.tokens[i])
             self.block_manager.cache_full_blocks(request)
@@ -75,15 +78,18 @@ class OutputProcessor:
             # scheduling) has none now, and forks them at its next token instead.
             if parent.pending_forks and request is parent.leader and request.status is RequestStatus.RUNNING:
                 copies += self._fork(parent)
-            if request.logprobs is not None:
-                self._record_logprobs(request, sampled, i)
-            if new_tokens is None:
+            if first_verified is None:
+                if request.logprobs is not None:
+                    self._record_logprobs(request, sampled, i)
                 self._accept_token(request, index)
-            for token in new_tokens or ():  # one at a time: a stop among them ends the output there
-                request.token_ids.append(token)
-                self._accept_token(request, request.num_tokens - 1)
-                if request.finished:
-                    break
+            else:
+                for j, token in enumerate(new_tokens):  # one at a time: a stop among them ends the output there
+                    request.token_ids.append(token)
+                    if request.logprobs is not None:  # the target's, as drawn
+                        self._record_logprobs(request, sampled.verified, first_verified + j)
+                    self._accept_token(request, request.num_tokens - 1)
+                    if request.finished:
+                        break
             if request.finished and request.detokenizer is not None and not isinstance(request.stop_reason, str):
                 request.text += request.detokenizer.flush()
             touched[parent.request_id] = parent
@@ -148,22 +154,23 @@ class OutputProcessor:
         parent.pending_forks = []
         return copies
 
-    def _verify_drafts(self, request: Request, greedy: np.ndarray) -> list[int]:
-        """Checks a row's proposed tokens against the target's greedy tokens after each of its packed tokens
-        (`greedy`: after the last verified token, then after each proposal): the leading proposals it agrees
-        with are accepted, then its own next token. The rest leave token_ids, and the request's computed tokens
-        end after the last accepted one (the rejected positions' K/V are written over later). Returns the
-        tokens to append, in order."""
+    def _verify_drafts(self, request: Request, drawn: np.ndarray) -> list[int]:
+        """Checks a row's proposed tokens against the target's tokens drawn after each of its packed tokens
+        (`drawn`: after the last verified token, then after each proposal; greedy or sampled as the request
+        asks): the leading proposals equal to them are accepted, then the drawn token after the last accepted
+        one (ModelRunner._verify: exact rejection sampling). The rest leave token_ids, and the request's
+        computed tokens end after the last accepted one (the rejected positions' K/V are written over later).
+        Returns the tokens to append, in order."""
         drafts = request.token_ids[request.num_tokens_before_drafts:request.num_tokens_before_drafts
                                    + request.num_drafts]
         accepted = 0
-        while accepted < len(drafts) and drafts[accepted] == int(greedy[accepted]):
+        while accepted < len(drafts) and drafts[accepted] == int(drawn[accepted]):
             accepted += 1
         if self.spec_stats is not None:
             self.spec_stats.record(len(drafts), accepted)
         request.drop_drafts()  # and the placeholder after them
         request.num_computed_tokens = request.num_tokens + accepted
-        return [*drafts[:accepted], int(greedy[accepted])]
+        return [*drafts[:accepted], int(drawn[accepted])]
 
     def _accept_token(self, request: Request, index: int) -> None:
         """Checks the token just read into token_ids[index] against the request's stop conditions (finishing

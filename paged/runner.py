@@ -138,7 +138,6 @@ class ModelRunner:
         # cheap beside the layers): prompt logprobs read theirs from it in a program of their own, so no
         # request option gives this step another shape.
         num_seqs, num_tokens = inputs.logits_indices.shape[0], token_ids.shape[0]
-        live_tokens = inputs.attention.query_start[-1]
         indices = jnp.concatenate([inputs.logits_indices, jnp.arange(num_tokens, dtype=jnp.int32)])
         with lora_token_slots(inputs.lora_slots):
             normed, kv_cache = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention, indices,
@@ -151,11 +150,21 @@ class ModelRunner:
                            lambda: no_samples(num_seqs))
         if self.speculative:  # in the step itself: a separate program's dispatch and read cost more on CPU
             out = dataclasses.replace(out, verified=jax.lax.cond(
-                inputs.verify, lambda: self.argmax(self.model.logits(params, LastHidden(token_hidden, live_tokens))),
-                lambda: jnp.zeros(num_tokens, jnp.int32)))
+                inputs.num_verify > 0, lambda: self._verify(params, token_hidden, inputs),
+                lambda: no_samples(inputs.verify_indices.shape[0])))
         # The sampled rows' final hidden states at the fixed width, for the adjusted rows' own LM head.
         hidden = jnp.zeros((self.max_num_seqs, last.h.shape[1]), last.h.dtype).at[:num_seqs].set(last.h)
         return kv_cache, out, self.no_tokens.at[:num_seqs].set(out.tokens), hidden, token_hidden
+
+    def _verify(self, params, token_hidden, inputs: StepInputs) -> SamplerOutput:
+        """The next token after each verified packed token, drawn as the row would draw it without proposals
+        (its own key per output index), with logprobs where asked. Comparing them with the proposals is exact
+        rejection sampling for a proposer that puts all its probability on its token: a proposal d is accepted
+        with probability p(d), and on rejection the drawn token follows p with d taken out (the residual
+        distribution). Greedy rows get the argmax, and every row the tokens it would get unspeculated."""
+        hidden = jnp.take(token_hidden, inputs.verify_indices, axis=0)
+        logits = self.model.logits(params, LastHidden(hidden, inputs.num_verify))
+        return draw(logits, logits, inputs.verify_sampling, self.argmax)
 
     def _pool_step_impl(self, params, kv_cache, inputs: StepInputs):
         """A pooling model's step: every packed token's final hidden state, reduced per row (and through the

@@ -74,9 +74,9 @@ class SamplerOutput:
     top_logprobs: jax.Array
     prompt: PromptLogprobs | None = None
     adjusted: AdjustedSamples | None = None
-    # int32 [T]: the greedy next token after every packed token, for verifying proposed tokens (speculative
-    # decoding); None when the step verified none.
-    verified: jax.Array | None = None
+    # Speculative decoding: the tokens drawn after each verified packed token (StepInputs.verify_indices), with
+    # their logprobs where asked; None in an engine that does not speculate.
+    verified: SamplerOutput | None = None
 
     def merged(self) -> SamplerOutput:
         """On host arrays: the adjusted rows' samples written over the fused step's (which sampled them as

@@ -32,6 +32,11 @@ class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]
     preempted: list[Request]
+    # Per row: how many of its new tokens are proposals to verify (speculative decoding; empty when none are).
+    num_drafts: list[int] = dataclasses.field(default_factory=list)
+
+    def drafts_of(self, row: int) -> int:
+        return self.num_drafts[row] if row < len(self.num_drafts) else 0
 
     @property
     def total_tokens(self) -> int:
@@ -99,6 +104,8 @@ class Scheduler:
                 break  # `request` itself was preempted; everything after it already was
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
+            if request.num_drafts:
+                batch.num_drafts += [0] * (len(batch.requests) - 1 - len(batch.num_drafts)) + [request.num_drafts]
             budget -= num_new
             index += 1
 
@@ -275,9 +282,9 @@ class Scheduler:
 
 
 def may_speculate(request: Request) -> bool:
-    """Whether proposed tokens can be verified for `request` by the greedy check: a greedy request whose
-    logits nothing adjusts (no penalties, logit_bias, banned stop ids, grammar) and that wants no logprobs."""
+    """Whether proposed tokens can be verified for `request` inside the fused step: a request whose logits
+    nothing adjusts (no penalties, logit_bias, banned stop ids, grammar), greedy or sampled, with or without
+    logprobs."""
     params = request.params
-    return (params.temperature == 0 and params.logprobs is None and not params.logit_bias
-            and not params.has_penalties and request.grammar is None and request.pooling is None
-            and request.num_output_tokens >= params.min_tokens)
+    return (not params.logit_bias and not params.has_penalties and request.grammar is None
+            and request.pooling is None and request.num_output_tokens >= params.min_tokens)

@@ -86,19 +86,81 @@ def test_stops_and_length_end_inside_accepted_tokens(tiny_model_dir, reference):
         assert len(b.outputs[0].token_ids) <= 10
 
 
-def test_sampled_and_logprob_requests_run_unspeculated_beside_greedy_ones(tiny_model_dir, reference):
-    prompts, want = reference
-    seeded = SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True, logprobs=2)
-    mixed = [GREEDY, seeded] * 3
+@pytest.mark.parametrize("filters", [{}, {"top_k": 5}, {"top_p": 0.7, "min_p": 0.05}], ids=["plain", "top-k", "top-p-min-p"])
+def test_seeded_samples_and_logprobs_do_not_change_whatever_is_accepted(tiny_model_dir, filters):
+    """Sampled rows speculate too: each verified position draws with the key it has without proposals, so a
+    seeded request gets the same tokens and logprobs whatever is proposed (here its own continuation, then
+    wrong every other time), n > 1 and greedy rows beside it."""
+    prompts = _prompts(6, seed=2)
+    mixed = [SamplingParams(temperature=0.9, seed=3 + i, max_tokens=16, ignore_eos=True, logprobs=2,
+                            n=2 if i == 1 else 1, **filters) if i % 3 else GREEDY for i in range(6)]
     plain = LLM(tiny_model_dir, show_progress=False).generate([{"prompt_token_ids": p} for p in prompts], mixed,
                                                              use_tqdm=False)
+    # Each sample's own continuation (the proposer sees children by their seeds' streams: index 0's here).
+    answers = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, plain)}
     llm = LLM(tiny_model_dir, show_progress=False, speculative_config=NGRAM)
-    llm.engine.scheduler.propose = _oracle(dict(zip(map(tuple, prompts), want)), 2)
+    llm.engine.scheduler.propose = _oracle(answers, 2)
     fast = llm.generate([{"prompt_token_ids": p} for p in prompts], mixed, use_tqdm=False)
     for a, b in zip(plain, fast):
-        assert b.outputs[0].token_ids == a.outputs[0].token_ids
-        # (the steps' shapes differ with proposals in them: float32 sums in another order)
-        assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob, abs=1e-4)
+        assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
+        for x, y in zip(a.outputs, b.outputs):
+            if x.logprobs is None:
+                continue
+            assert len(y.logprobs) == len(y.token_ids)
+            # (the steps' shapes differ with proposals in them: float32 sums in another order)
+            assert y.cumulative_logprob == pytest.approx(x.cumulative_logprob, abs=1e-4)
+            for want, got in zip(x.logprobs, y.logprobs):
+                assert list(got) == list(want)
+                assert [v.logprob for v in got.values()] == pytest.approx([v.logprob for v in want.values()],
+                                                                          abs=1e-4)
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_sampled_tokens_follow_the_target_distribution_whatever_is_proposed(tiny_model_dir):
+    """Temperature 1 over each position's top 3: the joint distribution of output tokens 2 and 3 (the first
+    verified step: one proposal, then the bonus token) against the exact one computed from the target's own
+    logprobs, with a proposer that always proposes the least likely of the three (a wrong draft
+    distribution). Accepting the proposal whenever it is in the top 3, for one, would put mass 1/3 + on it."""
+    prompt = _prompts(1, seed=5)[0]
+    plain = LLM(tiny_model_dir, show_progress=False)
+
+    def top3(prefix):  # the next token's three most likely tokens and their probabilities at top_k=3
+        out = plain.generate([{"prompt_token_ids": prefix}], SamplingParams(max_tokens=1, temperature=0, logprobs=3),
+                             use_tqdm=False)[0].outputs[0].logprobs[0]
+        best = sorted(out.items(), key=lambda item: item[1].rank)[:3]
+        logp = np.array([v.logprob for _, v in best], np.float64)
+        return [t for t, _ in best], np.exp(logp) / np.exp(logp).sum()
+
+    first_tokens, _ = top3(prompt)
+    exact, least_likely = {}, {}
+    for t1 in first_tokens:
+        seconds, p2 = top3(prompt + [t1])
+        least_likely[t1] = seconds[2]
+        for t2, q2 in zip(seconds, p2):
+            thirds, p3 = top3(prompt + [t1, t2])
+            for t3, q3 in zip(thirds, p3):
+                exact[(t1, t2, t3)] = q2 * q3  # given t1
+
+    llm = LLM(tiny_model_dir, show_progress=False, speculative_config=NGRAM)
+    llm.engine.scheduler.propose = lambda request, limit: [least_likely[request.token_ids[-1]]][:limit]
+    n = 3000
+    params = [SamplingParams(temperature=1.0, top_k=3, seed=seed, max_tokens=3, ignore_eos=True)
+              for seed in range(n)]
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    counts: dict[tuple, int] = {}
+    for output in outputs:
+        key = tuple(output.outputs[0].token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts == n and 0 < stats.num_accepted_tokens < n
+    # Each first token's samples against the exact distribution of the two after it.
+    for t1 in first_tokens:
+        mine = {k: c for k, c in counts.items() if k[0] == t1}
+        total = sum(mine.values())
+        cells = {k for k in exact if k[0] == t1} | set(mine)
+        tv = 0.5 * sum(abs(mine.get(k, 0) / total - exact.get(k, 0.0)) for k in cells)
+        assert tv < 3 / np.sqrt(total), (t1, tv, total)
 
 
 def test_the_ngram_proposer_speeds_up_copying_without_changing_it(tiny_model_dir):
