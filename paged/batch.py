@@ -57,6 +57,12 @@ class Buckets:
     def seqs(self, num_tokens_bucket: int) -> int:
         return min(num_tokens_bucket, self.max_num_seqs)
 
+    @property
+    def adjusted_width(self) -> int:
+        """Rows of the hidden states the adjusted rows read: the step's sampled rows at full width, then its
+        verified positions (ModelRunner)."""
+        return self.max_num_seqs + self.max_verify_tokens
+
     def verify_rows(self, num_tokens_bucket: int) -> int:
         """V, the verified rows of a step of token bucket T: never more than its tokens."""
         return min(num_tokens_bucket, self.max_verify_tokens)
@@ -78,12 +84,12 @@ class Buckets:
                       self.max_model_len + self.max_logit_bias_entries + self.max_stop_token_ids + 64)
         shapes, rows = [], 1
         while True:
-            rows = min(rows, self.max_num_seqs)
+            rows = min(rows, self.adjusted_width)
             entries = 0
             while entries < entries_bucket(rows * per_row):
                 entries = entries_bucket(entries + 1)
                 shapes.append((rows, entries))
-            if rows == self.max_num_seqs:
+            if rows == self.adjusted_width:
                 return shapes
             rows *= 2
 
@@ -116,6 +122,9 @@ class StepInputs:
     num_verify: np.ndarray = dataclasses.field(default_factory=lambda: np.asarray(0, np.int32))
     verify_indices: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int32))
     verify_sampling: SamplingMetadata | None = None
+    # The verified positions whose logits the request changes (grammar, logit_bias, penalties), or None: their
+    # rows index the step's hidden states past its sampled rows (Buckets.adjusted_width).
+    verify_adjustments: LogitAdjustments | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -198,6 +207,7 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
     wants_logprobs = np.zeros(s_pad, bool)
     adjusted_rows: list[RowAdjustment] = []  # rows whose logits the request changes
     verify = _VerifyRows(buckets.verify_rows(t_pad))
+    verify_adjusted: list[RowAdjustment] = []  # verified positions whose logits the request changes
 
     offset = 0
     row_offsets = []
@@ -234,15 +244,18 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         seeds[i] = request.seed
         output_index[i] = request.num_output_tokens
         wants_logprobs[i] = params.logprobs is not None
-        if batch.drafts_of(i):  # the last verified token and the proposals: each one's next token is drawn
-            verify.add(request, offset - num_new, num_new, request.num_output_tokens - batch.drafts_of(i))
         banned = []  # stop ids are banned until min_tokens
         if request.num_output_tokens < params.min_tokens:
             banned = [*params.stop_token_ids, *(() if params.ignore_eos else request.eos_token_ids)]
         # Only a row whose sample is kept (not a prompt chunk before the last) is adjusted.
         samples_next = stop == request.num_tokens
         grammar = request.grammar if samples_next and request.grammar_after is None else None
-        if samples_next and (params.logit_bias or banned or params.has_penalties or grammar is not None):
+        if batch.drafts_of(i):  # the last verified token and the proposals: each one's next token is drawn
+            if params.logit_bias or params.has_penalties or grammar is not None:
+                verify_adjusted += _position_adjustments(request, verify.count, batch.drafts_of(i),
+                                                         buckets.mask_words)
+            verify.add(request, offset - num_new, num_new, request.num_output_tokens - batch.drafts_of(i))
+        elif samples_next and (params.logit_bias or banned or params.has_penalties or grammar is not None):
             adjusted = RowAdjustment(i, [*params.logit_bias, *banned],
                                      [*params.logit_bias.values(), *[-np.inf] * len(banned)], grammar=grammar)
             if params.has_penalties:
@@ -255,9 +268,16 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
                                 output_index=output_index, wants_logprobs=wants_logprobs)
     adjustments = None
     if adjusted_rows:  # sampled apart; the fused step treats them as plain greedy rows
-        adjustments = build_adjustments(adjusted_rows, sampling, buckets.max_num_seqs, buckets.mask_words)
+        adjustments = build_adjustments(adjusted_rows, sampling, buckets.adjusted_width, buckets.mask_words)
         rows_apart = [adj.row for adj in adjusted_rows]
         temperature[rows_apart], wants_logprobs[rows_apart] = 0.0, False
+    verify_sampling = verify.sampling() if buckets.max_verify_tokens else None
+    verify_adjustments = None
+    if verify_adjusted:  # sampled apart too; the step's own draw takes them as plain greedy rows
+        verify_adjustments = build_adjustments(verify_adjusted, verify_sampling, buckets.adjusted_width,
+                                               buckets.mask_words, row_base=buckets.max_num_seqs)
+        rows_apart = [adj.row for adj in verify_adjusted]
+        verify.temperature[rows_apart], verify.wants_logprobs[rows_apart] = 0.0, False
     page_tables = np.where(has_row[:, None], block_manager.page_table[rows], SINK_BLOCK).astype(np.int32)
     num_prompt_rows = prompt_logprob_rows(t_pad) if spans else 0
     prompt_indices = np.zeros(num_prompt_rows, np.int32)
@@ -286,7 +306,8 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         lora_slots=lora_slots,
         num_verify=np.asarray(verify.count, np.int32),
         verify_indices=verify.indices,
-        verify_sampling=verify.sampling() if buckets.max_verify_tokens else None,
+        verify_sampling=verify_sampling,
+        verify_adjustments=verify_adjustments,
     )
 
 
@@ -321,9 +342,33 @@ class _VerifyRows:
                                 wants_logprobs=self.wants_logprobs)
 
 
-def _penalty_tokens(request) -> tuple[np.ndarray, np.ndarray]:
-    """Distinct token ids of prompt + output, and each one's count in the output."""
-    out_ids, out_counts = np.unique(np.asarray(request.output_token_ids, np.int64), return_counts=True)
+def _position_adjustments(request: Request, first_row: int, num_drafts: int, mask_words: int
+                          ) -> list[RowAdjustment]:
+    """What `request` changes about the logits at each of its verified positions (verified rows `first_row`
+    on): its logit_bias; penalties counting the proposals before the position as output; the grammar's mask
+    after them (the scheduler proposes only what the grammar accepts)."""
+    params = request.params
+    start = request.num_tokens - num_drafts  # where the proposals begin
+    masks = None
+    if request.grammar is not None:
+        masks = np.empty((num_drafts + 1, mask_words), np.int32)
+        request.grammar.masks_along(request.token_ids[start:], masks)
+    rows = []
+    for j in range(num_drafts + 1):
+        adjusted = RowAdjustment(first_row + j, list(params.logit_bias), list(params.logit_bias.values()),
+                                 mask=masks[j] if masks is not None else None)
+        if params.has_penalties:
+            adjusted.penalties = (params.presence_penalty, params.frequency_penalty, params.repetition_penalty)
+            adjusted.penalty_ids, adjusted.penalty_counts = _penalty_tokens(request, start + j)
+        rows.append(adjusted)
+    return rows
+
+
+def _penalty_tokens(request, end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct token ids of prompt + output, and each one's count in the output (the output up to token_ids
+    index `end` when given)."""
+    output = request.output_token_ids if end is None else request.token_ids[request.num_prompt_tokens:end]
+    out_ids, out_counts = np.unique(np.asarray(output, np.int64), return_counts=True)
     ids = np.union1d(np.asarray(request.prompt_token_ids, np.int64), out_ids)
     counts = np.zeros(len(ids), np.int32)
     counts[np.searchsorted(ids, out_ids)] = out_counts

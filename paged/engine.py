@@ -33,7 +33,7 @@ from paged.request import PLACEHOLDER, ParentRequest
 from paged.sampler import SamplerOutput
 from paged.sampling_params import SamplingParams
 from paged.scheduler import ScheduledBatch, Scheduler
-from paged.speculative import SpecDecodeStats, SpeculativeConfig, ngram_proposer
+from paged.speculative import SpecDecodeStats, max_verify_tokens, ngram_proposer
 from paged.trace import EngineTrace, StepRecord, record_step
 from paged.worker import Worker
 
@@ -55,16 +55,6 @@ class StepFailedError(RuntimeError):
 
 class EngineBrokenError(RuntimeError):
     """The engine lost state it cannot rebuild (its KV pool); it must be restarted."""
-
-
-def max_verify_tokens(speculative: SpeculativeConfig | None, max_num_seqs: int) -> int:
-    """The most packed tokens a step verifies: k + 1 for each row that may speculate (fewer than
-    disable_by_batch_size rows, when set)."""
-    if speculative is None:
-        return 0
-    rows = max_num_seqs if speculative.disable_by_batch_size is None else \
-        min(max_num_seqs, speculative.disable_by_batch_size - 1)
-    return rows * (speculative.num_speculative_tokens + 1)
 
 
 class LLMEngine:

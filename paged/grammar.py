@@ -126,6 +126,21 @@ class GrammarMatcher:
         assert row.dtype == np.int32 and row.shape == (self.mask_words,) and row.flags.c_contiguous, row
         self._matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of `tokens`, from the first, the grammar would accept from here (nothing changes)."""
+        return self._matcher.validate_tokens(tokens) if tokens else 0
+
+    def masks_along(self, tokens: list[int], out: np.ndarray) -> None:
+        """The allowed next tokens here and after each of `tokens` (which the grammar must accept: see
+        `valid_prefix`) into out (int32 [len(tokens) + 1, mask_words]); the matcher ends where it started."""
+        self.fill_bitmask(out[0])
+        for j, token in enumerate(tokens):
+            if not self._matcher.consume_token(token):
+                raise ValueError(f"token {token} is not valid here: {self.error}")
+            self.fill_bitmask(out[j + 1])
+        if tokens:
+            self._matcher.rollback(len(tokens))
+
     def accept(self, token: int) -> bool:
         """Advances past `token`; False if the grammar does not allow it (the matcher then stays in error)."""
         return self._matcher.consume_token(token)

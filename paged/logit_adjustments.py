@@ -73,7 +73,8 @@ class RowAdjustment:
 
     bias_ids / bias_values: logit_bias entries and -inf for banned ids (an id may repeat; the values add up).
     penalty_ids: distinct tokens of the prompt and output (None: no penalties), penalty_counts: each one's
-    occurrences in the output. grammar: the row's matcher when its sample is constrained, else None.
+    occurrences in the output. grammar: the row's matcher when its sample is constrained, else None; mask:
+    its allowed tokens computed already (int32 [W]), for a position past proposals the matcher has not taken.
     """
 
     row: int
@@ -83,6 +84,7 @@ class RowAdjustment:
     penalty_ids: np.ndarray | None = None
     penalty_counts: np.ndarray | None = None
     grammar: object = None
+    mask: np.ndarray | None = None
 
 
 def rows_bucket(num_rows: int, max_rows: int) -> int:
@@ -127,10 +129,12 @@ def row_entries(adj: RowAdjustment) -> tuple[np.ndarray, np.ndarray, np.ndarray,
 
 
 def build_adjustments(rows: list[RowAdjustment], sampling: SamplingMetadata, max_rows: int, mask_words: int,
-                      num_rows: int | None = None, num_entries: int | None = None) -> LogitAdjustments:
+                      num_rows: int | None = None, num_entries: int | None = None,
+                      row_base: int = 0) -> LogitAdjustments:
     """Host arrays for `rows`. `sampling` holds the step's per-row host arrays (the rows' own are taken from
     it). `num_rows` / `num_entries` force the buckets (ahead-of-time compilation); they default to the buckets
-    of what `rows` needs."""
+    of what `rows` needs. `row_base` is added to each real row's index into the hidden states (a verified
+    position's row sits past the step's sampled rows: ModelRunner's adjusted width)."""
     per_row = [row_entries(adj) for adj in rows]
     lengths = [len(tokens) for tokens, *_ in per_row]
     r_pad = num_rows or rows_bucket(len(rows), max_rows)
@@ -138,12 +142,15 @@ def build_adjustments(rows: list[RowAdjustment], sampling: SamplingMetadata, max
     real = len(rows)
     batch_rows = np.full(r_pad, max_rows, np.int32)
     batch_rows[:real] = [adj.row for adj in rows]
+    source = batch_rows[:real].copy()  # where each row's sampling settings are
     penalties = np.tile(np.array([0.0, 0.0, 1.0], np.float32), (r_pad, 1))
     if real:
         penalties[:real] = [adj.penalties for adj in rows]
     allowed = np.full((r_pad, mask_words), -1, np.int32)
     for r, adj in enumerate(rows):
-        if adj.grammar is not None:
+        if adj.mask is not None:
+            allowed[r] = adj.mask
+        elif adj.grammar is not None:
             adj.grammar.fill_bitmask(allowed[r])
     entry_rows = np.full(e_pad, r_pad, np.int32)
     entry_tokens = np.zeros(e_pad, np.int32)
@@ -155,8 +162,8 @@ def build_adjustments(rows: list[RowAdjustment], sampling: SamplingMetadata, max
         entry_rows[used] = np.repeat(np.arange(real, dtype=np.int32), lengths)
         for target, part in zip((entry_tokens, entry_bias, entry_counts, entry_penalised), zip(*per_row)):
             target[used] = np.concatenate(part)
+    batch_rows[:real] += row_base
     # The rows' own sampling settings; padding rows sample greedily with nothing asked.
-    source = batch_rows[:real]
 
     def take(values, fill):
         values = np.asarray(values)

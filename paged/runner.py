@@ -86,13 +86,14 @@ def kv_budget(memory_utilization: float, memory_bytes: int | None, device) -> tu
 class ModelRunner:
     def __init__(self, model, params, attention, num_blocks: int, block_size: int, dtype, max_num_seqs: int,
                  mesh=None, device=None, publish=None, pooling: tuple[str, bool] | None = None,
-                 speculative: bool = False):
+                 max_verify_tokens: int = 0):
         """`mesh`: the tensor-parallel mesh (None: one device); `device`: that one device when it is not the
         default (a data-parallel replica's); `publish(operation)`: on a multi-host leader, hands each device
         operation's host inputs to the followers before it runs (paged/multihost.py); `pooling`: for a pooling
         model, (pooling type, whether the model's classifier head follows): each step then returns pooled rows
-        (paged/pooler.py) instead of samples; `speculative`: a step carrying proposed tokens (`StepInputs.verify`)
-        also gives the greedy token after every packed token, to verify them."""
+        (paged/pooler.py) instead of samples; `max_verify_tokens`: a speculating engine's most verified positions
+        in a step (Buckets.max_verify_tokens; 0 without speculation): a step carrying proposals
+        (`StepInputs.num_verify`) also draws the token after each, to verify them."""
         cfg = model.config
         self.model = model
         self.params = params
@@ -118,7 +119,9 @@ class ModelRunner:
         self.argmax = cpu.argmax_rows_cpu if mesh is None and on_cpu and cpu.available()[0] else first_argmax
         # The pool is donated: XLA writes the new K/V into the same buffers instead of copying the pool.
         self.pooling = pooling
-        self.speculative = speculative
+        self.speculative = max_verify_tokens > 0
+        # The hidden states the adjusted rows read: the sampled rows', then the verified positions'.
+        self.adjusted_width = max_num_seqs + max_verify_tokens
         self._step = jax.jit(self._step_impl if pooling is None else self._pool_step_impl, donate_argnums=(1,))
         # The rows a request adjusts (paged/logit_adjustments.py) in three small programs: the LM head and the
         # grammar mask (per R), the entries (per R x E: the only product, and the cheapest to compile), the
@@ -148,21 +151,25 @@ class ModelRunner:
                            lambda: sample(lambda: self.model.logits(params, last), inputs.sampling, self.argmax,
                                           self.model.greedy_head(params, last)),
                            lambda: no_samples(num_seqs))
+        # The sampled rows' final hidden states at the fixed width, for the adjusted rows' own LM head (then the
+        # verified positions').
+        hidden = jnp.zeros((self.adjusted_width, last.h.shape[1]), last.h.dtype).at[:num_seqs].set(last.h)
         if self.speculative:  # in the step itself: a separate program's dispatch and read cost more on CPU
+            verify_hidden = jnp.take(token_hidden, inputs.verify_indices, axis=0)
             out = dataclasses.replace(out, verified=jax.lax.cond(
-                inputs.num_verify > 0, lambda: self._verify(params, token_hidden, inputs),
+                inputs.num_verify > 0, lambda: self._verify(params, verify_hidden, inputs),
                 lambda: no_samples(inputs.verify_indices.shape[0])))
-        # The sampled rows' final hidden states at the fixed width, for the adjusted rows' own LM head.
-        hidden = jnp.zeros((self.max_num_seqs, last.h.shape[1]), last.h.dtype).at[:num_seqs].set(last.h)
+            hidden = hidden.at[self.max_num_seqs:self.max_num_seqs + verify_hidden.shape[0]].set(verify_hidden)
         return kv_cache, out, self.no_tokens.at[:num_seqs].set(out.tokens), hidden, token_hidden
 
-    def _verify(self, params, token_hidden, inputs: StepInputs) -> SamplerOutput:
+    def _verify(self, params, hidden, inputs: StepInputs) -> SamplerOutput:
         """The next token after each verified packed token, drawn as the row would draw it without proposals
         (its own key per output index), with logprobs where asked. Comparing them with the proposals is exact
         rejection sampling for a proposer that puts all its probability on its token: a proposal d is accepted
         with probability p(d), and on rejection the drawn token follows p with d taken out (the residual
-        distribution). Greedy rows get the argmax, and every row the tokens it would get unspeculated."""
-        hidden = jnp.take(token_hidden, inputs.verify_indices, axis=0)
+        distribution). Greedy rows get the argmax, and every row the tokens it would get unspeculated. `hidden`:
+        the verified positions' final hidden states [V, H]; positions a request adjusts are drawn apart
+        (`launch`)."""
         logits = self.model.logits(params, LastHidden(hidden, inputs.num_verify))
         return draw(logits, logits, inputs.verify_sampling, self.argmax)
 
@@ -230,9 +237,11 @@ class ModelRunner:
         previous = self.no_tokens if previous_tokens is None else previous_tokens
         adjustments, prompt_indices, prompt_targets = (inputs.adjustments, inputs.prompt_logprob_indices,
                                                        inputs.prompt_logprob_targets)
+        verify_adjustments = inputs.verify_adjustments
         # The fused step never sees what a request asks for beyond per-row values: those shapes are their own.
         inputs = dataclasses.replace(inputs, attention=self.attention.prepare(inputs.attention), adjustments=None,
-                                     prompt_logprob_indices=None, prompt_logprob_targets=None)
+                                     prompt_logprob_indices=None, prompt_logprob_targets=None,
+                                     verify_adjustments=None)
         self.kv_cache, out, tokens, hidden, token_hidden = self._step(self.params, self.kv_cache, inputs, previous)
         if prompt_indices.shape[0]:
             out = dataclasses.replace(out, prompt=self._prompt_logprobs(self.params, token_hidden, prompt_indices,
@@ -240,6 +249,11 @@ class ModelRunner:
         if adjustments is not None:
             adjusted, tokens = self.sample_adjusted(hidden, tokens, adjustments)
             out = dataclasses.replace(out, adjusted=adjusted)
+        if verify_adjustments is not None:  # their rows lie past the padded tokens: `tokens` keeps its values
+            adjusted, tokens = self.sample_adjusted(hidden, tokens, verify_adjustments)
+            rows = verify_adjustments.rows - self.max_num_seqs  # as rows of the verified samples
+            out = dataclasses.replace(out, verified=dataclasses.replace(
+                out.verified, adjusted=AdjustedSamples(rows, adjusted.samples)))
         return out, tokens
 
     def allocate_pool(self) -> None:

@@ -81,8 +81,9 @@ class SamplerOutput:
     def merged(self) -> SamplerOutput:
         """On host arrays: the adjusted rows' samples written over the fused step's (which sampled them as
         plain greedy rows, or not at all)."""
+        verified = self.verified.merged() if self.verified is not None else None
         if self.adjusted is None:
-            return self
+            return dataclasses.replace(self, verified=verified)
         rows = np.asarray(self.adjusted.rows)
         real = rows < len(self.tokens)
         fields = {}
@@ -90,7 +91,7 @@ class SamplerOutput:
             values = np.array(getattr(self, name))
             values[rows[real]] = np.asarray(getattr(self.adjusted.samples, name))[real]
             fields[name] = values
-        return SamplerOutput(**fields, prompt=self.prompt, verified=self.verified)
+        return SamplerOutput(**fields, prompt=self.prompt, verified=verified)
 
 
 @jax.tree_util.register_dataclass

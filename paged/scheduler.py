@@ -146,6 +146,8 @@ class Scheduler:
             # Tokens predicted from a sequence of the recompute length or longer come after its recompute.
             room = min(room, self.rope_recompute[0] - 1 - request.num_tokens)
         drafts = self.propose(request, room) if room > 0 else []
+        if request.grammar is not None:  # a proposal the grammar rejects can never be accepted
+            drafts = drafts[:request.grammar.valid_prefix([int(t) for t in drafts])]
         request.token_ids.extend(int(t) for t in drafts)
         request.num_drafts = len(drafts)
 
@@ -282,9 +284,9 @@ class Scheduler:
 
 
 def may_speculate(request: Request) -> bool:
-    """Whether proposed tokens can be verified for `request` inside the fused step: a request whose logits
-    nothing adjusts (no penalties, logit_bias, banned stop ids, grammar), greedy or sampled, with or without
-    logprobs."""
+    """Whether proposed tokens can be verified for `request`: greedy or sampled, with logprobs, penalties,
+    logit_bias or a grammar (each verified position's adjustments are its own); not while min_tokens bans
+    stop ids, nor while a grammar waits for the end of reasoning (which only the text shows)."""
     params = request.params
-    return (not params.logit_bias and not params.has_penalties and request.grammar is None
-            and request.pooling is None and request.num_output_tokens >= params.min_tokens)
+    return (request.pooling is None and request.num_output_tokens >= params.min_tokens
+            and (request.grammar is None or request.grammar_after is None))

@@ -84,6 +84,16 @@ class SpeculativeConfig:
         return cls(**fields)
 
 
+def max_verify_tokens(speculative: SpeculativeConfig | None, max_num_seqs: int) -> int:
+    """The most packed tokens a step verifies: k + 1 for each row that may speculate (fewer than
+    disable_by_batch_size rows, when set); 0 without speculation."""
+    if speculative is None:
+        return 0
+    rows = max_num_seqs if speculative.disable_by_batch_size is None else \
+        min(max_num_seqs, speculative.disable_by_batch_size - 1)
+    return rows * (speculative.num_speculative_tokens + 1)
+
+
 def _lookup_bounds(low, high) -> dict[str, int]:
     """vLLM's defaults and checks for the n-gram lengths: both 5 when neither is given, else the one given for
     both."""

@@ -28,6 +28,7 @@ from paged.models.orbax_checkpoint import save_checkpoint, stacked, unstacked
 from paged.parallel import ShardedAttention, make_mesh, placement, replica_devices
 from paged.runner import BlockMover, ModelRunner, kv_block_bytes, kv_budget
 from paged.sampler import SamplerOutput
+from paged.speculative import max_verify_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ class Worker:
         self.runner = ModelRunner(self.model, {**params, **precomputed}, attention, self.num_blocks,
                                   config.block_size, self.kv_dtype, config.max_num_seqs, self.mesh, self.device,
                                   publish=channel.publish if channel is not None and channel.leader else None,
-                                  pooling=pooling, speculative=self.speculative is not None)
+                                  pooling=pooling, max_verify_tokens=max_verify_tokens(self.speculative, config.max_num_seqs))
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.kv_dtype)
         self.kv_pool_bytes = self.num_blocks * block_bytes  # K and V over all layers, every device's share
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
@@ -177,7 +178,7 @@ class Worker:
                                                 prompt_logprob_targets=prompt_rows))
         step = padding_inputs(block_manager, buckets, shapes[0][0])
         for num_rows, num_entries in progress(adjustment_shapes, desc="Compiling sampling", disable=not show_progress):
-            adjustments = build_adjustments([], step.sampling, buckets.max_num_seqs, buckets.mask_words,
+            adjustments = build_adjustments([], step.sampling, buckets.adjusted_width, buckets.mask_words,
                                             num_rows, num_entries)
             self.runner.run(dataclasses.replace(step, adjustments=adjustments))
         if self.lora is not None:  # the slot writers, on an empty slot (every slot is empty before traffic)

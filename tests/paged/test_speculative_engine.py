@@ -3,6 +3,8 @@ proposals (an oracle that knows the answer and then errs, the n-gram proposer on
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -115,6 +117,66 @@ def test_seeded_samples_and_logprobs_do_not_change_whatever_is_accepted(tiny_mod
                                                                           abs=1e-4)
     stats = llm.engine.spec_stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+SCHEMA = {"type": "object", "additionalProperties": False, "required": ["id", "tags"],
+          "properties": {"id": {"type": "integer", "minimum": 3, "maximum": 70},
+                         "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3}}}
+
+
+def test_grammar_penalty_and_bias_rows_speculate_without_changing_their_tokens(tiny_model_dir):
+    """Rows whose logits the request changes: each verified position gets its own grammar mask (after the
+    proposals before it), penalty counts (the proposals counted as output) and biases. Greedy and seeded,
+    proposals their own continuation then wrong every other time; nothing compiles after precompile()."""
+    from paged import StructuredOutputsParams
+    prompts = _prompts(6, seed=9)
+    json_schema = StructuredOutputsParams(json=SCHEMA)
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, repetition_penalty=1.3,
+                       frequency_penalty=0.4, presence_penalty=0.2),
+        SamplingParams(temperature=0.8, seed=11, max_tokens=20, ignore_eos=True, frequency_penalty=0.5,
+                       logit_bias={7: 3.0, 9: -100.0}, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=40, structured_outputs=json_schema),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=40, structured_outputs=json_schema, logprobs=1),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, logit_bias={11: 5.0}),
+        SamplingParams(temperature=0.9, seed=2, max_tokens=20, structured_outputs=StructuredOutputsParams(
+            regex="(ab|cd)+x?")),
+    ]
+    options = dict(show_progress=False, max_num_seqs=8, max_num_batched_tokens=128, max_model_len=256,
+                   structured_outputs_disable_any_whitespace=True)
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    plain = LLM(tiny_model_dir, **options).generate(requests, params, use_tqdm=False)
+    answers = {tuple(p): list(o.outputs[0].token_ids) for p, o in zip(prompts, plain)}
+    llm = LLM(tiny_model_dir, speculative_config=NGRAM, **options)
+    llm.engine.precompile()
+    compiled = llm.engine.num_compilations
+    llm.engine.scheduler.propose = _oracle(answers, 2)
+    fast = llm.generate(requests, params, use_tqdm=False)
+    assert llm.engine.num_compilations == compiled
+    for a, b in zip(plain, fast):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+        assert b.outputs[0].text == a.outputs[0].text
+        if a.outputs[0].logprobs is not None:
+            assert [list(e) for e in b.outputs[0].logprobs] == [list(e) for e in a.outputs[0].logprobs]
+            assert b.outputs[0].cumulative_logprob == pytest.approx(a.outputs[0].cumulative_logprob, abs=1e-4)
+    json.loads(fast[2].outputs[0].text)
+    stats = llm.engine.spec_stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+
+
+def test_proposals_the_grammar_rejects_are_not_verified(tiny_model_dir):
+    """A proposer that proposes the grammar's forbidden tokens: they are cut before verification, so the row
+    computes only its own next token and the output is the one without speculation."""
+    from paged import StructuredOutputsParams
+    prompt = _prompts(1, seed=10)[0]
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    want = LLM(tiny_model_dir, show_progress=False).generate([{"prompt_token_ids": prompt}], params,
+                                                             use_tqdm=False)[0].outputs[0].text
+    llm = LLM(tiny_model_dir, show_progress=False, speculative_config=NGRAM)
+    eos = llm.engine.model_config.eos_token_ids[0]
+    llm.engine.scheduler.propose = lambda request, limit: [eos + 1, eos + 2][:limit]
+    assert llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0].outputs[0].text == want
+    assert llm.engine.spec_stats.num_draft_tokens == 0
 
 
 def test_sampled_tokens_follow_the_target_distribution_whatever_is_proposed(tiny_model_dir):
