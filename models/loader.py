@@ -147,7 +147,7 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
             if key[-1] == "scales" and scheme is not None and scheme.block_out > 1:
                 raise NotImplementedError(f"{name}: fp8 block scales over KV heads that tensor parallelism must "
                                           "repeat are not implemented; use a size that divides the KV heads")
-            tensor = _repeat_kv_heads(tensor, kv_head_replicas, config.head_dim)
+            tensor = repeat_kv_heads(tensor, kv_head_replicas, config.head_dim)
         want = expected[key][len(index):]
         if want == () and tensor.size == 1:  # a scalar stored as [1] (KV cache scales)
             tensor = tensor.reshape(())
@@ -412,7 +412,7 @@ def _pad_vocab(tensor: np.ndarray, want: tuple[int, ...], config: ModelConfig) -
     return np.pad(tensor, pad)
 
 
-def _repeat_kv_heads(tensor: np.ndarray, replicas: int, head_dim: int) -> np.ndarray:
+def repeat_kv_heads(tensor: np.ndarray, replicas: int, head_dim: int) -> np.ndarray:
     """k/v_proj kernel [in, Hkv * D] or bias [Hkv * D] with each head's D columns repeated `replicas` times in
     place ([h0, h0, h1, h1, ...]): query head h of a group then meets the copy of its own KV head on its device."""
     heads = tensor.reshape(*tensor.shape[:-1], -1, head_dim)

@@ -16,6 +16,7 @@ import numpy as np
 
 from paged.lora import LoRAAdapter
 from paged.models.linear import LORA_FACTORS
+from paged.models.loader import repeat_kv_heads
 
 # (tree key of the projection without its factor name, e.g. ("layers", "self_attn", "q_proj"), layer)
 ModuleKey = tuple[tuple[str, ...], int]
@@ -50,8 +51,7 @@ def match_adapter(adapter: LoRAAdapter, model, expected: dict) -> dict[ModuleKey
                                  "(q/k/v/o_proj and gate/up/down_proj of the decoder layers)")
             part_b = np.ascontiguousarray(read().T)  # [r, out]
             if cfg.kv_head_replicas > 1 and key[-2:] in (("self_attn", "k_proj"), ("self_attn", "v_proj")):
-                from paged.models.loader import _repeat_kv_heads
-                part_b = _repeat_kv_heads(part_b, cfg.kv_head_replicas, cfg.head_dim)
+                part_b = repeat_kv_heads(part_b, cfg.kv_head_replicas, cfg.head_dim)
             (_, in_features, _, _), (_, _, _, out_features) = (expected[key + ("lora_a",)][0],
                                                               expected[key + ("lora_b",)][0])
             if a.shape[0] != in_features or part_b.shape[1] != out_features:

@@ -140,8 +140,8 @@ class EngineMetrics:
         self.api_tokens.labels(self.model_name, key_name, "prompt").inc(tokens)
 
     def update_gauges(self, engine) -> None:
-        """Reads the engine's state (call on the engine thread); also done after every step. Device memory is
-        read only when /metrics is scraped (`update_device_memory`): on a GPU it is a runtime call per device."""
+        """Reads the engine's state (call on the engine thread); also done after every step. What costs more to
+        read is read only when /metrics is scraped (`update_on_scrape`)."""
         rank = engine.config.data_parallel_rank
         labels = (self.model_name, str(rank))
         stats = engine.kv_stats(include_utilization=False)
@@ -155,8 +155,6 @@ class EngineMetrics:
         self._advance(self.compilations, labels, rank, "compilations", engine.num_compilations)
         if engine.speculative is not None:
             self._spec_counts(engine.spec_stats, labels, rank)
-        if engine.lora_slots is not None:
-            self._lora_info(engine, labels)
         # Replicas share one grammar cache, compiled on server workers: its totals are counted on replica 0.
         if engine.grammars is not None and rank == 0:
             self._advance(self.grammars_compiled, labels, rank, "compiled", engine.grammars.num_compiled)
@@ -182,9 +180,13 @@ class EngineMetrics:
         self._lora_series[labels] = series
         self.lora_info.labels(*series).set(time.time())
 
-    def update_device_memory(self, engine) -> None:
-        """The allocator's bytes in use and limit for each of this process's devices of `engine`."""
+    def update_on_scrape(self, engine) -> None:
+        """What is read only when /metrics is scraped (call on the engine thread): the LoRA adapters running and
+        waiting (a walk of the waiting queue), and the allocator's bytes in use and limit for each of this
+        process's devices of `engine` (on a GPU, a runtime call per device)."""
         labels = (self.model_name, str(engine.config.data_parallel_rank))
+        if engine.lora_slots is not None:
+            self._lora_info(engine, labels)
         for device in engine.devices:
             stats = _memory_stats(device)
             if stats and "bytes_in_use" in stats:

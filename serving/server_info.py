@@ -59,6 +59,6 @@ async def prometheus_metrics(state: State):
     for replica in state.engine.replicas:  # gauges as of now, not as of the last step
         with contextlib.suppress(EngineDeadError):
             await replica.call(metrics.update_gauges)
-            await replica.call(metrics.update_device_memory)
+            await replica.call(metrics.update_on_scrape)
     body = metrics.render()
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
