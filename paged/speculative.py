@@ -114,17 +114,28 @@ def _lookup_bounds(low, high) -> dict[str, int]:
 def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """Up to `k` tokens proposed for `token_ids` (int [L], the sequence so far): for the longest n in
     [min_n, max_n] whose last-n-token suffix occurred earlier, the tokens that followed its latest earlier
-    occurrence (fewer when that occurrence sits near the end; none without a match)."""
+    occurrence (fewer when that occurrence sits near the end; none without a match).
+
+    One pass over the sequence finds where the last token occurred before; each longer n then only checks
+    the token before each remaining match (a proposal is computed every step, so this is host time per step).
+    """
     length = len(token_ids)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = token_ids[length - n:]
-        # Windows starting at 0 .. length - n - 1: every earlier n-gram (the suffix itself excluded).
-        windows = np.lib.stride_tricks.sliding_window_view(token_ids[:length - 1], n)
-        starts = np.flatnonzero((windows == suffix).all(axis=1))
-        if starts.size:
-            follow = starts[-1] + n
-            return token_ids[follow:follow + k]
-    return token_ids[:0]
+    max_n = min(max_n, length - 1)
+    if max_n < min_n:
+        return token_ids[:0]
+    ends = np.flatnonzero(token_ids[:length - 1] == token_ids[length - 1])  # where earlier n-grams end, ascending
+    best_end, n = None, 1
+    while ends.size:
+        if n >= min_n:
+            best_end = ends[-1]  # the latest occurrence of the longest suffix so far
+        if n == max_n:
+            break
+        ends = ends[ends >= n]
+        ends = ends[token_ids[ends - n] == token_ids[length - 1 - n]]
+        n += 1
+    if best_end is None:
+        return token_ids[:0]
+    return token_ids[best_end + 1:best_end + 1 + k]
 
 
 def ngram_proposer(config: SpeculativeConfig):
