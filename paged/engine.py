@@ -320,7 +320,9 @@ class LLMEngine:
         inputs = prepare_inputs(batch, self.block_manager, self.buckets, spans)
         out, tokens = self.worker.launch(inputs, previous.tokens if previous is not None else None)
         token_index = []
-        reads_back = False
+        # Proposals are verified, and the next ones made, from tokens read back: a speculating engine reads a
+        # step back unless the batch is too large to speculate (disable_by_batch_size).
+        reads_back = bool(batch.num_drafts) or self.scheduler.may_propose()
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             request.num_computed_tokens += num_new
             if request.num_computed_tokens < request.num_tokens or request.pooling is not None:
@@ -329,9 +331,7 @@ class LLMEngine:
             token_index.append(request.num_tokens)
             request.token_ids.append(PLACEHOLDER)
             request.placeholder_row = row
-            # A proposal is made from the tokens read back: a speculating engine reads every step back.
-            reads_back = (reads_back or request.params.has_penalties or request.grammar is not None
-                          or self.speculative is not None)
+            reads_back = reads_back or request.params.has_penalties or request.grammar is not None
         return _InFlight(batch, token_index, out, tokens, reads_back, spans)
 
     def _postprocess(self, flight: "_InFlight") -> list[RequestOutput]:

@@ -131,13 +131,19 @@ class Scheduler:
             budget -= num_new
         return batch
 
+    def may_propose(self) -> bool:
+        """Whether the next step may carry proposals: the engine speculates and fewer than speculation_limit
+        requests run."""
+        return self.propose is not None and (self.speculation_limit is None
+                                             or len(self.running) < self.speculation_limit)
+
     def _add_drafts(self, request: Request, budget: int) -> None:
         """Appends the proposer's tokens to a request about to compute its one next token, within the step's
         budget and the request's length limit (its last verified token must stay within it)."""
         if (request.num_computed_tokens != request.num_tokens - 1 or request.token_ids[-1] == PLACEHOLDER
                 or not may_speculate(request)):
             return
-        if self.speculation_limit is not None and len(self.running) >= self.speculation_limit:
+        if not self.may_propose():
             return
         room = budget - 1
         if request.length_limit is not None:

@@ -314,3 +314,26 @@ def test_no_proposals_while_the_batch_is_large(tiny_model_dir, reference):
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
     assert _tokens(llm, prompts, params) == [w[:n] for w, n in zip(want, lengths)]
     assert calls and max(calls) < 4
+
+
+def test_a_batch_too_large_to_speculate_keeps_async_scheduling(tiny_model_dir, reference):
+    """While disable_by_batch_size or more requests run, no step needs reading back before the next one is
+    scheduled: steps overlap as without speculation. Once fewer run, steps are read back and proposals made."""
+    prompts, want = reference
+    llm = LLM(tiny_model_dir, show_progress=False, speculative_config={**NGRAM, "disable_by_batch_size": 4})
+    llm.engine.scheduler.propose = _oracle(dict(zip(map(tuple, prompts), want)), 1000)
+    overlapped = []
+    original = llm.engine._postprocess
+
+    def postprocess(flight):
+        # Read after the next step was scheduled (overlapped), or before (read back)?
+        scheduled = llm.engine._scheduled
+        overlapped.append((len(flight.batch.requests), scheduled is not None and scheduled is not flight.batch))
+        return original(flight)
+    llm.engine._postprocess = postprocess
+    lengths = [24, 24, 24, 6, 6, 6]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    assert _tokens(llm, prompts, params) == [w[:n] for w, n in zip(want, lengths)]
+    assert all(after for rows, after in overlapped if rows >= 4)
+    assert not all(after for rows, after in overlapped if rows < 4)
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
