@@ -25,6 +25,14 @@ MODEL_SHAPES = {
         "tie_word_embeddings": True, "hidden_act": "silu", "bos_token_id": 0, "eos_token_id": 1,
         "sliding_window": None, "use_sliding_window": False, "torch_dtype": "bfloat16",
     },
+    # Qwen3-0.6B: 16 query and 8 KV heads (tensor parallel 2, 4 and 8 divide them), q/k norms, no biases.
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 151936, "hidden_size": 1024,
+        "intermediate_size": 3072, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "attention_bias": False, "tie_word_embeddings": True, "hidden_act": "silu", "bos_token_id": 0,
+        "eos_token_id": 1, "sliding_window": None, "use_sliding_window": False, "torch_dtype": "bfloat16",
+    },
 }
 
 # Random weights at the scale of trained ones (std 0.02, HF's initializer_range): activations stay in
@@ -34,8 +42,9 @@ _WEIGHT_STD = 0.02
 
 def _tensors(config: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    head_dim = hidden // config["num_attention_heads"]
+    head_dim = config.get("head_dim", hidden // config["num_attention_heads"])
     q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    biases = config.get("attention_bias", config["model_type"] == "qwen2")  # Qwen2's q/k/v have biases
 
     def normal(*shape):
         return (rng.standard_normal(shape, np.float32) * _WEIGHT_STD).astype(ml_dtypes.bfloat16)
@@ -48,13 +57,16 @@ def _tensors(config: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
         p = f"model.layers.{i}."
         tensors.update({
             p + "input_layernorm.weight": ones(hidden), p + "post_attention_layernorm.weight": ones(hidden),
-            p + "self_attn.q_proj.weight": normal(q, hidden), p + "self_attn.q_proj.bias": normal(q),
-            p + "self_attn.k_proj.weight": normal(kv, hidden), p + "self_attn.k_proj.bias": normal(kv),
-            p + "self_attn.v_proj.weight": normal(kv, hidden), p + "self_attn.v_proj.bias": normal(kv),
-            p + "self_attn.o_proj.weight": normal(hidden, q),
+            p + "self_attn.q_proj.weight": normal(q, hidden), p + "self_attn.k_proj.weight": normal(kv, hidden),
+            p + "self_attn.v_proj.weight": normal(kv, hidden), p + "self_attn.o_proj.weight": normal(hidden, q),
             p + "mlp.gate_proj.weight": normal(inter, hidden), p + "mlp.up_proj.weight": normal(inter, hidden),
             p + "mlp.down_proj.weight": normal(hidden, inter),
         })
+        if biases:
+            tensors.update({p + "self_attn.q_proj.bias": normal(q), p + "self_attn.k_proj.bias": normal(kv),
+                            p + "self_attn.v_proj.bias": normal(kv)})
+        if config["model_type"] == "qwen3":  # per-head RMSNorm of q and k
+            tensors.update({p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)})
     return tensors
 
 
