@@ -337,3 +337,38 @@ def test_a_batch_too_large_to_speculate_keeps_async_scheduling(tiny_model_dir, r
     assert all(after for rows, after in overlapped if rows >= 4)
     assert not all(after for rows, after in overlapped if rows < 4)
     assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_blocks_written_while_speculating_serve_later_prefix_hits(tiny_model_dir, reference):
+    """Rejected proposals' K/V sit past the computed tokens and are written over; the blocks the prefix cache
+    keeps hold only verified tokens: a later prompt that extends a speculated output hits them and continues
+    as the plain engine does."""
+    prompts, want = reference
+    llm = LLM(tiny_model_dir, show_progress=False, speculative_config=NGRAM, block_size=8)
+    llm.engine.scheduler.propose = _oracle(dict(zip(map(tuple, prompts), want)), 1)
+    first = _tokens(llm, prompts)
+    assert first == want
+    extended = [p + w for p, w in zip(prompts, want)]
+    plain = _tokens(LLM(tiny_model_dir, show_progress=False, block_size=8, enable_prefix_caching=False), extended)
+    llm.engine.scheduler.propose = lambda request, limit: []
+    outputs = llm.generate([{"prompt_token_ids": p} for p in extended], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == plain
+    assert sum(o.num_cached_tokens for o in outputs) >= 8 * len(prompts)
+
+
+def test_a_stop_string_inside_accepted_tokens_ends_the_text_there(tiny_model_dir, reference):
+    prompts, want = reference
+    texts = [o.outputs[0].text for o in LLM(tiny_model_dir, show_progress=False).generate(
+        [{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)]
+    stops = [text[len(text) // 2:len(text) // 2 + 2] for text in texts]
+    params = [SamplingParams(temperature=0, max_tokens=24, stop=[stop]) for stop in stops]
+    plain = LLM(tiny_model_dir, show_progress=False).generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                             use_tqdm=False)
+    llm = LLM(tiny_model_dir, show_progress=False, speculative_config=NGRAM)
+    llm.engine.scheduler.propose = _oracle(dict(zip(map(tuple, prompts), want)), 1000)
+    fast = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for a, b, stop in zip(plain, fast, stops):
+        assert (b.outputs[0].text, b.outputs[0].token_ids) == (a.outputs[0].text, a.outputs[0].token_ids)
+        assert b.outputs[0].stop_reason == a.outputs[0].stop_reason
+    assert sum(o.outputs[0].stop_reason in stops for o in fast) >= len(prompts) // 2
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
