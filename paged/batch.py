@@ -218,9 +218,10 @@ def _fill(batch: ScheduledBatch, block_manager: BlockManager, buckets: Buckets, 
         if request.token_type_ids is not None:  # an encoder's pair: each token's segment in its id's high bits
             token_ids[offset:offset + num_new] |= np.asarray(request.token_type_ids[start:stop],
                                                              np.int32) << TOKEN_TYPE_SHIFT
-        if request.token_ids[stop - 1] == PLACEHOLDER:  # only the last token can still be in flight
-            token_ids[offset + num_new - 1] = 0
-            token_source[offset + num_new - 1] = request.placeholder_row
+        in_flight = stop - 1 - batch.drafts_of(i)  # only the last token before any proposals can be in flight
+        if request.token_ids[in_flight] == PLACEHOLDER:
+            token_ids[offset + in_flight - start] = 0
+            token_source[offset + in_flight - start] = request.placeholder_row
         positions[offset:offset + num_new] = np.arange(start, stop)
         if rope_lengths is not None:  # a prompt's tokens follow its length; later ones their position + 1
             floor = max(request.num_prompt_tokens, request.rope_length_floor)

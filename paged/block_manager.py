@@ -119,10 +119,10 @@ class BlockManager:
 
     def free_outside_window(self, request: Request, window: int) -> None:
         """Releases the leading blocks no future query of `request` can see, when every layer attends to at
-        most the last `window` keys: the next query sits at position num_computed_tokens and sees keys from
-        num_computed_tokens - window + 1 on. Released positions point at the sink block, so positions and
+        most the last `window` keys: the next query sits at position num_computed_tokens (before any proposals
+        in flight) and sees keys from there - window + 1 on. Released positions point at the sink block, so positions and
         page-table columns stay aligned (kernels never read them unmasked)."""
-        first_needed = request.num_computed_tokens - window + 1
+        first_needed = request.num_computed_tokens - request.num_drafts - window + 1
         num_dead = min(max(first_needed, 0) // self.block_size, len(request.block_ids))
         for i in range(num_dead):
             block = request.block_ids[i]
@@ -171,7 +171,8 @@ class BlockManager:
         """Registers the request's computed, full blocks in the prefix cache."""
         if not self.enable_prefix_caching:
             return
-        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        # Proposals still being verified (their step in flight) are not the request's tokens yet.
+        num_full = min((request.num_computed_tokens - request.num_drafts) // self.block_size, len(request.block_ids))
         hashes = self._hashes(request, num_full)
         for i in range(request.num_registered_blocks, num_full):
             block, h = request.block_ids[i], hashes[i]

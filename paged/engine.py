@@ -320,9 +320,9 @@ class LLMEngine:
         inputs = prepare_inputs(batch, self.block_manager, self.buckets, spans)
         out, tokens = self.worker.launch(inputs, previous.tokens if previous is not None else None)
         token_index = []
-        # Proposals are verified, and the next ones made, from tokens read back: a speculating engine reads a
-        # step back unless the batch is too large to speculate (disable_by_batch_size).
-        reads_back = bool(batch.num_drafts) or self.scheduler.may_propose()
+        # A step with proposals is read back before the next is scheduled (how many were accepted decides the
+        # next step's tokens); one without them overlaps the next as without speculation.
+        reads_back = bool(batch.num_drafts)
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             request.num_computed_tokens += num_new
             if request.num_computed_tokens < request.num_tokens or request.pooling is not None:

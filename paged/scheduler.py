@@ -20,7 +20,7 @@ import time
 from typing import TYPE_CHECKING
 from paged.block_manager import BlockManager
 from paged.prefix_keys import prefix_root
-from paged.request import PLACEHOLDER, Request, RequestStatus
+from paged.request import Request, RequestStatus
 from paged.waiting_queue import WaitingQueue
 
 if TYPE_CHECKING:
@@ -140,8 +140,7 @@ class Scheduler:
     def _add_drafts(self, request: Request, budget: int) -> None:
         """Appends the proposer's tokens to a request about to compute its one next token, within the step's
         budget and the request's length limit (its last verified token must stay within it)."""
-        if (request.num_computed_tokens != request.num_tokens - 1 or request.token_ids[-1] == PLACEHOLDER
-                or not may_speculate(request)):
+        if request.num_computed_tokens != request.num_tokens - 1 or not may_speculate(request):
             return
         if not self.may_propose():
             return

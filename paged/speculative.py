@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from paged.config import json_object
+from paged.request import PLACEHOLDER
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 # vLLM's other methods, named so a configuration asking for one is refused by name.
@@ -139,11 +140,19 @@ def propose_ngram(token_ids: np.ndarray, min_n: int, max_n: int, k: int) -> np.n
 
 
 def ngram_proposer(config: SpeculativeConfig):
-    """The scheduler's `propose(request, limit)` for method "ngram": up to min(k, limit) tokens."""
+    """The scheduler's `propose(request, limit)` for method "ngram": up to min(k, limit) tokens.
+
+    A request whose last token is still in flight (async scheduling: the step computing it has not been read
+    back) is proposed for all the same: the lookup runs on the tokens known, its first token stands for the
+    one in flight and the rest are proposed after it. If the token in flight differs, verification rejects
+    what does not fit, and the output is unchanged."""
     def propose(request, limit: int) -> list[int]:
         tokens = np.asarray(request.token_ids, np.int64)
-        return propose_ngram(tokens, config.prompt_lookup_min, config.prompt_lookup_max,
-                             min(config.num_speculative_tokens, limit)).tolist()
+        count = min(config.num_speculative_tokens, limit)
+        if len(tokens) and tokens[-1] == PLACEHOLDER:
+            guessed = propose_ngram(tokens[:-1], config.prompt_lookup_min, config.prompt_lookup_max, count + 1)
+            return guessed[1:].tolist()
+        return propose_ngram(tokens, config.prompt_lookup_min, config.prompt_lookup_max, count).tolist()
     return propose
 
 
