@@ -94,6 +94,14 @@ class BlockManager:
             self.ref_counts[block] += 1
             self._append_block(request, block)
 
+    def free_tail(self, request: Request, num_tokens: int) -> None:
+        """Releases `request`'s blocks past those holding its first `num_tokens` tokens (allocated for
+        proposals that verification rejected). They hold no computed tokens, so none is cached."""
+        keep = self.blocks_for(num_tokens)
+        while len(request.block_ids) > keep:
+            self._release(request.block_ids.pop())
+            self.page_table[request.page_row, len(request.block_ids)] = SINK_BLOCK
+
     def free(self, request: Request) -> None:
         """Releases every block of `request`; shared blocks stay until their last holder lets go.
 

@@ -170,6 +170,8 @@ class OutputProcessor:
             self.spec_stats.record(len(drafts), accepted)
         request.drop_drafts()  # and the placeholder after them
         request.num_computed_tokens = request.num_tokens + accepted
+        # The blocks allocated for rejected proposals go back (the next token's own is kept).
+        self.block_manager.free_tail(request, request.num_tokens + accepted + 1)
         return [*drafts[:accepted], int(drawn[accepted])]
 
     def _accept_token(self, request: Request, index: int) -> None:

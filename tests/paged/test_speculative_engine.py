@@ -374,3 +374,23 @@ def test_a_stop_string_inside_accepted_tokens_ends_the_text_there(tiny_model_dir
         assert b.outputs[0].stop_reason == a.outputs[0].stop_reason
     assert sum(o.outputs[0].stop_reason in stops for o in fast) >= len(prompts) // 2
     assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_blocks_allocated_for_rejected_proposals_go_back(tiny_model_dir, reference):
+    """Blocks of 4 tokens and 3 proposals: a rejected run of proposals often spilled into a block of its own,
+    which is released at verification: a verified request holds the blocks of its computed tokens and the
+    next one."""
+    prompts, want = reference
+    llm = LLM(tiny_model_dir, show_progress=False, speculative_config=NGRAM, block_size=4,
+              enable_prefix_caching=False)
+    llm.engine.scheduler.propose = _oracle(dict(zip(map(tuple, prompts), want)), 1)
+    outputs, verify = llm.engine.outputs, llm.engine.outputs._verify_drafts
+    held = []
+
+    def checked(request, drawn):
+        tokens = verify(request, drawn)
+        held.append((len(request.block_ids), llm.engine.block_manager.blocks_for(request.num_computed_tokens + 1)))
+        return tokens
+    outputs._verify_drafts = checked
+    assert _tokens(llm, prompts) == want
+    assert held and all(blocks == needed for blocks, needed in held)
