@@ -184,6 +184,23 @@ def copy_bandwidth(megabytes: int = 256, repeats: int = 10, calls_per_sample: in
     return 2 * nbytes / best
 
 
+def read_bandwidth(megabytes: int = 512, repeats: int = 10) -> float:
+    """Bytes/s of a streaming read: a large array summed row by row (4 KiB rows, so XLA splits the rows
+    across threads), best of `repeats`. What a memory-bound product can reach at most: a decode step reads its
+    weights once and writes little."""
+    import jax
+    import jax.numpy as jnp
+    x = jnp.ones((megabytes * 2**20 // 4096, 1024), jnp.float32)
+    f = jax.jit(lambda a: jnp.sum(a, axis=1))
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return x.nbytes / best
+
+
 def report(result: dict, path: str | None) -> None:
     """Prints a benchmark's result as JSON, and writes it to `path` too when given (--json)."""
     print(json.dumps(result, indent=2))

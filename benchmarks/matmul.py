@@ -2,7 +2,9 @@
 
 Each point times one call that runs every projection of one decoder layer (q, k, v, o, gate, up, down of
 `--model-shape`; `--layers` copies of each, so the weights, `--layers` x 14 MB in bfloat16 at the 0.5B shape,
-stream from memory as a decode step's do) for x of `rows` rows, and reports GFLOP/s. Implementations:
+stream from memory as a decode step's do) for x of `rows` rows, and reports GFLOP/s and, against this
+machine's streaming read bandwidth measured first (`read_bandwidth`), the fraction of it the weights' bytes
+read once over the time make (the roof of a memory-bound decode-sized product). Implementations:
   xla         XLA's dot, float32 accumulation (models/linear.py: xla_matmul)
   native      the native CPU matmul as the engine's "cpu" linear backend calls it (AMX tiles for bfloat16 where
               the CPU has them, else AVX-512)
@@ -30,7 +32,7 @@ def layer_products(shape: str) -> list[tuple[int, int]]:
     """(in, out) of each projection of one decoder layer of `shape`."""
     c = MODEL_SHAPES[shape]
     hidden, inter = c["hidden_size"], c["intermediate_size"]
-    head_dim = hidden // c["num_attention_heads"]
+    head_dim = c.get("head_dim", hidden // c["num_attention_heads"])
     q, kv = c["num_attention_heads"] * head_dim, c["num_key_value_heads"] * head_dim
     return [(hidden, q), (hidden, kv), (hidden, kv), (q, hidden), (hidden, inter), (hidden, inter), (inter, hidden)]
 
@@ -58,7 +60,8 @@ def _implementations(dtype) -> dict:
     return impls
 
 
-def run(shape: str, dtype_name: str, rows_list: list[int], layers: int, repeats: int) -> list[dict]:
+def run(shape: str, dtype_name: str, rows_list: list[int], layers: int, repeats: int,
+        read_bytes_per_s: float) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -66,6 +69,7 @@ def run(shape: str, dtype_name: str, rows_list: list[int], layers: int, repeats:
     rng = np.random.default_rng(0)
     products = layer_products(shape) * layers
     weights = [jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, dtype) for k, n in products]
+    weight_bytes = sum(w.nbytes for w in weights)
     impls = _implementations(dtype)
     results = []
     for rows in rows_list:
@@ -87,8 +91,10 @@ def run(shape: str, dtype_name: str, rows_list: list[int], layers: int, repeats:
                 jax.block_until_ready(step(xs, ws))
                 times.append(time.perf_counter() - start)
             row[name] = flops / float(np.median(times)) / 1e9
+            row[f"{name}_read_fraction"] = weight_bytes / float(np.median(times)) / read_bytes_per_s
         results.append(row)
-        print(f"{rows:>6}  " + "  ".join(f"{name} {row[name]:7.1f}" for name in impls)
+        print(f"{rows:>6}  " + "  ".join(f"{name} {row[name]:7.1f} ({row[name + '_read_fraction']:.0%} of read)"
+                                         for name in impls)
               + ("  native/xla %.2fx" % (row["native"] / row["xla"]) if "native" in row else ""))
     return results
 
@@ -107,14 +113,17 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.rows) < 1 or args.layers < 1 or args.repeats < 1:
         parser.error("--rows, --layers and --repeats must be positive")
     import jax
+    from paged.benchmarks.common import read_bandwidth
     from paged.kernels import cpu
+    read_bw = read_bandwidth()
     print(f"{args.model_shape} layer products x {args.layers}, {args.dtype}, GFLOP/s (median of {args.repeats}); "
-          f"{jax.devices()[0].device_kind}, AMX {'on' if cpu.matmul_on_amx() else 'off'}", file=sys.stderr)
-    results = run(args.model_shape, args.dtype, args.rows, args.layers, args.repeats)
+          f"{jax.devices()[0].device_kind}, AMX {'on' if cpu.matmul_on_amx() else 'off'}; streaming read "
+          f"{read_bw / 1e9:.1f} GB/s", file=sys.stderr)
+    results = run(args.model_shape, args.dtype, args.rows, args.layers, args.repeats, read_bw)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model_shape": args.model_shape, "dtype": args.dtype, "layers": args.layers,
-                       "amx": cpu.matmul_on_amx(), "gflops": results}, f, indent=1)
+                       "amx": cpu.matmul_on_amx(), "read_bytes_per_s": read_bw, "gflops": results}, f, indent=1)
     return 0
 
 

@@ -13,11 +13,12 @@ def test_matmul_benchmark_times_every_backend_on_the_same_products(tmp_path):
     assert main(["bench", "matmul", "--rows", "3", "40", "--layers", "1", "--repeats", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["amx"] == cpu.matmul_on_amx()
+    assert report["read_bytes_per_s"] > 1e8
     assert [row["rows"] for row in report["gflops"]] == [3, 40]
     for row in report["gflops"]:
-        names = {key for key in row if key != "rows" and not key.endswith("_max_rel_diff")}
+        names = {key for key in row if key != "rows" and not key.endswith(("_max_rel_diff", "_read_fraction"))}
         assert "xla" in names and ("native" in names) == (cpu.matmul_max_rows("bfloat16") > 0)
         assert ("native-avx512" in names) == cpu.matmul_on_amx()
-        assert all(row[name] > 0 for name in names)
+        assert all(row[name] > 0 and row[f"{name}_read_fraction"] > 0 for name in names)
         # One rounding of float32 sums apart at most (the products are the same bf16 values).
         assert all(row[f"{name}_max_rel_diff"] < 1e-5 for name in names)

@@ -20,6 +20,17 @@ def tiny_shape(monkeypatch, tmp_path):
     return shapes.model_shape_dir("tiny-qwen2")
 
 
+@pytest.fixture
+def tiny_qwen3_shape(monkeypatch, tmp_path):
+    """A Qwen3-shaped entry (head_dim given apart from hidden_size, q/k norms, no biases), small."""
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
+    config = dict(shapes.MODEL_SHAPES["qwen3-0.6b"], vocab_size=600, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                  max_position_embeddings=256)
+    monkeypatch.setitem(shapes.MODEL_SHAPES, "tiny-qwen3", config)
+    return shapes.model_shape_dir("tiny-qwen3")
+
+
 def test_the_real_shape_has_the_published_size():
     c = shapes.MODEL_SHAPES["qwen2.5-0.5b"]
     head = c["hidden_size"] // c["num_attention_heads"]
@@ -41,8 +52,19 @@ def test_shape_checkpoint_is_bfloat16_and_built_once(tiny_shape):
         shapes.model_shape_dir("no-such-model")
 
 
+def test_the_qwen3_shape_has_the_published_size():
+    c = shapes.MODEL_SHAPES["qwen3-0.6b"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    per_layer = (c["hidden_size"] * (q + 2 * kv) + q * c["hidden_size"] + 3 * c["hidden_size"] * c["intermediate_size"]
+                 + 2 * c["hidden_size"] + 2 * c["head_dim"])
+    total = c["vocab_size"] * c["hidden_size"] + c["num_hidden_layers"] * per_layer + c["hidden_size"]
+    assert round(total / 1e6) == 596  # Qwen3-0.6B: 0.6B parameters (tied embeddings)
+
+
 @pytest.mark.torch
-def test_shape_checkpoint_reads_the_same_in_transformers(tiny_shape):
+@pytest.mark.parametrize("shape", ["tiny_shape", "tiny_qwen3_shape"])
+def test_shape_checkpoint_reads_the_same_in_transformers(shape, request):
+    tiny_shape = request.getfixturevalue(shape)
     torch = pytest.importorskip("torch", reason="torch is a test-only dependency, installed on Python 3.11 only")
     import transformers
 
