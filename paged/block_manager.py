@@ -128,8 +128,8 @@ class BlockManager:
     def free_outside_window(self, request: Request, window: int) -> None:
         """Releases the leading blocks no future query of `request` can see, when every layer attends to at
         most the last `window` keys: the next query sits at position num_computed_tokens (before any proposals
-        in flight) and sees keys from there - window + 1 on. Released positions point at the sink block, so positions and
-        page-table columns stay aligned (kernels never read them unmasked)."""
+        in flight) and sees keys from there - window + 1 on. Released positions point at the sink block, so
+        positions and page-table columns stay aligned (kernels never read them unmasked)."""
         first_needed = request.num_computed_tokens - request.num_drafts - window + 1
         num_dead = min(max(first_needed, 0) // self.block_size, len(request.block_ids))
         for i in range(num_dead):

@@ -32,11 +32,11 @@ class ScheduledBatch:
     requests: list[Request]
     num_new_tokens: list[int]
     preempted: list[Request]
-    # Per row: how many of its new tokens are proposals to verify (speculative decoding; empty when none are).
-    num_drafts: list[int] = dataclasses.field(default_factory=list)
+    # The rows whose new tokens end in proposals to verify (speculative decoding): row -> how many.
+    num_drafts: dict[int, int] = dataclasses.field(default_factory=dict)
 
     def drafts_of(self, row: int) -> int:
-        return self.num_drafts[row] if row < len(self.num_drafts) else 0
+        return self.num_drafts.get(row, 0)
 
     @property
     def total_tokens(self) -> int:
@@ -105,7 +105,7 @@ class Scheduler:
             batch.requests.append(request)
             batch.num_new_tokens.append(num_new)
             if request.num_drafts:
-                batch.num_drafts += [0] * (len(batch.requests) - 1 - len(batch.num_drafts)) + [request.num_drafts]
+                batch.num_drafts[len(batch.requests) - 1] = request.num_drafts
             budget -= num_new
             index += 1
 
