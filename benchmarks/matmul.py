@@ -11,6 +11,10 @@ read once over the time make (the roof of a memory-bound decode-sized product). 
   native-packed  bfloat16 on AMX with the weights packed once beforehand into the tiles' order, as the engine
               holds them from load (pallas_kernels/cpu: pack_for_amx)
   native-avx512  the same kernel built without AMX (only on a CPU with AMX: the path it replaces)
+  int8, int4  bfloat16 runs only: the same weights quantized (int8 per output channel as quantization="int8";
+              int4 in groups of 128 rows as GPTQ) through the engine's quantized layer; their read fraction
+              counts the codes and scales they stream. Their max_rel_diff includes the quantization error.
+  int8-f32x, int4-f32x  the same codes with x widened to float32 (the path without AVX-512 BF16)
 
     paged bench matmul                                  # qwen2.5-0.5b's shapes, bfloat16, 8 to 2048 rows
     paged bench matmul --dtype float32 --rows 8 64 256 --json docs/results/matmul_f32.json
@@ -50,6 +54,8 @@ def _implementations(dtype) -> dict:
     elif cpu.available()[0]:
         print(f"native: no fast path for {jnp.dtype(dtype).name} on this CPU (the engine keeps XLA's dot)",
               file=sys.stderr)
+    if cpu.matmul_is_vectorized("int8") and jnp.dtype(dtype) == jnp.bfloat16:
+        impls.update(_quantized_implementations(dtype))
     if cpu.matmul_on_amx() and jnp.dtype(dtype) == jnp.bfloat16:
         impls["native-packed"] = (lambda x, w: cpu.matmul_packed_cpu(x, w), cpu.pack_for_amx)
         try:
@@ -57,6 +63,45 @@ def _implementations(dtype) -> dict:
             impls["native-avx512"] = (lambda x, w: cpu.matmul_cpu(x, w, _target=no_amx), None)
         except RuntimeError as error:
             print(f"native-avx512: {error}", file=sys.stderr)
+    return impls
+
+
+def quantize_int4(kernel: np.ndarray, dtype, group_size: int = 128) -> dict[str, np.ndarray]:
+    """Symmetric int4 codes with one scale per `group_size` rows and column (GPTQ's layout without act order),
+    round to nearest: the benchmark's stand-in for a GPTQ checkpoint's weights."""
+    from paged.models.quantization import pack
+    w = kernel.astype(np.float32).reshape(-1, group_size, kernel.shape[1])
+    scales = np.maximum(np.abs(w).max(axis=1), np.finfo(np.float32).tiny) / 7.0  # [groups, out]
+    q = np.clip(np.rint(w / scales[:, None, :]), -8, 7).astype(np.int16) + 8
+    return pack(q.reshape(kernel.shape), np.full_like(scales, 8.0), scales, 4, dtype)
+
+
+def _quantized_implementations(dtype) -> dict:
+    """Weight-only int8 (per channel, as `quantization="int8"`) and int4 (groups of 128 rows, as GPTQ) through
+    the engine's quantized layer (models/linear.py: quantized_matmul); "-f32x" the same kernel given x widened
+    to float32, the path bfloat16 models took before the bfloat16 one."""
+    import jax.numpy as jnp
+
+    from paged.kernels import cpu
+    from paged.models.linear import quantized_matmul
+    from paged.models.quantization import quantize_per_channel_int8
+
+    def prepare(bits):
+        def quantize(w):
+            host = np.asarray(w, np.float32)
+            params = quantize_per_channel_int8(host, dtype) if bits == 8 else quantize_int4(host, dtype)
+            return {k: jnp.asarray(v) for k, v in params.items()}
+        return quantize
+
+    def engine(bits):
+        return lambda x, p: quantized_matmul("cpu", x, p, bits, None, jnp.float32)
+
+    def float32_x(x, p):
+        return cpu.quant_matmul_cpu(x.astype(jnp.float32), p["qweight"], p["scales"].astype(jnp.float32))
+
+    impls = {"int8": (engine(8), prepare(8)), "int4": (engine(4), prepare(4))}
+    if cpu.quant_matmul_takes_bfloat16(2, 1):
+        impls.update({"int8-f32x": (float32_x, prepare(8)), "int4-f32x": (float32_x, prepare(4))})
     return impls
 
 
@@ -69,7 +114,6 @@ def run(shape: str, dtype_name: str, rows_list: list[int], layers: int, repeats:
     rng = np.random.default_rng(0)
     products = layer_products(shape) * layers
     weights = [jnp.asarray(rng.standard_normal((k, n), np.float32) * 0.02, dtype) for k, n in products]
-    weight_bytes = sum(w.nbytes for w in weights)
     impls = _implementations(dtype)
     results = []
     for rows in rows_list:
@@ -79,6 +123,7 @@ def run(shape: str, dtype_name: str, rows_list: list[int], layers: int, repeats:
         reference = None
         for name, (fn, prepare) in impls.items():
             ws = [jax.block_until_ready(prepare(w)) for w in weights] if prepare else weights
+            read_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(ws))  # what this implementation streams
             step = jax.jit(lambda xs, ws, fn=fn: [fn(xs[k], w) for (k, _), w in zip(products, ws)])
             outs = [np.asarray(y, np.float32) for y in jax.block_until_ready(step(xs, ws))]
             if reference is None:  # xla's: every implementation must compute the same products
@@ -91,7 +136,7 @@ def run(shape: str, dtype_name: str, rows_list: list[int], layers: int, repeats:
                 jax.block_until_ready(step(xs, ws))
                 times.append(time.perf_counter() - start)
             row[name] = flops / float(np.median(times)) / 1e9
-            row[f"{name}_read_fraction"] = weight_bytes / float(np.median(times)) / read_bytes_per_s
+            row[f"{name}_read_fraction"] = read_bytes / float(np.median(times)) / read_bytes_per_s
         results.append(row)
         print(f"{rows:>6}  " + "  ".join(f"{name} {row[name]:7.1f} ({row[name + '_read_fraction']:.0%} of read)"
                                          for name in impls)

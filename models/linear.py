@@ -298,8 +298,11 @@ def quantized_matmul(backend: str, x: jax.Array, params: dict[str, jax.Array], b
     in_features, (groups, out_features) = x.shape[-1], scales.shape
     if (backend == "cpu" and 0 < rows <= cpu.MATMUL_MAX_ROWS["int8"]
             and cpu.quant_matmul_takes(in_features, out_features, groups, bits)):
-        x32 = x.reshape(rows, in_features).astype(jnp.float32)
-        y = cpu.quant_matmul_cpu(x32, qweight, scales.astype(jnp.float32), live_rows)
+        x2 = x.reshape(rows, in_features)
+        x32 = x2.astype(jnp.float32)
+        # bfloat16 x goes in as it is (the codes meet it as bfloat16 pairs, half the bytes in L1 per block).
+        operand = x2 if x.dtype == jnp.bfloat16 and cpu.quant_matmul_takes_bfloat16(in_features, groups) else x32
+        y = cpu.quant_matmul_cpu(operand, qweight, scales.astype(jnp.float32), live_rows)
         group_sums = x32.reshape(rows, groups, in_features // groups).sum(axis=-1)  # [rows, G]
         y = y - jnp.dot(group_sums, offsets.astype(jnp.float32), preferred_element_type=jnp.float32)
         return y.reshape(*x.shape[:-1], out_features).astype(out_dtype or x.dtype)

@@ -51,7 +51,8 @@ _ADD_RMS_NORM_TARGET = "add_rms_norm_cpu"
 _KV_WRITE_TARGET = "write_kv_cpu"
 _COPY_BLOCKS_TARGET = "copy_blocks_cpu"
 _SCATTER_BLOCKS_TARGET = "scatter_blocks_cpu"
-_VECTORIZED_MATMUL: dict[str, bool] = {}  # filled by _load(): dtype -> whether the default build has its fast path
+# filled by _load(): dtype (or "int8_bfloat16": codes against bf16 x) -> whether the default build has its fast path
+_VECTORIZED_MATMUL: dict[str, bool] = {}
 _MATMUL_ON_AMX: list[bool] = []  # filled by _load(): whether the default build's bfloat16 products run on AMX
 _PROMPTS_ON_AMX: list[bool] = []  # filled by _load(): whether its bfloat16 prompt attention runs on AMX
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
@@ -137,7 +138,8 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
         if target == _TARGET:
             _VECTORIZED_MATMUL.update(float32=bool(library.MatmulCpuIsVectorized()),
                                       bfloat16=bool(library.MatmulCpuBf16IsVectorized()),
-                                      int8=bool(library.QuantMatmulCpuIsVectorized()))
+                                      int8=bool(library.QuantMatmulCpuIsVectorized()),
+                                      int8_bfloat16=bool(library.QuantMatmulCpuBf16IsVectorized()))
             _MATMUL_ON_AMX[:] = [bool(library.MatmulCpuBf16UsesAmx())]
             _PROMPTS_ON_AMX[:] = [bool(library.PromptAttentionUsesAmx())]
     except Exception as error:  # noqa: BLE001 - any failure means "use the XLA path", reported by available()
@@ -447,20 +449,25 @@ def quant_matmul_cpu(x: jax.Array, w: jax.Array, scales: jax.Array, live_rows: j
                      _target: str = _QUANT_MATMUL_TARGET) -> jax.Array:
     """x [M, K] @ (codes * per-group scales) by the native kernel, float32 [M, N] (zero points: the caller's).
 
-    x: float32 [M, K]. w: int8 codes [K, N], or uint8 [K / 2, N] holding int4 codes + 8 (rows 2i and 2i + 1 in
-    the low and high nibble). scales: float32 [G, N], G dividing K, K / G a multiple or a divisor of 128 (even
-    for int4). live_rows: as for `matmul_cpu`.
+    x: float32 [M, K], or bfloat16 (then K and the rows per group even; codes meet x as exact bfloat16 pairs,
+    `quant_matmul_takes_bfloat16`). w: int8 codes [K, N], or uint8 [K / 2, N] holding int4 codes + 8 (rows 2i
+    and 2i + 1 in the low and high nibble). scales: float32 [G, N], G dividing K, K / G a multiple or a divisor
+    of 128 (even for int4). live_rows: as for `matmul_cpu`.
     """
     _require_kernels()
     rows = {jnp.dtype(jnp.int8): x.shape[1], jnp.dtype(jnp.uint8): x.shape[1] // 2}.get(jnp.dtype(w.dtype))
-    if x.ndim != 2 or w.ndim != 2 or scales.ndim != 2 or x.dtype != jnp.float32 or rows is None:
-        raise ValueError(f"expected float32 x [M, K], int8 or uint8 w, scales [G, N]; got {x.dtype}{list(x.shape)}, "
-                         f"{w.dtype}{list(w.shape)}, {scales.dtype}{list(scales.shape)}")
+    if (x.ndim != 2 or w.ndim != 2 or scales.ndim != 2 or x.dtype not in (jnp.float32, jnp.bfloat16)
+            or rows is None):
+        raise ValueError(f"expected float32 or bfloat16 x [M, K], int8 or uint8 w, scales [G, N]; got "
+                         f"{x.dtype}{list(x.shape)}, {w.dtype}{list(w.shape)}, {scales.dtype}{list(scales.shape)}")
     groups = scales.shape[0]
     if (w.shape[0] != rows or w.shape[1] % 64 or scales.shape[1] != w.shape[1] or x.shape[1] % groups
             or not _groups_fit(x.shape[1] // groups, w.dtype == jnp.uint8)):
         raise ValueError(f"quant_matmul_cpu: w {list(w.shape)} and scales {list(scales.shape)} do not fit x "
                          f"{list(x.shape)} (N a multiple of 64; rows per group a multiple or divisor of 128)")
+    if x.dtype == jnp.bfloat16 and (x.shape[1] // groups) % 2:
+        raise ValueError(f"quant_matmul_cpu: bfloat16 x needs an even number of rows per group; got x "
+                         f"{list(x.shape)} and {groups} groups")
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
     call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
     return call(x, w, scales.astype(jnp.float32), live.astype(jnp.int32))
@@ -474,6 +481,12 @@ def quant_matmul_takes(in_features: int, out_features: int, groups: int, bits: i
     """Whether `quant_matmul_cpu` takes a layer of this shape (and the build has its fast path)."""
     return (matmul_is_vectorized("int8") and out_features % 64 == 0 and in_features % groups == 0
             and _groups_fit(in_features // groups, bits == 4))
+
+
+def quant_matmul_takes_bfloat16(in_features: int, groups: int) -> bool:
+    """Whether a layer `quant_matmul_takes` can also take bfloat16 x as it is (the build has the AVX-512 BF16
+    path, and k pairs fit its groups); otherwise the caller widens x to float32."""
+    return available()[0] and _VECTORIZED_MATMUL.get("int8_bfloat16", False) and (in_features // groups) % 2 == 0
 
 
 def matmul_target_without_amx() -> str:

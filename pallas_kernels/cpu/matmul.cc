@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -224,6 +225,158 @@ inline void micro_tile(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_
       _mm512_storeu_ps(y + r * ldy + 32 * half, permute2(kToOrderFirst, acc[r][2 * half], acc[r][2 * half + 1]));
       _mm512_storeu_ps(y + r * ldy + 32 * half + 16, permute2(kToOrderSecond, acc[r][2 * half], acc[r][2 * half + 1]));
     }
+  }
+}
+#endif
+
+#if defined(__AVX512BF16__)
+// ---- quantized weights against bfloat16 activations ----------------------------------------------------------
+// Codes are small integers, exact in bfloat16 (every int8 fits its 8 significant bits), so a block of codes is
+// widened once to bfloat16 pairs and multiplied by x's bfloat16 rows with vdpbf16ps: products exact, sums in
+// float32, and the group's scales applied once to each block's sums instead of to every weight. Against the
+// float32 path (codes times scales widened to float32, x in float32) a block is half the bytes in L1 and a
+// k pair costs one instruction per 16 columns instead of two.
+//
+// `paired`: steps of two k rows, each four vectors of 16 column pairs (bf16(w[2s, n]), bf16(w[2s + 1, n])) in
+// column order, the 32-bit lanes vdpbf16ps multiplies by (x[m, 2s], x[m, 2s + 1]).
+alignas(64) static thread_local uint16_t paired[kBlockK<uint16_t> * kPanel];
+
+// 16 int8 codes at p as floats (exact).
+inline __m512 codes_as_floats(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+// The pairs of 16 columns from rows `even` and `odd` as floats: an exact small integer's bfloat16 is its
+// float's high half, so each lane is (odd's high half, even's high half), no rounding needed.
+inline __m512i pairs_of(__m512 even, __m512 odd) {
+  return _mm512_ternarylogic_epi32(_mm512_castps_si512(odd), _mm512_srli_epi32(_mm512_castps_si512(even), 16),
+                                   _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)), 0xEC);  // (a & c) | b
+}
+
+// bf16(code) for a nibble i = code + 8 (vpermw reads an index's low 5 bits: entries 16-31 repeat 0-15).
+alignas(64) static const uint16_t kNibbleBf16[32] = {
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,  // -8 .. -1
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0,  // 0 .. 7
+    0xC100, 0xC0E0, 0xC0C0, 0xC0A0, 0xC080, 0xC040, 0xC000, 0xBF80,
+    0x0000, 0x3F80, 0x4000, 0x4040, 0x4080, 0x40A0, 0x40C0, 0x40E0};
+
+// Step s's four vectors of pairs (columns [0, 16), ..., [48, 64)) from a block of codes `w` (stride ldw).
+template <int Bits>
+inline void step_pairs(const uint8_t* w, int64_t ldw, int64_t s, __m512i out[4]) {
+  if constexpr (Bits == 8) {
+    const uint8_t* even = w + 2 * s * ldw;
+    for (int c = 0; c < 4; ++c) out[c] = pairs_of(codes_as_floats(even + 16 * c), codes_as_floats(even + ldw + 16 * c));
+  } else {  // byte row s holds rows 2s (low nibble) and 2s + 1 (high nibble): a table lookup per pair
+    const __m512i table = _mm512_load_si512(kNibbleBf16);
+    for (int c = 0; c < 4; ++c) {
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + s * ldw + 16 * c)));
+      // Index words (b & 15, b >> 4): ((b << 12) | b) & 0x000F000F.
+      const __m512i index = _mm512_ternarylogic_epi32(_mm512_slli_epi32(b, 12), b, _mm512_set1_epi32(0x000F000F), 0xA8);
+      out[c] = _mm512_permutexvar_epi16(index, table);
+    }
+  }
+}
+
+// Requests step s's rows of `next` (the block that comes after), as widen_scaled_block does its rows.
+template <int Bits>
+inline void prefetch_step(const uint8_t* next, int64_t ldw, int64_t s) {
+  if (!next) return;
+  for (int64_t row = (Bits == 8 ? 2 * s : s); row < (Bits == 8 ? 2 * s + 2 : s + 1); ++row)
+    _mm_prefetch(reinterpret_cast<const char*>(next + row * ldw), _MM_HINT_T0);
+}
+
+// kc rows (even) of codes into `paired`, for several row tiles to share.
+template <int Bits>
+inline void pair_block(const uint8_t* w, int64_t ldw, int64_t kc, const uint8_t* next) {
+  for (int64_t s = 0; s < kc / 2; ++s) {
+    prefetch_step<Bits>(next, ldw, s);
+    __m512i pairs[4];
+    step_pairs<Bits>(w, ldw, s, pairs);
+    for (int c = 0; c < 4; ++c) _mm512_store_si512(paired + (4 * s + c) * 32, pairs[c]);
+  }
+}
+
+// The block's sums for rows [0, MR) into y: y = scale * acc where `first`, else y += scale * acc.
+template <int MR>
+inline void store_scaled(const __m512 acc[MR][4], float* y, int64_t ldy, bool first, const float* scale) {
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < 4; ++c) {
+      float* out = y + r * ldy + 16 * c;
+      const __m512 sc = _mm512_loadu_ps(scale + 16 * c);
+      _mm512_storeu_ps(out, first ? _mm512_mul_ps(acc[r][c], sc) : _mm512_fmadd_ps(acc[r][c], sc, _mm512_loadu_ps(out)));
+    }
+  }
+}
+
+template <int MR>
+inline void multiply_step(const uint16_t* x, int64_t ldx, int64_t step, const __m512i pairs[4], __m512 acc[MR][4]) {
+  for (int r = 0; r < MR; ++r) {
+    int32_t pair;
+    std::memcpy(&pair, x + r * ldx + 2 * step, sizeof pair);
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, (__m512bh)pairs[c]);
+  }
+}
+
+// Up to 6 rows: one row tile, so each step's pairs go straight from the codes to the products (no buffer).
+template <int Bits, int MR>
+inline void direct_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t ldw, float* y, int64_t ldy,
+                        int64_t kc, bool first, const float* scale, const uint8_t* next) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < kc / 2; ++s) {
+    prefetch_step<Bits>(next, ldw, s);
+    __m512i pairs[4];
+    step_pairs<Bits>(w, ldw, s, pairs);
+    multiply_step<MR>(x, ldx, s, pairs, acc);
+  }
+  store_scaled<MR>(acc, y, ldy, first, scale);
+}
+
+template <int Bits>
+inline void direct_tiles(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t ldw, float* y, int64_t ldy,
+                         int64_t M, int64_t kc, bool first, const float* scale, const uint8_t* next) {
+  switch (M) {
+    case 1: direct_tile<Bits, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
+    case 2: direct_tile<Bits, 2>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
+    case 3: direct_tile<Bits, 3>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
+    case 4: direct_tile<Bits, 4>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
+    case 5: direct_tile<Bits, 5>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
+    case 6: direct_tile<Bits, 6>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
+    default: break;
+  }
+}
+
+// y[r, :64] (+)= scale * (x[r, k0:k0+kc] @ the paired block), rows [0, MR): the block's sums start at zero and
+// meet the group's scales (64 floats at `scale`) once, at the end.
+template <int MR>
+inline void paired_tile(const uint16_t* x, int64_t ldx, float* y, int64_t ldy, int64_t kc, bool first,
+                        const float* scale) {
+  __m512 acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+  for (int64_t step = 0; step < kc / 2; ++step) {
+    __m512i pairs[4];
+    for (int c = 0; c < 4; ++c) pairs[c] = _mm512_load_si512(paired + (4 * step + c) * 32);
+    multiply_step<MR>(x, ldx, step, pairs, acc);
+  }
+  store_scaled<MR>(acc, y, ldy, first, scale);
+}
+
+inline void paired_tiles(const uint16_t* x, int64_t ldx, float* y, int64_t ldy, int64_t M, int64_t kc, bool first,
+                         const float* scale) {
+  int64_t m0 = 0;
+  for (; m0 + 6 <= M; m0 += 6) paired_tile<6>(x + m0 * ldx, ldx, y + m0 * ldy, ldy, kc, first, scale);
+  const uint16_t* xr = x + m0 * ldx;
+  float* yr = y + m0 * ldy;
+  switch (M - m0) {
+    case 1: paired_tile<1>(xr, ldx, yr, ldy, kc, first, scale); break;
+    case 2: paired_tile<2>(xr, ldx, yr, ldy, kc, first, scale); break;
+    case 3: paired_tile<3>(xr, ldx, yr, ldy, kc, first, scale); break;
+    case 4: paired_tile<4>(xr, ldx, yr, ldy, kc, first, scale); break;
+    case 5: paired_tile<5>(xr, ldx, yr, ldy, kc, first, scale); break;
+    default: break;
   }
 }
 #endif
@@ -498,52 +651,75 @@ ffi::Error MatmulTransposedArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ff
 //
 // y[M, N] = x[M, K] @ W with W[k, n] = code[k, n] * scales[k / group_rows, n]: each block of weight rows
 // (inside one group) is widened to float32 times its group's scales into the L1 buffer, and the float32
-// tiles run on it. Zero points are the caller's: it subtracts (x's per-group sums) @ zero offsets.
-//   x       [M, K]      float32
+// tiles run on it. Zero points are the caller's: it subtracts (x's per-group sums) @ zero offsets. With
+// bfloat16 x the codes are widened to bfloat16 pairs instead and the scales meet each block's sums (paired_tile).
+//   x       [M, K]      float32, or bfloat16 (then K and the rows per group even)
 //   w       [K, N] int8 codes, or [K / 2, N] uint8: rows 2i and 2i + 1 in the low and high nibble, code + 8
 //   scales  [G, N]      float32, G = K / group_rows; group_rows a multiple or a divisor of 128 (even for int4)
 //   live    []          int32, as for MatmulCpu
 //   y       [M, N]      float32
-template <int Bits>
-void quant_panels(const float* x, const uint8_t* w, const float* scales, float* y, int64_t M, int64_t K,
+template <int Bits, typename X>
+void quant_panels(const X* x, const uint8_t* w, const float* scales, float* y, int64_t M, int64_t K,
                   int64_t N, int64_t group_rows, int64_t p_begin, int64_t p_end) {
+  constexpr bool bf16 = std::is_same_v<X, uint16_t>;
+  if constexpr (bf16 ? kVectorized<uint16_t> : kVectorized<int8_t>) {
 #if defined(__AVX512F__)
-  const int64_t block = std::min<int64_t>(kBlockK<int8_t>, group_rows);
-  for (int64_t k0 = 0; k0 < K; k0 += block) {
-    const int64_t kc = std::min(block, K - k0);
-    const float* scale = scales + (k0 / group_rows) * N;
-    const uint8_t* block_rows = w + (Bits == 8 ? k0 : k0 / 2) * N;
-    for (int64_t p = p_begin; p < p_end; ++p) {
-      const int64_t n0 = p * kPanel;
-      // The next panel's block, or after the last panel the first panel's next block (as panels() does).
-      const uint8_t* next = p + 1 < p_end ? block_rows + n0 + kPanel
-                            : k0 + block < K ? w + (Bits == 8 ? k0 + block : (k0 + block) / 2) * N + p_begin * kPanel
-                                             : nullptr;
-      widen_scaled_block<Bits>(block_rows + n0, N, scale + n0, kc, next);
-      float_tiles(x + k0, K, widened, y + n0, N, M, kc, k0 == 0);
-    }
-  }
-#else
-  for (int64_t n = p_begin * kPanel; n < p_end * kPanel; ++n) {
-    for (int64_t m = 0; m < M; ++m) {
-      float acc = 0.0f;
-      for (int64_t k = 0; k < K; ++k) {
-        const int code = Bits == 8 ? static_cast<int8_t>(w[k * N + n]) : ((w[(k / 2) * N + n] >> (4 * (k % 2))) & 15) - 8;
-        acc += x[m * K + k] * (static_cast<float>(code) * scales[(k / group_rows) * N + n]);
-      }
-      y[m * N + n] = acc;
-    }
-  }
+    // Blocks lie inside one group (or span the only one). bfloat16 blocks are 256 rows where the groups allow,
+    // 32 KB paired as float32's 128 rows are widened.
+    const int64_t block = bf16 && (group_rows == K || group_rows % kBlockK<uint16_t> == 0)
+                              ? kBlockK<uint16_t>
+                              : std::min<int64_t>(kBlockK<int8_t>, group_rows);
+    for (int64_t k0 = 0; k0 < K; k0 += block) {
+      const int64_t kc = std::min(block, K - k0);
+      const float* scale = scales + (k0 / group_rows) * N;
+      const uint8_t* block_rows = w + (Bits == 8 ? k0 : k0 / 2) * N;
+      for (int64_t p = p_begin; p < p_end; ++p) {
+        const int64_t n0 = p * kPanel;
+        // The next panel's block, or after the last panel the first panel's next block (as panels() does).
+        const uint8_t* next = p + 1 < p_end ? block_rows + n0 + kPanel
+                              : k0 + block < K ? w + (Bits == 8 ? k0 + block : (k0 + block) / 2) * N + p_begin * kPanel
+                                               : nullptr;
+        if constexpr (bf16) {
+#if defined(__AVX512BF16__)
+          if (M <= 6) {
+            direct_tiles<Bits>(x + k0, K, block_rows + n0, N, y + n0, N, M, kc, k0 == 0, scale + n0, next);
+          } else {
+            pair_block<Bits>(block_rows + n0, N, kc, next);
+            paired_tiles(x + k0, K, y + n0, N, M, kc, k0 == 0, scale + n0);
+          }
 #endif
+        } else {
+          widen_scaled_block<Bits>(block_rows + n0, N, scale + n0, kc, next);
+          float_tiles(x + k0, K, widened, y + n0, N, M, kc, k0 == 0);
+        }
+      }
+    }
+#endif
+  } else {
+    for (int64_t n = p_begin * kPanel; n < p_end * kPanel; ++n) {
+      for (int64_t m = 0; m < M; ++m) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < K; ++k) {
+          const int code = Bits == 8 ? static_cast<int8_t>(w[k * N + n]) : ((w[(k / 2) * N + n] >> (4 * (k % 2))) & 15) - 8;
+          acc += to_float(x[m * K + k]) * (static_cast<float>(code) * scales[(k / group_rows) * N + n]);
+        }
+        y[m * N + n] = acc;
+      }
+    }
+  }
 }
 
-ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+// x float32 or bfloat16 (then K and the rows per group even: k pairs), w, scales, live -> y (see above).
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
                            ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto sd = scales.dimensions();
   const int bits = w.element_type() == ffi::DataType::S8 ? 8 : w.element_type() == ffi::DataType::U8 ? 4 : 0;
   if (!bits) return ffi::Error::InvalidArgument("quant_matmul_cpu: w must be int8 codes or uint8 packed int4");
+  const bool bf16 = x.element_type() == ffi::DataType::BF16;
+  if (!bf16 && x.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: x must be float32 or bfloat16");
   if (xd.size() != 2 || wd.size() != 2 || sd.size() != 2 || live.element_count() != 1)
     return ffi::Error::InvalidArgument("quant_matmul_cpu: expected x [M, K], w 2-D, scales [G, N], a scalar live");
   const int64_t K = xd[1], N = wd[1], G = sd[0];
@@ -554,15 +730,27 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::A
   if ((group_rows % kBlockK<int8_t> && kBlockK<int8_t> % group_rows) || (bits == 4 && group_rows % 2))
     return ffi::Error::InvalidArgument("quant_matmul_cpu: rows per group must be a multiple or a divisor of 128 "
                                        "(and even for int4)");
+  if (bf16 && group_rows % 2)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: bfloat16 x needs an even number of rows per group");
   float* yp = y->typed_data();
   const int64_t M = zero_rows_past_live(live, xd[0], N, yp);
   if (M == 0) return ffi::Error::Success();
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
+  const float* sp = scales.typed_data();
   over_panels(pool, N / kPanel, [&](int64_t p0, int64_t p1) {
-    if (bits == 8)
-      quant_panels<8>(x.typed_data(), wp, scales.typed_data(), yp, M, K, N, group_rows, p0, p1);
-    else
-      quant_panels<4>(x.typed_data(), wp, scales.typed_data(), yp, M, K, N, group_rows, p0, p1);
+    if (bf16) {
+      const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
+      if (bits == 8)
+        quant_panels<8>(xp, wp, sp, yp, M, K, N, group_rows, p0, p1);
+      else
+        quant_panels<4>(xp, wp, sp, yp, M, K, N, group_rows, p0, p1);
+    } else {
+      const auto* xp = static_cast<const float*>(x.untyped_data());
+      if (bits == 8)
+        quant_panels<8>(xp, wp, sp, yp, M, K, N, group_rows, p0, p1);
+      else
+        quant_panels<4>(xp, wp, sp, yp, M, K, N, group_rows, p0, p1);
+    }
   });
   return ffi::Error::Success();
 }
@@ -576,6 +764,8 @@ extern "C" int MatmulCpuBf16IsVectorized() { return kVectorized<uint16_t> || pag
 // Whether bfloat16 products run on AMX tiles (amx.cc): fast at every row count, so the model sends them all here.
 extern "C" int MatmulCpuBf16UsesAmx() { return paged::amx::Available(); }
 extern "C" int QuantMatmulCpuIsVectorized() { return kVectorized<int8_t>; }
+// Whether bfloat16 x takes the vdpbf16ps path (else a plain loop: the model passes float32 x instead).
+extern "C" int QuantMatmulCpuBf16IsVectorized() { return kVectorized<uint16_t>; }
 
 // x, w, live -> y float32: the signature MatmulCpu, MatmulPackedCpu and MatmulTransposedCpu share.
 static auto MatmulBinding() {
@@ -620,7 +810,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(GatedMatmulPackedCpu, GatedMatmulPackedImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulCpu, QuantMatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -174,7 +174,7 @@ def test_native_matmul_routes_and_matches_xla(monkeypatch, lhs_shape, rhs_shape,
 
 @pytest.mark.parametrize("bits, group_size, rows, dtype, native", [
     (8, -1, 8, jnp.float32, True),      # per-channel int8 at decode size: the native quantized matmul
-    (8, -1, 192, jnp.bfloat16, True),   # bf16 activations go in as float32
+    (8, -1, 192, jnp.bfloat16, True),   # bf16 activations go in as they are (codes as bfloat16 pairs)
     (8, -1, 512, jnp.float32, True),    # prompt-sized too (dequantizing every step costs more)
     (8, -1, 2049, jnp.float32, False),  # past cpu.MATMUL_MAX_ROWS["int8"]: dequantize, then XLA's dot
     (8, 32, 8, jnp.float32, True),      # grouped scales
@@ -188,7 +188,7 @@ def test_quantized_linear_matches_float64_of_the_decoded_weights(monkeypatch, bi
     from paged.models.quantization import WeightQuant
     calls = []
     real = cpu_kernel.quant_matmul_cpu
-    monkeypatch.setattr(cpu_kernel, "quant_matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.setattr(cpu_kernel, "quant_matmul_cpu", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))
     rng = np.random.default_rng(bits + rows)
     quant = WeightQuant(bits=bits, group_size=group_size)
     in_features = 72 if group_size == 24 else 64
@@ -212,6 +212,8 @@ def test_quantized_linear_matches_float64_of_the_decoded_weights(monkeypatch, bi
     w = q * np.asarray(params["scales"], np.float64)[g] - np.asarray(params["zero_offsets"], np.float64)[g]
     want = np.asarray(x, np.float64) @ w
     assert bool(calls) == (native and cpu_kernel.matmul_is_vectorized("int8"))
+    if calls and dtype == jnp.bfloat16:
+        assert calls[0] == (jnp.bfloat16 if cpu_kernel.quant_matmul_takes_bfloat16(in_features, groups) else jnp.float32)
     tol = 1e-4 if dtype == jnp.float32 else 3e-2  # bf16 rounds x and the result: 2^-8 relative
     np.testing.assert_allclose(got, want, atol=tol * np.abs(want).max(), rtol=tol)
 

@@ -809,14 +809,47 @@ def test_quant_matmul_matches_float64(rows, bits, inner, groups):
     np.testing.assert_allclose(got, want, atol=2e-4 * 8, rtol=2e-5)
 
 
+def _bf16_quant_case(rows, inner, cols, bits, groups, seed):
+    """As _quant_case with x in bfloat16, and the float64 product of x as rounded."""
+    x, w, scales, _ = _quant_case(rows, inner, cols, bits, groups, seed)
+    xb = x.astype(jnp.bfloat16)
+    codes = _unpacked_codes(np.asarray(w), bits)
+    decoded = codes * np.asarray(scales, np.float64)[np.arange(inner) // (inner // groups)]
+    return xb, w, scales, np.asarray(xb, np.float64) @ decoded
+
+
+def _unpacked_codes(packed: np.ndarray, bits: int) -> np.ndarray:
+    if bits == 8:
+        return packed.astype(np.int64)
+    codes = np.empty((packed.shape[0] * 2, packed.shape[1]), np.int64)
+    codes[0::2], codes[1::2] = (packed & 15).astype(np.int64) - 8, (packed >> 4).astype(np.int64) - 8
+    return codes
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("bits, inner, groups", [(8, 512, 1), (8, 512, 4), (8, 256, 16), (8, 640, 1), (8, 768, 3),
+                                                 (8, 256, 128), (4, 512, 4), (4, 384, 1), (4, 512, 32),
+                                                 (4, 640, 5)])
+def test_quant_matmul_bfloat16_x_matches_float64(rows, bits, inner, groups):
+    """bfloat16 x: the codes widened to bfloat16 pairs (direct up to 6 rows, through the paired block beyond),
+    the scales applied to each block's sums. Blocks of 256 rows where the groups allow (640 = 2 x 256 + 128:
+    a short last block), 128 or the group's rows otherwise, down to pairs (groups of 2 rows); every column
+    quarter of the panel (192 columns)."""
+    x, w, scales, want = _bf16_quant_case(rows, inner, 192, bits, groups, rows * 100 + inner + groups)
+    got = np.asarray(quant_matmul_cpu(x, w, scales), np.float64)
+    np.testing.assert_allclose(got, want, atol=2e-4 * 8, rtol=2e-5)
+
+
 def test_quant_matmul_portable_build_and_live_rows(portable_target):
-    x, w, scales, want = _quant_case(13, 256, 128, 4, 2, 0)
     target = portable_target.replace("paged_attention_cpu", "quant_matmul_cpu")
-    np.testing.assert_allclose(np.asarray(quant_matmul_cpu(x, w, scales, _target=target), np.float64), want,
-                               atol=2e-4 * 8, rtol=2e-5)
-    got = np.asarray(jax.jit(quant_matmul_cpu)(x, w, scales, jnp.int32(4)))
-    assert not np.any(got[4:])
-    np.testing.assert_allclose(got[:4].astype(np.float64), want[:4], atol=2e-4 * 8, rtol=2e-5)
+    for case in (_quant_case, _bf16_quant_case):
+        x, w, scales, want = case(13, 256, 128, 4, 2, 0)
+        np.testing.assert_allclose(np.asarray(quant_matmul_cpu(x, w, scales, _target=target), np.float64), want,
+                                   atol=2e-4 * 8, rtol=2e-5)
+        for live in (4, 9):  # one direct tile of the bfloat16 path; two tiles through the paired block
+            got = np.asarray(jax.jit(quant_matmul_cpu)(x, w, scales, jnp.int32(live)))
+            assert not np.any(got[live:])
+            np.testing.assert_allclose(got[:live].astype(np.float64), want[:live], atol=2e-4 * 8, rtol=2e-5)
 
 
 def test_quant_matmul_refuses_what_it_cannot_do():
@@ -825,8 +858,10 @@ def test_quant_matmul_refuses_what_it_cannot_do():
         quant_matmul_cpu(x, jnp.zeros((96, 64), jnp.int8), jnp.zeros((4, 64)))
     with pytest.raises(ValueError, match="do not fit"):
         quant_matmul_cpu(jnp.zeros((4, 128)), jnp.zeros((128, 64), jnp.uint8), jnp.zeros((1, 64)))  # not K / 2
-    with pytest.raises(ValueError, match="float32 x"):
-        quant_matmul_cpu(jnp.zeros((4, 128), jnp.bfloat16), jnp.zeros((128, 64), jnp.int8), jnp.zeros((1, 64)))
+    with pytest.raises(ValueError, match="float32 or bfloat16 x"):
+        quant_matmul_cpu(jnp.zeros((4, 128), jnp.float16), jnp.zeros((128, 64), jnp.int8), jnp.zeros((1, 64)))
+    with pytest.raises(ValueError, match="even number of rows per group"):  # bfloat16 multiplies k pairs
+        quant_matmul_cpu(jnp.zeros((4, 128), jnp.bfloat16), jnp.zeros((128, 64), jnp.int8), jnp.zeros((128, 64)))
 
 
 def test_matmul_bfloat16_live_rows():
