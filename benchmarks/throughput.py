@@ -13,6 +13,7 @@ output_len tokens):
   - paged-json-F: with --json-fractions, this engine again with a fraction F of the requests constrained to a
     JSON schema (structured outputs), to measure what constraints cost the batch;
   - paged-no-spec: with --speculative-config, this engine again without it (the same requests, for the ratio);
+  - paged-unquantized: with --quantization, this engine again on the checkpoint's own weights;
   - paged-lora-N: with --lora, this engine again with LoRA on and the requests spread round-robin over N random
     adapters of rank --lora-rank on every projection (all N in device slots: max_loras N), to measure what
     serving adapters costs against the base alone.
@@ -362,6 +363,9 @@ def main(argv=None) -> int:
         results.append(_result("paged-no-spec", workload, *measured[:2], flops, rate, **measured[2]))
         print(f"speculative decoding: acceptance rate {extra['spec_acceptance_rate']:.1%}, mean acceptance length "
               f"{extra['spec_mean_acceptance_length']:.2f} tokens a step", file=sys.stderr)
+    if engine_args.get("quantization"):
+        measured = run_paged(model_dir, workload, {**engine_args, "quantization": None}, config.vocab_size)
+        results.append(_result("paged-unquantized", workload, *measured[:2], flops, rate, **measured[2]))
     for fraction in args.json_fractions:
         if not 0 < fraction <= 1:
             raise SystemExit(f"--json-fractions must be in (0, 1], got {fraction}")

@@ -75,7 +75,7 @@ template <typename T>
 inline void prefetch_row(const T* row) {
   const char* line0 = reinterpret_cast<const char*>(row);
   for (int line = 0; line < static_cast<int>(kPanel * sizeof(T) / 64); ++line)
-    _mm_prefetch(line0 + 64 * line, _MM_HINT_T0);
+    _mm_prefetch(line0 + 64 * line, _MM_HINT_T1);
 }
 
 template <int MR>
@@ -277,12 +277,14 @@ inline void step_pairs(const uint8_t* w, int64_t ldw, int64_t s, __m512i out[4])
   }
 }
 
-// Requests step s's rows of `next` (the block that comes after), as widen_scaled_block does its rows.
+// Requests step s's rows of `next` (the block that comes after), `lines` cache lines of each, as
+// widen_scaled_block does its rows.
 template <int Bits>
-inline void prefetch_step(const uint8_t* next, int64_t ldw, int64_t s) {
+inline void prefetch_step(const uint8_t* next, int64_t ldw, int64_t s, int lines = 1) {
   if (!next) return;
   for (int64_t row = (Bits == 8 ? 2 * s : s); row < (Bits == 8 ? 2 * s + 2 : s + 1); ++row)
-    _mm_prefetch(reinterpret_cast<const char*>(next + row * ldw), _MM_HINT_T0);
+    for (int line = 0; line < lines; ++line)
+      _mm_prefetch(reinterpret_cast<const char*>(next + row * ldw + 64 * line), _MM_HINT_T1);
 }
 
 // kc rows (even) of codes into `paired`, for several row tiles to share.
@@ -319,31 +321,50 @@ inline void multiply_step(const uint16_t* x, int64_t ldx, int64_t step, const __
 }
 
 // Up to 6 rows: one row tile, so each step's pairs go straight from the codes to the products (no buffer).
-template <int Bits, int MR>
+// P panels side by side (P x 64 columns, MR x 4P accumulators): one and two rows take 4 and 2, so that each
+// weight row is read in P-line pieces rather than single lines at a stride of N bytes.
+template <int Bits, int MR, int P>
 inline void direct_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t ldw, float* y, int64_t ldy,
                         int64_t kc, bool first, const float* scale, const uint8_t* next) {
-  __m512 acc[MR][4];
+  __m512 acc[MR][4 * P];
   for (int r = 0; r < MR; ++r)
-    for (int c = 0; c < 4; ++c) acc[r][c] = _mm512_setzero_ps();
+    for (int c = 0; c < 4 * P; ++c) acc[r][c] = _mm512_setzero_ps();
   for (int64_t s = 0; s < kc / 2; ++s) {
-    prefetch_step<Bits>(next, ldw, s);
-    __m512i pairs[4];
-    step_pairs<Bits>(w, ldw, s, pairs);
-    multiply_step<MR>(x, ldx, s, pairs, acc);
+    prefetch_step<Bits>(next, ldw, s, P);
+    __m512i pairs[4 * P];
+    for (int j = 0; j < P; ++j) step_pairs<Bits>(w + kPanel * j, ldw, s, pairs + 4 * j);
+    for (int r = 0; r < MR; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, x + r * ldx + 2 * s, sizeof pair);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+      for (int c = 0; c < 4 * P; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], a, (__m512bh)pairs[c]);
+    }
   }
-  store_scaled<MR>(acc, y, ldy, first, scale);
+  for (int r = 0; r < MR; ++r) {
+    for (int c = 0; c < 4 * P; ++c) {
+      float* out = y + r * ldy + 16 * c;
+      const __m512 sc = _mm512_loadu_ps(scale + 16 * c);
+      _mm512_storeu_ps(out, first ? _mm512_mul_ps(acc[r][c], sc) : _mm512_fmadd_ps(acc[r][c], sc, _mm512_loadu_ps(out)));
+    }
+  }
 }
 
+// The panels that one direct tile of M rows takes side by side.
+inline int64_t direct_panels(int64_t M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
+
+// M <= 6 rows over `width` panels (direct_panels(M), or 1 for a last short group).
 template <int Bits>
 inline void direct_tiles(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t ldw, float* y, int64_t ldy,
-                         int64_t M, int64_t kc, bool first, const float* scale, const uint8_t* next) {
+                         int64_t M, int64_t width, int64_t kc, bool first, const float* scale, const uint8_t* next) {
+  if (width == 4) return direct_tile<Bits, 1, 4>(x, ldx, w, ldw, y, ldy, kc, first, scale, next);
+  if (width == 2) return direct_tile<Bits, 2, 2>(x, ldx, w, ldw, y, ldy, kc, first, scale, next);
   switch (M) {
-    case 1: direct_tile<Bits, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
-    case 2: direct_tile<Bits, 2>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
-    case 3: direct_tile<Bits, 3>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
-    case 4: direct_tile<Bits, 4>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
-    case 5: direct_tile<Bits, 5>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
-    case 6: direct_tile<Bits, 6>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
+    case 1: direct_tile<Bits, 1, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
+    case 2: direct_tile<Bits, 2, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
+    case 3: direct_tile<Bits, 3, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
+    case 4: direct_tile<Bits, 4, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
+    case 5: direct_tile<Bits, 5, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
+    case 6: direct_tile<Bits, 6, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
     default: break;
   }
 }
@@ -673,16 +694,19 @@ void quant_panels(const X* x, const uint8_t* w, const float* scales, float* y, i
       const int64_t kc = std::min(block, K - k0);
       const float* scale = scales + (k0 / group_rows) * N;
       const uint8_t* block_rows = w + (Bits == 8 ? k0 : k0 / 2) * N;
-      for (int64_t p = p_begin; p < p_end; ++p) {
+      const uint8_t* next_block = k0 + block < K ? w + (Bits == 8 ? k0 + block : (k0 + block) / 2) * N : nullptr;
+      // Panels a tile at a time (several for the direct tiles of one or two rows).
+      const int64_t group = bf16 && M <= 6 ? direct_panels(M) : 1;
+      for (int64_t p = p_begin; p < p_end;) {
+        const int64_t width = p + group <= p_end ? group : 1;
         const int64_t n0 = p * kPanel;
-        // The next panel's block, or after the last panel the first panel's next block (as panels() does).
-        const uint8_t* next = p + 1 < p_end ? block_rows + n0 + kPanel
-                              : k0 + block < K ? w + (Bits == 8 ? k0 + block : (k0 + block) / 2) * N + p_begin * kPanel
-                                               : nullptr;
+        // The next panels' block, or after the last panel the first panel's next block (as panels() does).
+        const uint8_t* next = p + width < p_end ? block_rows + n0 + width * kPanel
+                              : next_block ? next_block + p_begin * kPanel : nullptr;
         if constexpr (bf16) {
 #if defined(__AVX512BF16__)
           if (M <= 6) {
-            direct_tiles<Bits>(x + k0, K, block_rows + n0, N, y + n0, N, M, kc, k0 == 0, scale + n0, next);
+            direct_tiles<Bits>(x + k0, K, block_rows + n0, N, y + n0, N, M, width, kc, k0 == 0, scale + n0, next);
           } else {
             pair_block<Bits>(block_rows + n0, N, kc, next);
             paired_tiles(x + k0, K, y + n0, N, M, kc, k0 == 0, scale + n0);
@@ -692,6 +716,7 @@ void quant_panels(const X* x, const uint8_t* w, const float* scales, float* y, i
           widen_scaled_block<Bits>(block_rows + n0, N, scale + n0, kc, next);
           float_tiles(x + k0, K, widened, y + n0, N, M, kc, k0 == 0);
         }
+        p += width;
       }
     }
 #endif

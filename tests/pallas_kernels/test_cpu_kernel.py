@@ -826,16 +826,16 @@ def _unpacked_codes(packed: np.ndarray, bits: int) -> np.ndarray:
     return codes
 
 
-@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
 @pytest.mark.parametrize("bits, inner, groups", [(8, 512, 1), (8, 512, 4), (8, 256, 16), (8, 640, 1), (8, 768, 3),
                                                  (8, 256, 128), (4, 512, 4), (4, 384, 1), (4, 512, 32),
                                                  (4, 640, 5)])
 def test_quant_matmul_bfloat16_x_matches_float64(rows, bits, inner, groups):
     """bfloat16 x: the codes widened to bfloat16 pairs (direct up to 6 rows, through the paired block beyond),
     the scales applied to each block's sums. Blocks of 256 rows where the groups allow (640 = 2 x 256 + 128:
-    a short last block), 128 or the group's rows otherwise, down to pairs (groups of 2 rows); every column
-    quarter of the panel (192 columns)."""
-    x, w, scales, want = _bf16_quant_case(rows, inner, 192, bits, groups, rows * 100 + inner + groups)
+    a short last block), 128 or the group's rows otherwise, down to pairs (groups of 2 rows). 320 columns: one
+    row takes panels four at a time, two rows two at a time, and the fifth panel alone."""
+    x, w, scales, want = _bf16_quant_case(rows, inner, 320, bits, groups, rows * 100 + inner + groups)
     got = np.asarray(quant_matmul_cpu(x, w, scales), np.float64)
     np.testing.assert_allclose(got, want, atol=2e-4 * 8, rtol=2e-5)
 
