@@ -13,7 +13,8 @@ read once over the time make (the roof of a memory-bound decode-sized product). 
   native-avx512  the same kernel built without AMX (only on a CPU with AMX: the path it replaces)
   int8, int4  bfloat16 runs only: the same weights quantized (int8 per output channel as quantization="int8";
               int4 in groups of 128 rows as GPTQ) through the engine's quantized layer; their read fraction
-              counts the codes and scales they stream. Their max_rel_diff includes the quantization error.
+              counts the codes and scales they stream; their max_rel_diff is against XLA's dot on the
+              dequantized weights.
   int8-f32x, int4-f32x  the same codes with x widened to float32 (the path without AVX-512 BF16)
 
     paged bench matmul                                  # qwen2.5-0.5b's shapes, bfloat16, 8 to 2048 rows
@@ -42,7 +43,8 @@ def layer_products(shape: str) -> list[tuple[int, int]]:
 
 
 def _implementations(dtype) -> dict:
-    """name -> (matmul(x, w as prepared), prepare(w [K, N]) run once before timing, or None)."""
+    """name -> (matmul(x, w as prepared), prepare(w [K, N]) run once before timing or None[, reference(x, w as
+    prepared) where the products are not XLA's on w itself])."""
     import jax.numpy as jnp
 
     from paged.models.linear import xla_matmul
@@ -83,8 +85,8 @@ def _quantized_implementations(dtype) -> dict:
     import jax.numpy as jnp
 
     from paged.kernels import cpu
-    from paged.models.linear import quantized_matmul
-    from paged.models.quantization import quantize_per_channel_int8
+    from paged.models.linear import quantized_matmul, xla_matmul
+    from paged.models.quantization import dequantize, quantize_per_channel_int8
 
     def prepare(bits):
         def quantize(w):
@@ -99,9 +101,15 @@ def _quantized_implementations(dtype) -> dict:
     def float32_x(x, p):
         return cpu.quant_matmul_cpu(x.astype(jnp.float32), p["qweight"], p["scales"].astype(jnp.float32))
 
-    impls = {"int8": (engine(8), prepare(8)), "int4": (engine(4), prepare(4))}
+    def dequantized(bits):  # their reference: XLA's float32 dot on the weights the codes stand for
+        return lambda x, p: xla_matmul(x.astype(jnp.float32), dequantize(p["qweight"], p["scales"].astype(jnp.float32),
+                                                                         p["zero_offsets"].astype(jnp.float32), bits),
+                                       None, jnp.float32)
+
+    impls = {"int8": (engine(8), prepare(8), dequantized(8)), "int4": (engine(4), prepare(4), dequantized(4))}
     if cpu.quant_matmul_takes_bfloat16(2, 1):
-        impls.update({"int8-f32x": (float32_x, prepare(8)), "int4-f32x": (float32_x, prepare(4))})
+        impls.update({"int8-f32x": (float32_x, prepare(8), dequantized(8)),
+                      "int4-f32x": (float32_x, prepare(4), dequantized(4))})
     return impls
 
 
@@ -121,15 +129,18 @@ def run(shape: str, dtype_name: str, rows_list: list[int], layers: int, repeats:
         flops = sum(2 * rows * k * n for k, n in products)
         row: dict = {"rows": rows}
         reference = None
-        for name, (fn, prepare) in impls.items():
+        for name, (fn, prepare, *own_reference) in impls.items():
             ws = [jax.block_until_ready(prepare(w)) for w in weights] if prepare else weights
             read_bytes = sum(leaf.nbytes for leaf in jax.tree.leaves(ws))  # what this implementation streams
             step = jax.jit(lambda xs, ws, fn=fn: [fn(xs[k], w) for (k, _), w in zip(products, ws)])
             outs = [np.asarray(y, np.float32) for y in jax.block_until_ready(step(xs, ws))]
             if reference is None:  # xla's: every implementation must compute the same products
                 reference = outs
+            want = reference
+            if own_reference:  # quantized: the same products as XLA's dot on the weights their codes stand for
+                want = [np.asarray(own_reference[0](xs[k], w), np.float32) for (k, _), w in zip(products, ws)]
             row[f"{name}_max_rel_diff"] = float(max(np.abs(a - b).max() / np.abs(b).max()
-                                                    for a, b in zip(outs, reference)))
+                                                    for a, b in zip(outs, want)))
             times = []
             for _ in range(repeats):
                 start = time.perf_counter()

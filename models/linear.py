@@ -369,8 +369,9 @@ class Embedding(nn.Module):
     def attend(self, h: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
         """float32 logits [S, V] of h [S, H] against the table (tied embeddings).
 
-        With the "cpu" backend, a bfloat16 table on a CPU with AMX is read as stored by the native transposed
-        matmul, which computes only rows [0, live_rows) (the rest are zeros: padding rows, nobody reads them).
+        With the "cpu" backend, a bfloat16 table on a CPU with AMX or AVX-512 BF16 is read as stored by the
+        native transposed matmul, which computes only rows [0, live_rows) (the rest are zeros: padding rows,
+        nobody reads them).
         XLA's dot computes every row, and a one-row product against a 150k-row table takes it ~10x the time
         of eight (measured in docs/kernels.md).
         """
@@ -388,7 +389,7 @@ class Embedding(nn.Module):
     def runs_natively(self, h: jax.Array) -> bool:
         """Whether `attend` runs on the native transposed matmul for h (the condition `attend_argmax` needs)."""
         return (self.backend == "cpu" and self.embedding.dtype == jnp.bfloat16 and h.ndim == 2
-                and h.shape[1] % 32 == 0 and cpu.matmul_on_amx())
+                and h.shape[1] % 32 == 0 and cpu.transposed_matmul_native())
 
     def attend_argmax(self, h: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
         """int32 [S]: the first argmax of `attend(h, live_rows)`'s rows (0 past live_rows), in the same pass

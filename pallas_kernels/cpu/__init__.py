@@ -35,9 +35,9 @@ from paged.kernels.reference import to_pool_dtype
 _SOURCE_DIR = Path(__file__).parent
 _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc",
             _SOURCE_DIR / "amx.cc", _SOURCE_DIR / "amx_attention.cc", _SOURCE_DIR / "argmax.cc",
-            _SOURCE_DIR / "norm.cc")
+            _SOURCE_DIR / "norm.cc", _SOURCE_DIR / "transposed.cc")
 _HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h", _SOURCE_DIR / "amx_tiles.h",
-            _SOURCE_DIR / "vector_math.h")
+            _SOURCE_DIR / "vector_math.h", _SOURCE_DIR / "transposed.h")
 _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
@@ -55,6 +55,7 @@ _SCATTER_BLOCKS_TARGET = "scatter_blocks_cpu"
 _VECTORIZED_MATMUL: dict[str, bool] = {}
 _MATMUL_ON_AMX: list[bool] = []  # filled by _load(): whether the default build's bfloat16 products run on AMX
 _PROMPTS_ON_AMX: list[bool] = []  # filled by _load(): whether its bfloat16 prompt attention runs on AMX
+_TRANSPOSED_NATIVE: list[bool] = []  # filled by _load(): whether the tied LM head's transposed calls have a kernel
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -142,6 +143,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                                       int8_bfloat16=bool(library.QuantMatmulCpuBf16IsVectorized()))
             _MATMUL_ON_AMX[:] = [bool(library.MatmulCpuBf16UsesAmx())]
             _PROMPTS_ON_AMX[:] = [bool(library.PromptAttentionUsesAmx())]
+            _TRANSPOSED_NATIVE[:] = [bool(library.MatmulTransposedIsAvailable())]
     except Exception as error:  # noqa: BLE001 - any failure means "use the XLA path", reported by available()
         return f"{type(error).__name__}: {error}"
     return None
@@ -297,36 +299,43 @@ def matmul_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = N
     return call(x, w, live.astype(jnp.int32))
 
 
-def matmul_transposed_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = None) -> jax.Array:
-    """x [M, K] @ w [N, K]^T on AMX tiles, float32 [M, N]: the tied LM head against the embedding table as
-    stored (no transposed copy). bfloat16 operands, K a multiple of 32; only where `matmul_on_amx()`.
-    live_rows: as for `matmul_cpu` (rows from it on are zeros)."""
-    live = _check_transposed("matmul_transposed_cpu", x, w, live_rows)
-    call = jax.ffi.ffi_call(_MATMUL_TRANSPOSED_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
+def matmul_transposed_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = None, *,
+                          _target: str = _MATMUL_TRANSPOSED_TARGET) -> jax.Array:
+    """x [M, K] @ w [N, K]^T, float32 [M, N]: the tied LM head against the embedding table as stored (no
+    transposed copy), on AMX tiles or, without them, AVX-512 BF16 (`transposed_matmul_native()`). bfloat16
+    operands, K a multiple of 32. live_rows: as for `matmul_cpu` (rows from it on are zeros)."""
+    live = _check_transposed("matmul_transposed_cpu", x, w, live_rows, _target)
+    call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))
     return call(x, w, live)
 
 
-def matmul_transposed_argmax_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = None) -> jax.Array:
+def matmul_transposed_argmax_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = None, *,
+                                 _target: str = _MATMUL_TRANSPOSED_ARGMAX_TARGET) -> jax.Array:
     """int32 [M]: `paged.sampler.first_argmax(matmul_transposed_cpu(x, w))` without the [M, N] logits (the first
-    maximum, a NaN counting as +inf), in one AMX pass over w: the greedy tied LM head. Operands as for
+    maximum, a NaN counting as +inf), in one pass over w: the greedy tied LM head. Operands as for
     `matmul_transposed_cpu`; rows from live_rows on are 0."""
-    live = _check_transposed("matmul_transposed_argmax_cpu", x, w, live_rows)
+    live = _check_transposed("matmul_transposed_argmax_cpu", x, w, live_rows, _target)
     if w.shape[0] < 1:
         raise ValueError(f"matmul_transposed_argmax_cpu needs at least one row of w; got {w.shape}")
-    call = jax.ffi.ffi_call(_MATMUL_TRANSPOSED_ARGMAX_TARGET, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
+    call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
     return call(x, w, live)
 
 
-def _check_transposed(name: str, x: jax.Array, w: jax.Array, live_rows) -> jax.Array:
-    """Refuses what the transposed AMX calls cannot take; returns the live row count as an int32 array."""
+def transposed_matmul_native() -> bool:
+    """Whether the default build runs the transposed calls (the tied LM head): AMX tiles or AVX-512 BF16."""
+    return available()[0] and bool(_TRANSPOSED_NATIVE and _TRANSPOSED_NATIVE[0])
+
+
+def _check_transposed(name: str, x: jax.Array, w: jax.Array, live_rows, target: str) -> jax.Array:
+    """Refuses what the transposed calls cannot take; returns the live row count as an int32 array."""
     _require_kernels()
     if x.ndim != 2 or w.ndim != 2 or x.shape[1] != w.shape[1] or x.shape[1] % 32:
         raise ValueError(f"{name}: expected x [M, K] and w [N, K] with K a multiple of 32; got {x.shape} and "
                          f"{w.shape}")
     if x.dtype != jnp.bfloat16 or w.dtype != jnp.bfloat16:
         raise ValueError(f"{name} takes bfloat16 operands; got {x.dtype} and {w.dtype}")
-    if not matmul_on_amx():
-        raise ValueError(f"{name} runs on AMX tiles, and this CPU (or OS) offers none")
+    if target == name and not transposed_matmul_native():
+        raise ValueError(f"{name} runs on AMX tiles or AVX-512 BF16, and this CPU (or OS) offers neither")
     return jnp.asarray(x.shape[0] if live_rows is None else live_rows).astype(jnp.int32)
 
 

@@ -39,6 +39,7 @@
 #include "amx.h"
 #include "bf16.h"
 #include "parallel.h"
+#include "transposed.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -626,8 +627,9 @@ ffi::Error GatedMatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::An
   return ffi::Error::Success();
 }
 
-// y[M, N] = x[M, K] @ w[N, K]^T in bfloat16 on AMX tiles (amx.cc: MatmulTransposed), rows [live, M) zeros:
-// the tied LM head against the embedding table as stored. K a multiple of 32; only where AMX is available.
+// y[M, N] = x[M, K] @ w[N, K]^T in bfloat16 on AMX tiles (amx.cc: MatmulTransposed), or on AVX-512 BF16 without
+// them (transposed.cc), rows [live, M) zeros: the tied LM head against the embedding table as stored. K a
+// multiple of 32.
 ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> live,
                                 ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -639,10 +641,11 @@ ffi::Error MatmulTransposedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Any
   float* yp = y->typed_data();
   const int64_t M = zero_rows_past_live(live, xd[0], N, yp);
   if (M == 0) return ffi::Error::Success();
-  if (!paged::amx::Available() ||
-      !paged::amx::MatmulTransposed(pool, static_cast<const uint16_t*>(x.untyped_data()),
-                                    static_cast<const uint16_t*>(w.untyped_data()), yp, M, K, N))
-    return ffi::Error::InvalidArgument("matmul_transposed_cpu: needs AMX and K a multiple of 32");
+  const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
+  const auto* wp = static_cast<const uint16_t*>(w.untyped_data());
+  if (!(paged::amx::Available() ? paged::amx::MatmulTransposed(pool, xp, wp, yp, M, K, N)
+                                : paged::avx512bf16::MatmulTransposed(pool, xp, wp, yp, M, K, N)))
+    return ffi::Error::InvalidArgument("matmul_transposed_cpu: needs AMX or AVX-512 BF16, and K a multiple of 32");
   return ffi::Error::Success();
 }
 
@@ -661,10 +664,12 @@ ffi::Error MatmulTransposedArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ff
   const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
   std::fill(out + M, out + xd[0], 0);
   if (M == 0) return ffi::Error::Success();
-  if (!paged::amx::Available() ||
-      !paged::amx::MatmulTransposedArgmax(pool, static_cast<const uint16_t*>(x.untyped_data()),
-                                          static_cast<const uint16_t*>(w.untyped_data()), out, M, K, N))
-    return ffi::Error::InvalidArgument("matmul_transposed_argmax_cpu: needs AMX and K a multiple of 32");
+  const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
+  const auto* wp = static_cast<const uint16_t*>(w.untyped_data());
+  if (!(paged::amx::Available() ? paged::amx::MatmulTransposedArgmax(pool, xp, wp, out, M, K, N)
+                                : paged::avx512bf16::MatmulTransposedArgmax(pool, xp, wp, out, M, K, N)))
+    return ffi::Error::InvalidArgument(
+        "matmul_transposed_argmax_cpu: needs AMX or AVX-512 BF16, and K a multiple of 32");
   return ffi::Error::Success();
 }
 
@@ -788,6 +793,8 @@ extern "C" int MatmulCpuIsVectorized() { return kVectorized<float>; }
 extern "C" int MatmulCpuBf16IsVectorized() { return kVectorized<uint16_t> || paged::amx::Available(); }
 // Whether bfloat16 products run on AMX tiles (amx.cc): fast at every row count, so the model sends them all here.
 extern "C" int MatmulCpuBf16UsesAmx() { return paged::amx::Available(); }
+// Whether the transposed calls (the tied LM head) have a kernel: AMX tiles, or AVX-512 BF16 (transposed.cc).
+extern "C" int MatmulTransposedIsAvailable() { return paged::amx::Available() || paged::avx512bf16::Available(); }
 extern "C" int QuantMatmulCpuIsVectorized() { return kVectorized<int8_t>; }
 // Whether bfloat16 x takes the vdpbf16ps path (else a plain loop: the model passes float32 x instead).
 extern "C" int QuantMatmulCpuBf16IsVectorized() { return kVectorized<uint16_t>; }

@@ -16,8 +16,9 @@ from paged import LLM, SamplingParams
 
 @pytest.fixture(scope="module")
 def tied_bf16_llm(tmp_path_factory):
-    if not cpu.matmul_on_amx():
-        pytest.skip("no AMX on this CPU: the tied LM head keeps XLA's einsum, and no kernel fuses the argmax")
+    if not cpu.transposed_matmul_native():
+        pytest.skip("neither AMX nor AVX-512 BF16 on this CPU: the tied LM head keeps XLA's einsum, and no kernel "
+                    "fuses the argmax")
     directory = create_tiny_llama(str(tmp_path_factory.mktemp("tied")), tie_word_embeddings=True)
     return LLM(directory, dtype="bfloat16", linear_backend="cpu", block_size=8, max_num_seqs=8,
                max_model_len=256, show_progress=False)

@@ -6,6 +6,8 @@ does not: a silent fallback would leave the default CPU path untested.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -384,7 +386,25 @@ def test_matmul_bfloat16_live_rows_ignore_the_padding(live):
 def _needs_amx():
     from paged.kernels import cpu as cpu_kernel
     if not cpu_kernel.matmul_on_amx():
-        pytest.skip("no AMX on this CPU: the tied LM head keeps XLA's dot (tests/models/test_linear.py)")
+        pytest.skip("no AMX on this CPU: the bfloat16 products run on AVX-512 BF16 (tests above)")
+
+
+@pytest.fixture(params=["default", "no-amx"])
+def transposed(request):
+    """(matmul_transposed_cpu, matmul_transposed_argmax_cpu) of one build: the default one (AMX tiles where the
+    CPU has them, else AVX-512 BF16), and on an AMX machine also the build without AMX, whose AVX-512 BF16
+    kernel (transposed.cc) that machine otherwise never runs."""
+    from paged.kernels import cpu as cpu_kernel
+    if request.param == "default":
+        if not cpu_kernel.transposed_matmul_native():
+            pytest.skip("neither AMX nor AVX-512 BF16 on this CPU: the tied LM head keeps XLA's dot")
+        return matmul_transposed_cpu, matmul_transposed_argmax_cpu
+    if not cpu_kernel.matmul_on_amx():
+        pytest.skip("no AMX on this CPU: the default build already runs the AVX-512 BF16 kernel")
+    base = cpu_kernel.matmul_target_without_amx()
+    return (functools.partial(matmul_transposed_cpu, _target=base.replace("matmul_cpu", "matmul_transposed_cpu")),
+            functools.partial(matmul_transposed_argmax_cpu,
+                              _target=base.replace("matmul_cpu", "matmul_transposed_argmax_cpu")))
 
 
 def _first_argmax_np(logits: np.ndarray) -> np.ndarray:
@@ -392,12 +412,13 @@ def _first_argmax_np(logits: np.ndarray) -> np.ndarray:
     return np.argmax(np.where(np.isnan(logits), np.inf, logits), axis=-1).astype(np.int32)
 
 
-@pytest.mark.parametrize("rows", [1, 16, 17, 33, 70])
+@pytest.mark.parametrize("rows", [1, 2, 7, 16, 17, 33, 70])
 @pytest.mark.parametrize("inner, vocab", [(32, 32), (96, 100), (896, 1000)])
-def test_matmul_transposed_matches_float64(rows, inner, vocab):
-    """x @ w^T with w [N, K] as stored (the tied LM head): row chunks of 32 and 16, a table whose last block
-    has fewer than 32 rows (100, 1000), and threads splitting the table's blocks."""
-    _needs_amx()
+def test_matmul_transposed_matches_float64(transposed, rows, inner, vocab):
+    """x @ w^T with w [N, K] as stored (the tied LM head): row chunks of 32 and 16 (AMX), rows alone and in
+    pairs (AVX-512 BF16), a table whose last block is partial (100, 1000), and threads splitting the table's
+    blocks."""
+    matmul_transposed_cpu, _ = transposed
     rng = np.random.default_rng(rows + inner + vocab)
     x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(vocab, inner)), jnp.bfloat16)
@@ -406,9 +427,9 @@ def test_matmul_transposed_matches_float64(rows, inner, vocab):
 
 
 @pytest.mark.parametrize("live", [0, 1, 17, 40])
-def test_matmul_transposed_live_rows(live):
+def test_matmul_transposed_live_rows(transposed, live):
     """Rows from live on are zeros (logits) and 0 (the fused greedy head's tokens) though their input is NaN."""
-    _needs_amx()
+    matmul_transposed_cpu, matmul_transposed_argmax_cpu = transposed
     rng = np.random.default_rng(live)
     x = rng.normal(size=(40, 64)).astype(np.float32)
     x[live:] = np.nan
@@ -424,20 +445,20 @@ def test_matmul_transposed_live_rows(live):
     np.testing.assert_array_equal(tokens[:live], _first_argmax_np(got[:live]))
 
 
-def test_matmul_transposed_refuses_what_it_cannot_do():
-    _needs_amx()
+def test_matmul_transposed_refuses_what_it_cannot_do(transposed):
+    matmul_transposed_cpu, _ = transposed
     with pytest.raises(ValueError, match="multiple of 32"):
         matmul_transposed_cpu(jnp.zeros((4, 48), jnp.bfloat16), jnp.zeros((64, 48), jnp.bfloat16))
     with pytest.raises(ValueError, match="bfloat16 operands"):
         matmul_transposed_cpu(jnp.zeros((4, 64)), jnp.zeros((64, 64)))
 
 
-@pytest.mark.parametrize("rows", [1, 17, 33, 70])
+@pytest.mark.parametrize("rows", [1, 2, 17, 33, 70])
 @pytest.mark.parametrize("inner, vocab", [(32, 1), (96, 5), (64, 100), (896, 1000)])
-def test_matmul_transposed_argmax_is_the_logits_first_argmax(rows, inner, vocab):
+def test_matmul_transposed_argmax_is_the_logits_first_argmax(transposed, rows, inner, vocab):
     """The fused greedy LM head picks what the first argmax of the unfused call's float32 logits picks: one
     to several 32-row blocks, a partial last block, row chunks of 32 and 16, the table split over threads."""
-    _needs_amx()
+    matmul_transposed_cpu, matmul_transposed_argmax_cpu = transposed
     rng = np.random.default_rng(rows * 7 + inner + vocab)
     x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(vocab, inner)), jnp.bfloat16)
@@ -452,9 +473,9 @@ def test_matmul_transposed_argmax_is_the_logits_first_argmax(rows, inner, vocab)
     ({200: np.nan, 900: np.inf}, 200),         # a NaN counts as +inf, first
     ({999: 30.0}, 999),                        # the table's last row, in its partial last block
 ])
-def test_matmul_transposed_argmax_ties_nan_and_infinities(special, want):
+def test_matmul_transposed_argmax_ties_nan_and_infinities(transposed, special, want):
     """First index among equal maxima, NaN as +inf; x is e_0, so row n's product is w[n, 0] exactly."""
-    _needs_amx()
+    matmul_transposed_cpu, matmul_transposed_argmax_cpu = transposed
     vocab, inner = 1000, 64
     w = np.random.default_rng(0).normal(size=(vocab, inner)).astype(np.float32)
     for row, value in special.items():
@@ -467,15 +488,15 @@ def test_matmul_transposed_argmax_ties_nan_and_infinities(special, want):
     np.testing.assert_array_equal(got, _first_argmax_np(np.asarray(matmul_transposed_cpu(xb, wb))))
 
 
-def test_matmul_transposed_argmax_of_minus_infinity_is_the_first_index():
-    _needs_amx()
+def test_matmul_transposed_argmax_of_minus_infinity_is_the_first_index(transposed):
+    matmul_transposed_cpu, matmul_transposed_argmax_cpu = transposed
     ones, minus_inf = jnp.ones((3, 64), jnp.bfloat16), jnp.full((1000, 64), -jnp.inf, jnp.bfloat16)
     assert np.all(np.isneginf(np.asarray(matmul_transposed_cpu(ones, minus_inf))))
     np.testing.assert_array_equal(np.asarray(matmul_transposed_argmax_cpu(ones, minus_inf)), [0, 0, 0])
 
 
-def test_matmul_transposed_argmax_refuses_what_it_cannot_do():
-    _needs_amx()
+def test_matmul_transposed_argmax_refuses_what_it_cannot_do(transposed):
+    _, matmul_transposed_argmax_cpu = transposed
     with pytest.raises(ValueError, match="multiple of 32"):
         matmul_transposed_argmax_cpu(jnp.zeros((4, 48), jnp.bfloat16), jnp.zeros((64, 48), jnp.bfloat16))
     with pytest.raises(ValueError, match="bfloat16 operands"):
