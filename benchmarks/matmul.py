@@ -19,6 +19,7 @@ read once over the time make (the roof of a memory-bound decode-sized product). 
 
     paged bench matmul                                  # qwen2.5-0.5b's shapes, bfloat16, 8 to 2048 rows
     paged bench matmul --dtype float32 --rows 8 64 256 --json docs/results/matmul_f32.json
+    paged bench matmul --rows 1 8 16 32 64 --lm-head         # with the tied LM head, XLA's and the native one
 """
 
 from __future__ import annotations
@@ -155,6 +156,45 @@ def run(shape: str, dtype_name: str, rows_list: list[int], layers: int, repeats:
     return results
 
 
+def run_lm_head(shape: str, rows_list: list[int], repeats: int, read_bytes_per_s: float) -> list[dict]:
+    """The tied LM head of `shape` (bfloat16 table [vocab, hidden]) as the engine calls it (`Embedding.attend`):
+    the "xla" linear backend's einsum against the "cpu" backend's native transposed matmul (AMX tiles or
+    AVX-512 BF16, where the CPU has either; else the same einsum). Milliseconds and the table's bytes read once
+    over the time as a fraction of the read bandwidth."""
+    import jax
+    import jax.numpy as jnp
+
+    from paged.models.linear import Embedding
+
+    config = MODEL_SHAPES[shape]
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    rng = np.random.default_rng(0)
+    table = jnp.asarray(rng.standard_normal((vocab, hidden), np.float32) * 0.02, jnp.bfloat16)
+    params = {"params": {"embedding": table}}
+    heads = {name: jax.jit(lambda p, h, e=Embedding(vocab, hidden, jnp.bfloat16, backend=name): e.apply(
+        p, h, method="attend")) for name in ("xla", "cpu")}
+    results = []
+    for rows in rows_list:
+        h = jnp.asarray(rng.standard_normal((rows, hidden), np.float32), jnp.bfloat16)
+        row: dict = {"rows": rows}
+        outs = {}
+        for name, head in heads.items():
+            outs[name] = np.asarray(jax.block_until_ready(head(params, h)))
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                jax.block_until_ready(head(params, h))
+                times.append(time.perf_counter() - start)
+            row[f"{name}_ms"] = float(np.median(times)) * 1e3
+            row[f"{name}_read_fraction"] = table.nbytes / float(np.median(times)) / read_bytes_per_s
+        row["cpu_max_rel_diff"] = float(np.abs(outs["cpu"] - outs["xla"]).max() / np.abs(outs["xla"]).max())
+        results.append(row)
+        print(f"{rows:>6}  LM head: xla {row['xla_ms']:6.1f} ms ({row['xla_read_fraction']:.0%} of read)  "
+              f"cpu {row['cpu_ms']:6.1f} ms ({row['cpu_read_fraction']:.0%} of read)  "
+              f"xla/cpu {row['xla_ms'] / row['cpu_ms']:.2f}x")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="paged bench matmul", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -164,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4,
                         help="copies of the layer's products per call (weights that outgrow the caches)")
     parser.add_argument("--repeats", type=int, default=7, help="timed calls per point (median)")
+    parser.add_argument("--lm-head", action="store_true",
+                        help="also time the shape's tied LM head (its embedding table) at each row count")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args(argv)
     if min(args.rows) < 1 or args.layers < 1 or args.repeats < 1:
@@ -176,10 +218,12 @@ def main(argv: list[str] | None = None) -> int:
           f"{jax.devices()[0].device_kind}, AMX {'on' if cpu.matmul_on_amx() else 'off'}; streaming read "
           f"{read_bw / 1e9:.1f} GB/s", file=sys.stderr)
     results = run(args.model_shape, args.dtype, args.rows, args.layers, args.repeats, read_bw)
+    head = run_lm_head(args.model_shape, args.rows, args.repeats, read_bw) if args.lm_head else None
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"model_shape": args.model_shape, "dtype": args.dtype, "layers": args.layers,
-                       "amx": cpu.matmul_on_amx(), "read_bytes_per_s": read_bw, "gflops": results}, f, indent=1)
+                       "amx": cpu.matmul_on_amx(), "read_bytes_per_s": read_bw, "gflops": results,
+                       **({"lm_head": head} if head is not None else {})}, f, indent=1)
     return 0
 
 

@@ -10,7 +10,8 @@ from paged.serving.cli import main
 
 def test_matmul_benchmark_times_every_backend_on_the_same_products(tmp_path):
     out = tmp_path / "matmul.json"
-    assert main(["bench", "matmul", "--rows", "3", "40", "--layers", "1", "--repeats", "1", "--json", str(out)]) == 0
+    assert main(["bench", "matmul", "--rows", "3", "40", "--layers", "1", "--repeats", "1", "--lm-head",
+                 "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["amx"] == cpu.matmul_on_amx()
     assert report["read_bytes_per_s"] > 1e8
@@ -24,3 +25,6 @@ def test_matmul_benchmark_times_every_backend_on_the_same_products(tmp_path):
         # One rounding of float32 sums apart at most (the products are the same bf16 values; int8 and int4 against
         # XLA's dot on their dequantized weights).
         assert all(row[f"{name}_max_rel_diff"] < 1e-5 for name in names)
+    # The tied LM head: both backends' logits agree to the rounding of their float32 sums.
+    assert [row["rows"] for row in report["lm_head"]] == [3, 40]
+    assert all(row["xla_ms"] > 0 and row["cpu_ms"] > 0 and row["cpu_max_rel_diff"] < 1e-5 for row in report["lm_head"])
