@@ -27,6 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from paged.models import low_precision_dot
 from paged.models.quantization import WeightQuant, dequantize, dequantize_float8, quantize_activations
 from paged.kernels import cpu
 
@@ -187,10 +188,14 @@ class Linear(nn.Module):
             params = _quantized_params(self, self.quant, x.shape[-1], axes)
             if "perm" in params:  # act_order: the rows were regrouped at load; the input follows them
                 x = jnp.take(x, params["perm"], axis=-1)
-            if self.quant.activations:
-                x = quantize_activations(x.astype(self.dtype), self.quant.activations)
-            y = quantized_matmul(self.backend, x.astype(self.dtype), params, self.quant.bits, live_rows,
-                                 self.out_dtype)
+            if (self.quant.activations and low_precision_dot.platform_dot(self.quant.activations)
+                    and low_precision_dot.takes(self.quant, params)):  # the codes in the hardware's own dot
+                y = low_precision_dot.w8a8_dot(x.astype(self.dtype), params, self.quant, self.out_dtype)
+            else:
+                if self.quant.activations:
+                    x = quantize_activations(x.astype(self.dtype), self.quant.activations)
+                y = quantized_matmul(self.backend, x.astype(self.dtype), params, self.quant.bits, live_rows,
+                                     self.out_dtype)
         if self.use_bias:
             y = y + self._bias(axes).astype(y.dtype)
         if self.lora_slots:

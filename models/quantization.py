@@ -106,6 +106,13 @@ def quantize_activations(x: jax.Array, kind: str) -> jax.Array:
     defines it: one symmetric scale per row, max |x| / 127.5 for int8 (codes rounded half to even and clamped
     to [-128, 127]) or max |x| / 448 for fp8 e4m3 (codes rounded by the cast). The matmul then sees exactly the
     values an int8 or fp8 GEMM multiplies."""
+    codes, scale = activation_codes(x, kind)
+    return (codes.astype(jnp.float32) * scale).astype(x.dtype)
+
+
+def activation_codes(x: jax.Array, kind: str) -> tuple[jax.Array, jax.Array]:
+    """`quantize_activations`' codes (int8, or float8_e4m3fn, [..., K]) and float32 scales [..., 1]: x is
+    about codes * scale, and an int8 / fp8 dot multiplies the codes as they are."""
     x32 = x.astype(jnp.float32)
     peak = jnp.max(jnp.abs(x32), axis=-1, keepdims=True)
     # Both divisions must be true ones, as in the library: XLA turns a division by a constant or by a broadcast
@@ -114,12 +121,12 @@ def quantize_activations(x: jax.Array, kind: str) -> jax.Array:
     bound = jax.lax.optimization_barrier(jnp.full_like(peak, 127.5 if kind == "int8" else 448.0))
     scale = peak / bound
     scale = jnp.where(scale == 0, jnp.finfo(jnp.float32).eps, scale)
-    scale = jax.lax.optimization_barrier(jnp.broadcast_to(scale, x32.shape))
+    wide = jax.lax.optimization_barrier(jnp.broadcast_to(scale, x32.shape))
     if kind == "int8":
-        codes = jnp.clip(jnp.round(x32 / scale), -128, 127)
+        codes = jnp.clip(jnp.round(x32 / wide), -128, 127).astype(jnp.int8)
     else:
-        codes = jnp.clip(x32 / scale, -448, 448).astype(jnp.float8_e4m3fn).astype(jnp.float32)
-    return (codes * scale).astype(x.dtype)
+        codes = jnp.clip(x32 / wide, -448, 448).astype(jnp.float8_e4m3fn)
+    return codes, scale
 
 
 # ---- host-side packing into the layout (numpy) ----------------------------------------------------------

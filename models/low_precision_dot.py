@@ -1,0 +1,73 @@
+"""W8A8 products as the hardware's own low-precision dot, where the platform has one.
+
+A W8A8 layer (compressed-tensors int-quantized or float-quantized with dynamic per-token input activations)
+multiplies activation codes by weight codes. On CPU the engine dequantizes both and runs the float matmul
+(`quantize_activations`, models/linear.py). On a GPU or a TPU, XLA's dot takes the codes themselves:
+    int8  x int8  -> int32    (TPUs; NVIDIA GPUs from Turing on, through cuBLASLt)
+    e4m3  x e4m3  -> float32  (NVIDIA GPUs of compute capability 8.9 and up: Ada, Hopper)
+and the scales meet the product once, per row (the activations') and per column (the weights'):
+    y[m, n] = (sum_k xq[m, k] * wq[k, n]) * sx[m] * sw[n]
+which is the float path's value without its rounding of every dequantized weight and activation. Only layers
+whose weight scales factor out of the sum take it: one scale per output column (or one for the tensor), no
+zero points, no act-order permutation; the rest keep the float path.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from paged.models.quantization import WeightQuant, activation_codes
+
+# Platforms (jax.default_backend()) whose XLA dot runs int8 codes natively.
+INT8_DOT_PLATFORMS = ("gpu", "cuda", "rocm", "tpu")
+
+
+def platform_dot(kind: str) -> bool:
+    """Whether this process's default platform multiplies `kind` ("int8" or "fp8") codes in its dot: int8 on
+    GPUs and TPUs, fp8 e4m3 on NVIDIA GPUs of compute capability 8.9 or more."""
+    backend = jax.default_backend()
+    if kind == "int8":
+        return backend in INT8_DOT_PLATFORMS
+    if backend not in ("gpu", "cuda"):
+        return False
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    try:
+        return capability is not None and tuple(int(p) for p in str(capability).split(".")[:2]) >= (8, 9)
+    except ValueError:
+        return False
+
+
+def takes(quant: WeightQuant, params: dict[str, jax.Array]) -> bool:
+    """Whether a W8A8 layer's weight scales factor out of its sum (see the module docstring), so that the
+    low-precision dot computes it."""
+    if quant.activations is None or "perm" in params or params["scales"].shape[0] != 1:
+        return False
+    if quant.activations == "int8":
+        return quant.kind == "int" and quant.bits == 8 and params["qweight"].dtype == jnp.int8
+    return quant.activations == "fp8" and quant.kind == "float8"
+
+
+def w8a8_dot(x: jax.Array, params: dict[str, jax.Array], quant: WeightQuant, out_dtype=None) -> jax.Array:
+    """x [..., K] (the layer's input, not yet quantized) @ the layer's W8A8 weights, by the low-precision dot,
+    in `out_dtype` (default x's). Only where `takes(quant, params)`.
+
+    params: qweight int8 [K, N] with scales [1, N] and zero_offsets [1, N] (models/quantization.py; the
+    offsets of a symmetric checkpoint are zeros, and are subtracted as (sum_k x[m, k]) * offset[n]), or
+    qweight float8_e4m3fn [K, N] with float32 scales [1, N / block_out].
+    """
+    codes, row_scale = activation_codes(x, quant.activations)
+    qweight, scales = params["qweight"], params["scales"].astype(jnp.float32)
+    accumulate = jnp.int32 if quant.activations == "int8" else jnp.float32
+    dims = (((codes.ndim - 1,), (0,)), ((), ()))
+    sums = jax.lax.dot_general(codes, qweight, dims, preferred_element_type=accumulate).astype(jnp.float32)
+    if quant.kind == "float8":
+        column_scale = jnp.repeat(scales[0], qweight.shape[1] // scales.shape[1])
+        y = sums * row_scale * column_scale
+    else:
+        y = sums * row_scale * scales[0]
+        # Zero points (asymmetric weights): W = q * scale - offset, so x W = x (q scale) - (sum_k x) offset, with
+        # x the dequantized activations, as the float path has them.
+        dequantized_sums = jnp.sum(codes.astype(jnp.float32), axis=-1, keepdims=True) * row_scale
+        y = y - dequantized_sums * params["zero_offsets"].astype(jnp.float32)[0]
+    return y.astype(out_dtype or x.dtype)

@@ -1,0 +1,126 @@
+"""W8A8 through the platform's own int8 / fp8 dot (models/low_precision_dot.py): its values against float64 of
+the same codes, and the lowered module for GPUs and TPUs showing the low-precision dot."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged.models import low_precision_dot
+from paged.models.linear import Linear
+from paged.models.quantization import WeightQuant, activation_codes, quantize_activations
+
+INT8_DOT = re.compile(r"dot_general.*\(tensor<[0-9x]+xi8>, tensor<[0-9x]+xi8>\) -> tensor<[0-9x]+xi32>")
+FP8_DOT = re.compile(r"dot_general.*\(tensor<[0-9x]+xf8E4M3FN>, tensor<[0-9x]+xf8E4M3FN>\) -> tensor<[0-9x]+xf32>")
+
+
+def _w8a8(kind: str, in_features: int, out_features: int, seed: int, zero_points: bool = False,
+          per_tensor: bool = False):
+    """A W8A8 scheme and its layer parameters: int8 codes with a scale per column (and zero offsets), or
+    e4m3 codes with a scale per column or one for the tensor."""
+    rng = np.random.default_rng(seed)
+    if kind == "int8":
+        quant = WeightQuant(bits=8, group_size=-1, method="compressed-tensors", activations="int8")
+        offsets = rng.uniform(-0.05, 0.05, (1, out_features)) if zero_points else np.zeros((1, out_features))
+        params = {"qweight": jnp.asarray(rng.integers(-128, 128, (in_features, out_features)), jnp.int8),
+                  "scales": jnp.asarray(rng.uniform(0.001, 0.01, (1, out_features)), jnp.float32),
+                  "zero_offsets": jnp.asarray(offsets, jnp.float32)}
+    else:
+        block_out = out_features if per_tensor else 1
+        quant = WeightQuant(bits=8, group_size=-1, method="compressed-tensors", kind="float8", block_out=block_out,
+                            activations="fp8")
+        codes = jnp.asarray(rng.normal(0, 40, (in_features, out_features)), jnp.float32).astype(jnp.float8_e4m3fn)
+        params = {"qweight": codes,
+                  "scales": jnp.asarray(rng.uniform(0.001, 0.01, (1, out_features // block_out)), jnp.float32)}
+    return quant, params
+
+
+def _float64_of_codes(x, params, quant) -> np.ndarray:
+    """(x's codes * its row scales) @ (weight codes * column scales - offsets), in float64."""
+    codes, row_scale = activation_codes(x, quant.activations)
+    xd = np.asarray(codes.astype(jnp.float32), np.float64) * np.asarray(row_scale, np.float64)
+    w = np.asarray(params["qweight"].astype(jnp.float32), np.float64)
+    scales = np.asarray(params["scales"], np.float64)[0]
+    w = w * np.repeat(scales, w.shape[1] // scales.shape[0])
+    if "zero_offsets" in params:
+        w = w - np.asarray(params["zero_offsets"], np.float64)[0]
+    return xd @ w
+
+
+@pytest.mark.parametrize("kind, zero_points, per_tensor", [("int8", False, False), ("int8", True, False),
+                                                           ("fp8", False, False), ("fp8", False, True)],
+                         ids=["int8", "int8-zero-points", "fp8-channel", "fp8-tensor"])
+def test_w8a8_dot_matches_float64_of_the_same_codes(kind, zero_points, per_tensor):
+    """Rows of very different sizes (one of zeros: its scale is eps, its codes 0); the int32 / float32 sums
+    of codes are exact here, so only the final scaling rounds."""
+    quant, params = _w8a8(kind, 96, 128, seed=1, zero_points=zero_points, per_tensor=per_tensor)
+    assert low_precision_dot.takes(quant, params)
+    rng = np.random.default_rng(2)
+    x = rng.normal(size=(5, 96)) * np.array([[1.0], [100.0], [0.0], [1e-3], [7.0]])
+    x = jnp.asarray(x, jnp.float32)
+    got = np.asarray(jax.jit(lambda x, p: low_precision_dot.w8a8_dot(x, p, quant))(x, params), np.float64)
+    want = _float64_of_codes(x, params, quant)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert not np.any(got[2])  # the zero row
+    # The float path (dequantize both, float matmul) computes the same W8A8 values, rounded differently.
+    from paged.models.linear import quantized_matmul
+    from paged.models.quantization import dequantize_float8
+    xq = quantize_activations(x, kind)
+    if kind == "int8":
+        floats = quantized_matmul("xla", xq, params, 8, None, jnp.float32)
+    else:
+        floats = xq @ dequantize_float8(params["qweight"], params["scales"], jnp.float32)
+    np.testing.assert_allclose(got, np.asarray(floats, np.float64), rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_only_layers_whose_scales_factor_out_take_it():
+    quant, params = _w8a8("int8", 64, 64, seed=0)
+    assert low_precision_dot.takes(quant, params)
+    grouped = {**params, "scales": jnp.ones((4, 64)), "zero_offsets": jnp.zeros((4, 64))}
+    assert not low_precision_dot.takes(quant, grouped)                         # scales per group of rows
+    assert not low_precision_dot.takes(quant, {**params, "perm": jnp.arange(64)})  # act order
+    weight_only = WeightQuant(bits=8, group_size=-1)
+    assert not low_precision_dot.takes(weight_only, params)                    # activations stay float
+    int4 = WeightQuant(bits=4, group_size=-1, activations="int8")
+    assert not low_precision_dot.takes(int4, {**params, "qweight": jnp.zeros((32, 64), jnp.uint8)})
+    fp8_quant, fp8_params = _w8a8("fp8", 64, 64, seed=0)
+    block = {**fp8_params, "scales": jnp.ones((2, 64))}                        # 128 x 128-style blocks
+    assert low_precision_dot.takes(fp8_quant, fp8_params) and not low_precision_dot.takes(fp8_quant, block)
+
+
+def test_the_cpu_keeps_the_float_path():
+    if jax.default_backend() != "cpu":
+        pytest.skip("a CPU-only check")
+    assert not low_precision_dot.platform_dot("int8") and not low_precision_dot.platform_dot("fp8")
+
+
+def _lowered_linear(kind: str, platform: str, monkeypatch, low_precision: bool) -> str:
+    """The StableHLO of a W8A8 Linear's forward, lowered for `platform` with the platform check answering
+    `low_precision` (this host is a CPU: the check reads the default backend)."""
+    monkeypatch.setattr(low_precision_dot, "platform_dot", lambda _: low_precision)
+    quant, params = _w8a8(kind, 64, 128, seed=3)
+    layer = Linear(128, jnp.bfloat16, quant=quant)
+    x = jnp.ones((8, 64), jnp.bfloat16)
+    shapes = nn.unbox(layer.init(jax.random.key(0), x)["params"])
+    assert {k: v.shape for k, v in shapes.items()} == {k: v.shape for k, v in params.items()}
+    params = {k: v.astype(shapes[k].dtype) for k, v in params.items()}  # int scales in the compute dtype
+    forward = jax.jit(lambda p, x: layer.apply({"params": p}, x))
+    return forward.trace(params, x).lower(lowering_platforms=(platform,)).as_text()
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_int8_w8a8_lowers_to_an_int8_dot(monkeypatch, platform):
+    text = _lowered_linear("int8", platform, monkeypatch, low_precision=True)
+    assert INT8_DOT.search(text), "no int8 x int8 -> int32 dot in the lowered module"
+    assert not INT8_DOT.search(_lowered_linear("int8", platform, monkeypatch, low_precision=False))
+
+
+def test_fp8_w8a8_lowers_to_an_fp8_dot_for_gpus(monkeypatch):
+    text = _lowered_linear("fp8", "cuda", monkeypatch, low_precision=True)
+    assert FP8_DOT.search(text), "no e4m3 x e4m3 -> float32 dot in the lowered module"
+    assert not FP8_DOT.search(_lowered_linear("fp8", "cuda", monkeypatch, low_precision=False))
