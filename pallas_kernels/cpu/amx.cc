@@ -31,6 +31,7 @@
 
 #include "amx_tiles.h"
 #include "bf16.h"
+#include "lane_argmax.h"
 #include "parallel.h"
 #include "vector_math.h"
 
@@ -609,19 +610,11 @@ bool MatmulTransposedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const
                         }
                     });
   });
-  // The first maximum of each row: the greatest value over all threads' lanes, then the least index with it.
   // (A lane that never beat -inf keeps its thread's first row; that matters only when the row's maximum is
   // -inf, and then row 0, thread 0's, is the first.)
-  for (int64_t m = 0; m < M; ++m) {
-    float top = -INFINITY;
-    for (int64_t part = 0; part < parts; ++part)
-      for (int64_t l = 0; l < 32; ++l) top = std::max(top, lanes[part].best[m * 32 + l]);
-    int32_t first = INT32_MAX;
-    for (int64_t part = 0; part < parts; ++part)
-      for (int64_t l = 0; l < 32; ++l)
-        if (lanes[part].best[m * 32 + l] == top) first = std::min(first, lanes[part].index[m * 32 + l]);
-    tokens[m] = first;
-  }
+  first_maximum_of_lanes(
+      parts, M, 32, [&](int64_t part, int64_t m, int64_t l) { return lanes[part].best[m * 32 + l]; },
+      [&](int64_t part, int64_t m, int64_t l) { return lanes[part].index[m * 32 + l]; }, tokens);
   return true;
 }
 

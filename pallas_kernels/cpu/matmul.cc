@@ -79,6 +79,22 @@ inline void prefetch_row(const T* row) {
     _mm_prefetch(line0 + 64 * line, _MM_HINT_T1);
 }
 
+// tile(std::integral_constant<int, MR>{}, m0) over rows [0, M): tiles of 6 rows (the register blocking of
+// every tile here), then one of the M % 6 left.
+template <typename Tile>
+inline void over_row_tiles(int64_t M, const Tile& tile) {
+  int64_t m0 = 0;
+  for (; m0 + 6 <= M; m0 += 6) tile(std::integral_constant<int, 6>{}, m0);
+  switch (M - m0) {
+    case 1: tile(std::integral_constant<int, 1>{}, m0); break;
+    case 2: tile(std::integral_constant<int, 2>{}, m0); break;
+    case 3: tile(std::integral_constant<int, 3>{}, m0); break;
+    case 4: tile(std::integral_constant<int, 4>{}, m0); break;
+    case 5: tile(std::integral_constant<int, 5>{}, m0); break;
+    default: break;
+  }
+}
+
 template <int MR>
 inline void micro_tile(const float* x, int64_t ldx, const float* w, int64_t ldw, float* y, int64_t ldy,
                        int64_t kc, bool first, Ahead<float> ahead) {
@@ -116,18 +132,9 @@ inline void float_tile(const float* x, int64_t ldx, const float* w, float* y, in
 // The float32 tiles over a widened block `buffer` [kc, 64] (row stride 64), accumulating into y.
 inline void float_tiles(const float* x, int64_t ldx, const float* buffer, float* y, int64_t ldy, int64_t M,
                         int64_t kc, bool first) {
-  int64_t m0 = 0;
-  for (; m0 + 6 <= M; m0 += 6) float_tile<6>(x + m0 * ldx, ldx, buffer, y + m0 * ldy, ldy, kc, first);
-  const float* xr = x + m0 * ldx;
-  float* yr = y + m0 * ldy;
-  switch (M - m0) {
-    case 1: float_tile<1>(xr, ldx, buffer, yr, ldy, kc, first); break;
-    case 2: float_tile<2>(xr, ldx, buffer, yr, ldy, kc, first); break;
-    case 3: float_tile<3>(xr, ldx, buffer, yr, ldy, kc, first); break;
-    case 4: float_tile<4>(xr, ldx, buffer, yr, ldy, kc, first); break;
-    case 5: float_tile<5>(xr, ldx, buffer, yr, ldy, kc, first); break;
-    default: break;
-  }
+  over_row_tiles(M, [&](auto rows, int64_t m0) {
+    float_tile<decltype(rows)::value>(x + m0 * ldx, ldx, buffer, y + m0 * ldy, ldy, kc, first);
+  });
 }
 
 alignas(64) static thread_local float widened[kBlockK<int8_t> * kPanel];
@@ -359,15 +366,9 @@ inline void direct_tiles(const uint16_t* x, int64_t ldx, const uint8_t* w, int64
                          int64_t M, int64_t width, int64_t kc, bool first, const float* scale, const uint8_t* next) {
   if (width == 4) return direct_tile<Bits, 1, 4>(x, ldx, w, ldw, y, ldy, kc, first, scale, next);
   if (width == 2) return direct_tile<Bits, 2, 2>(x, ldx, w, ldw, y, ldy, kc, first, scale, next);
-  switch (M) {
-    case 1: direct_tile<Bits, 1, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
-    case 2: direct_tile<Bits, 2, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
-    case 3: direct_tile<Bits, 3, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
-    case 4: direct_tile<Bits, 4, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
-    case 5: direct_tile<Bits, 5, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
-    case 6: direct_tile<Bits, 6, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next); break;
-    default: break;
-  }
+  over_row_tiles(M, [&](auto rows, int64_t) {  // M <= 6: one tile
+    direct_tile<Bits, decltype(rows)::value, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next);
+  });
 }
 
 // y[r, :64] (+)= scale * (x[r, k0:k0+kc] @ the paired block), rows [0, MR): the block's sums start at zero and
@@ -388,18 +389,9 @@ inline void paired_tile(const uint16_t* x, int64_t ldx, float* y, int64_t ldy, i
 
 inline void paired_tiles(const uint16_t* x, int64_t ldx, float* y, int64_t ldy, int64_t M, int64_t kc, bool first,
                          const float* scale) {
-  int64_t m0 = 0;
-  for (; m0 + 6 <= M; m0 += 6) paired_tile<6>(x + m0 * ldx, ldx, y + m0 * ldy, ldy, kc, first, scale);
-  const uint16_t* xr = x + m0 * ldx;
-  float* yr = y + m0 * ldy;
-  switch (M - m0) {
-    case 1: paired_tile<1>(xr, ldx, yr, ldy, kc, first, scale); break;
-    case 2: paired_tile<2>(xr, ldx, yr, ldy, kc, first, scale); break;
-    case 3: paired_tile<3>(xr, ldx, yr, ldy, kc, first, scale); break;
-    case 4: paired_tile<4>(xr, ldx, yr, ldy, kc, first, scale); break;
-    case 5: paired_tile<5>(xr, ldx, yr, ldy, kc, first, scale); break;
-    default: break;
-  }
+  over_row_tiles(M, [&](auto rows, int64_t m0) {
+    paired_tile<decltype(rows)::value>(x + m0 * ldx, ldx, y + m0 * ldy, ldy, kc, first, scale);
+  });
 }
 #endif
 
@@ -448,20 +440,9 @@ void panels(const X* x, const T* w, float* y, int64_t M, int64_t K, int64_t N, i
           const int64_t begin = std::min(next_rows, tile * per_tile);
           return Ahead<T>{next + begin * N, std::min(next_rows, begin + per_tile) - begin};
         };
-        int64_t m0 = 0;
-        for (; m0 + 6 <= M; m0 += 6)
-          micro_tile<6>(x + m0 * K + k0, K, wp, N, y + m0 * N + n0, N, kc, first, ahead(m0 / 6));
-        const X* xr = x + m0 * K + k0;
-        float* yr = y + m0 * N + n0;
-        const Ahead<T> last = ahead(m0 / 6);
-        switch (M - m0) {
-          case 1: micro_tile<1>(xr, K, wp, N, yr, N, kc, first, last); break;
-          case 2: micro_tile<2>(xr, K, wp, N, yr, N, kc, first, last); break;
-          case 3: micro_tile<3>(xr, K, wp, N, yr, N, kc, first, last); break;
-          case 4: micro_tile<4>(xr, K, wp, N, yr, N, kc, first, last); break;
-          case 5: micro_tile<5>(xr, K, wp, N, yr, N, kc, first, last); break;
-          default: break;
-        }
+        over_row_tiles(M, [&](auto rows, int64_t m0) {
+          micro_tile<decltype(rows)::value>(x + m0 * K + k0, K, wp, N, y + m0 * N + n0, N, kc, first, ahead(m0 / 6));
+        });
       }
     }
 #endif

@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #endif
 
+#include "lane_argmax.h"
 #include "parallel.h"
 
 namespace paged::avx512bf16 {
@@ -167,19 +168,9 @@ bool MatmulTransposedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const
     _mm512_storeu_si512(at, _mm512_mask_blend_epi32(better, old_at,
                                                     _mm512_add_epi32(lane_ids, _mm512_set1_epi32(static_cast<int32_t>(n0)))));
   });
-  // The first maximum of each row: the greatest value over all threads' lanes, then the least index with it.
-  for (int64_t m = 0; m < M; ++m) {
-    float top = -INFINITY;
-    for (int64_t part = 0; part < parts; ++part)
-      for (int64_t l = 0; l < kBlock; ++l)
-        if (index[part][m * kBlock + l] != INT32_MAX) top = std::max(top, best[part][m * kBlock + l]);
-    int32_t first = INT32_MAX;
-    for (int64_t part = 0; part < parts; ++part)
-      for (int64_t l = 0; l < kBlock; ++l)
-        if (index[part][m * kBlock + l] != INT32_MAX && best[part][m * kBlock + l] == top)
-          first = std::min(first, index[part][m * kBlock + l]);
-    tokens[m] = first;
-  }
+  first_maximum_of_lanes(
+      parts, M, kBlock, [&](int64_t part, int64_t m, int64_t l) { return best[part][m * kBlock + l]; },
+      [&](int64_t part, int64_t m, int64_t l) { return index[part][m * kBlock + l]; }, tokens);
   return true;
 }
 
