@@ -591,22 +591,14 @@ bool MatmulTransposedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const
     Lanes& own = lanes[part];
     own.best.assign(M * 32, -INFINITY);
     own.index.assign(M * 32, static_cast<int32_t>(n_begin));
-    const __m512i lane_ids = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
     transposed_rows(x, w, M, K, n_begin, n_end,
                     [&](const TransposedBlock& block, int64_t n0, int64_t rows, int64_t m0, int64_t rows_m) {
                       for (int64_t m = 0; m < rows_m; ++m)
                         for (int64_t half = 0; half < 2 && 16 * half < rows; ++half) {
                           float* best = own.best.data() + (m0 + m) * 32 + 16 * half;
                           int32_t* index = own.index.data() + (m0 + m) * 32 + 16 * half;
-                          __m512 v = block_column(block, m, half);
-                          v = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), v,
-                                                   _mm512_set1_ps(INFINITY));
-                          const __m512 old = _mm512_load_ps(best);
-                          const __mmask16 better = _mm512_mask_cmp_ps_mask(block_lanes(rows, half), v, old, _CMP_GT_OQ);
-                          _mm512_store_ps(best, _mm512_mask_blend_ps(better, old, v));
-                          _mm512_store_si512(index, _mm512_mask_blend_epi32(
-                              better, _mm512_load_si512(index),
-                              _mm512_add_epi32(lane_ids, _mm512_set1_epi32(static_cast<int32_t>(n0 + 16 * half)))));
+                          keep_lane_best(best, index, block_column(block, m, half), block_lanes(rows, half),
+                                         static_cast<int32_t>(n0 + 16 * half));
                         }
                     });
   });

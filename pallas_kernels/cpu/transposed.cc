@@ -150,23 +150,16 @@ bool MatmulTransposedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const
   if (K % 32) return false;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // Per thread, row of x and lane: the best value over the thread's blocks (a NaN counting as +inf, as
-  // first_argmax) and the first table row that reached it; lanes compare vertically, block after block.
+  // first_argmax) and the first table row that reached it; lanes compare vertically, block after block. A lane
+  // that never beats -inf keeps its thread's first row: that matters only when a row's maximum is -inf, and
+  // then row 0, thread 0's, is the first.
   std::vector<std::vector<float>> best(threads, std::vector<float>(M * kBlock, -INFINITY));
-  std::vector<std::vector<int32_t>> index(threads, std::vector<int32_t>(M * kBlock, INT32_MAX));
-  const __m512i lane_ids = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  std::vector<std::vector<int32_t>> index(threads);
   const int64_t parts = for_blocks(pool, x, w, M, K, N, [&](int64_t part, int64_t m, int64_t n0, int64_t rows,
                                                              __m512 dots) {
-    float* top = best[part].data() + m * kBlock;
-    int32_t* at = index[part].data() + m * kBlock;
-    dots = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(dots, dots, _CMP_UNORD_Q), dots, _mm512_set1_ps(INFINITY));
-    const __m512 old = _mm512_loadu_ps(top);
-    const __m512i old_at = _mm512_loadu_si512(at);
-    // Better: greater, or the lane's first value (index still unset: a row whose values are all -inf).
-    const __mmask16 better = _mm512_mask_cmp_ps_mask(first_lanes(rows), dots, old, _CMP_GT_OQ) |
-                             _mm512_mask_cmpeq_epi32_mask(first_lanes(rows), old_at, _mm512_set1_epi32(INT32_MAX));
-    _mm512_storeu_ps(top, _mm512_mask_blend_ps(better, old, dots));
-    _mm512_storeu_si512(at, _mm512_mask_blend_epi32(better, old_at,
-                                                    _mm512_add_epi32(lane_ids, _mm512_set1_epi32(static_cast<int32_t>(n0)))));
+    if (index[part].empty()) index[part].assign(M * kBlock, static_cast<int32_t>(n0));  // the thread's first row
+    keep_lane_best(best[part].data() + m * kBlock, index[part].data() + m * kBlock, dots, first_lanes(rows),
+                   static_cast<int32_t>(n0));
   });
   first_maximum_of_lanes(
       parts, M, kBlock, [&](int64_t part, int64_t m, int64_t l) { return best[part][m * kBlock + l]; },
