@@ -16,6 +16,8 @@ read once over the time make (the roof of a memory-bound decode-sized product). 
               counts the codes and scales they stream; their max_rel_diff is against XLA's dot on the
               dequantized weights.
   int8-f32x, int4-f32x  the same codes with x widened to float32 (the path without AVX-512 BF16)
+  w8a8        the int8 weights with x quantized per row too, through the integer matmul (AVX-512 VNNI), as a
+              W8A8 layer runs on the "cpu" backend; against XLA's float32 dot on both sides' dequantized codes
 
     paged bench matmul                                  # qwen2.5-0.5b's shapes, bfloat16, 8 to 2048 rows
     paged bench matmul --dtype float32 --rows 8 64 256 --json docs/results/matmul_f32.json
@@ -87,7 +89,8 @@ def _quantized_implementations(dtype) -> dict:
 
     from paged.kernels import cpu
     from paged.models.linear import quantized_matmul, xla_matmul
-    from paged.models.quantization import dequantize, quantize_per_channel_int8
+    from paged.models import low_precision_dot
+    from paged.models.quantization import WeightQuant, activation_codes, dequantize, quantize_per_channel_int8
 
     def prepare(bits):
         def quantize(w):
@@ -108,6 +111,17 @@ def _quantized_implementations(dtype) -> dict:
                                        None, jnp.float32)
 
     impls = {"int8": (engine(8), prepare(8), dequantized(8)), "int4": (engine(4), prepare(4), dequantized(4))}
+    if cpu.int8_matmul_is_vectorized():
+        w8a8 = WeightQuant(bits=8, group_size=-1, method="w8a8", activations="int8")
+
+        def w8a8_product(x, p):  # as a W8A8 layer runs it: x quantized per row, then the integer matmul
+            return low_precision_dot.w8a8_dot(x, p, w8a8, jnp.float32, native=True)
+
+        def w8a8_reference(x, p):
+            codes, row_scale = activation_codes(x, "int8")
+            return dequantized(8)(codes.astype(jnp.float32) * row_scale, p)
+
+        impls["w8a8"] = (w8a8_product, prepare(8), w8a8_reference)
     if cpu.quant_matmul_takes_bfloat16(2, 1):
         impls.update({"int8-f32x": (float32_x, prepare(8), dequantized(8)),
                       "int4-f32x": (float32_x, prepare(4), dequantized(4))})

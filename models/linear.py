@@ -188,9 +188,10 @@ class Linear(nn.Module):
             params = _quantized_params(self, self.quant, x.shape[-1], axes)
             if "perm" in params:  # act_order: the rows were regrouped at load; the input follows them
                 x = jnp.take(x, params["perm"], axis=-1)
-            if (self.quant.activations and low_precision_dot.platform_dot(self.quant.activations)
-                    and low_precision_dot.takes(self.quant, params)):  # the codes in the hardware's own dot
-                y = low_precision_dot.w8a8_dot(x.astype(self.dtype), params, self.quant, self.out_dtype)
+            route = low_precision_dot.route(self.quant, params, self.backend)
+            if route:  # W8A8 codes in an integer (or fp8) product: the CPU's kernel, or the platform's dot
+                y = low_precision_dot.w8a8_dot(x.astype(self.dtype), params, self.quant, self.out_dtype,
+                                               native=route == "native", live_rows=live_rows)
             else:
                 if self.quant.activations:
                     x = quantize_activations(x.astype(self.dtype), self.quant.activations)

@@ -1,8 +1,10 @@
 """W8A8 products as the hardware's own low-precision dot, where the platform has one.
 
 A W8A8 layer (compressed-tensors int-quantized or float-quantized with dynamic per-token input activations)
-multiplies activation codes by weight codes. On CPU the engine dequantizes both and runs the float matmul
-(`quantize_activations`, models/linear.py). On a GPU or a TPU, XLA's dot takes the codes themselves:
+multiplies activation codes by weight codes. On a CPU with AVX-512 VNNI and the "cpu" linear backend, int8
+codes go to the native integer matmul (`paged.kernels.cpu.int8_matmul_cpu`); elsewhere on CPU the engine
+dequantizes both and runs the float matmul (`quantize_activations`, models/linear.py). On a GPU or a TPU,
+XLA's dot takes the codes themselves:
     int8  x int8  -> int32    (TPUs; NVIDIA GPUs from Turing on, through cuBLASLt)
     e4m3  x e4m3  -> float32  (NVIDIA GPUs of compute capability 8.9 and up: Ada, Hopper)
 and the scales meet the product once, per row (the activations') and per column (the weights'):
@@ -17,6 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from paged.kernels import cpu
 from paged.models.quantization import WeightQuant, activation_codes
 
 # Platforms (jax.default_backend()) whose XLA dot runs int8 codes natively.
@@ -48,9 +51,23 @@ def takes(quant: WeightQuant, params: dict[str, jax.Array]) -> bool:
     return quant.activations == "fp8" and quant.kind == "float8"
 
 
-def w8a8_dot(x: jax.Array, params: dict[str, jax.Array], quant: WeightQuant, out_dtype=None) -> jax.Array:
-    """x [..., K] (the layer's input, not yet quantized) @ the layer's W8A8 weights, by the low-precision dot,
-    in `out_dtype` (default x's). Only where `takes(quant, params)`.
+def route(quant: WeightQuant, params: dict[str, jax.Array], backend: str) -> str | None:
+    """How a layer's W8A8 product runs: "native" (the CPU's int8 kernel), "dot" (XLA's low-precision dot on a
+    GPU or TPU), or None (dequantized, the float matmul)."""
+    if not takes(quant, params):
+        return None
+    in_features, out_features = params["qweight"].shape
+    if (quant.activations == "int8" and backend == "cpu" and cpu.int8_matmul_is_vectorized()
+            and in_features % 4 == 0 and out_features % 64 == 0):
+        return "native"
+    return "dot" if platform_dot(quant.activations) else None
+
+
+def w8a8_dot(x: jax.Array, params: dict[str, jax.Array], quant: WeightQuant, out_dtype=None, *,
+             native: bool = False, live_rows: jax.Array | None = None) -> jax.Array:
+    """x [..., K] (the layer's input, not yet quantized) @ the layer's W8A8 weights, by XLA's low-precision dot
+    or, with `native`, the CPU's int8 kernel (`route`), in `out_dtype` (default x's). Only where
+    `takes(quant, params)`.
 
     params: qweight int8 [K, N] with scales [1, N] and zero_offsets [1, N] (models/quantization.py; the
     offsets of a symmetric checkpoint are zeros, and are subtracted as (sum_k x[m, k]) * offset[n]), or
@@ -58,14 +75,17 @@ def w8a8_dot(x: jax.Array, params: dict[str, jax.Array], quant: WeightQuant, out
     """
     codes, row_scale = activation_codes(x, quant.activations)
     qweight, scales = params["qweight"], params["scales"].astype(jnp.float32)
-    accumulate = jnp.int32 if quant.activations == "int8" else jnp.float32
-    dims = (((codes.ndim - 1,), (0,)), ((), ()))
-    sums = jax.lax.dot_general(codes, qweight, dims, preferred_element_type=accumulate).astype(jnp.float32)
-    if quant.kind == "float8":
+    if native:  # the CPU's int8 kernel applies both scales itself; rows from live_rows on come out zeros
+        rows = codes.reshape(-1, codes.shape[-1])
+        y = cpu.int8_matmul_cpu(rows, row_scale.reshape(-1), qweight, scales[0], live_rows)
+        y = y.reshape(*codes.shape[:-1], qweight.shape[1])
+    else:
+        accumulate = jnp.int32 if quant.activations == "int8" else jnp.float32
+        dims = (((codes.ndim - 1,), (0,)), ((), ()))
+        sums = jax.lax.dot_general(codes, qweight, dims, preferred_element_type=accumulate).astype(jnp.float32)
         column_scale = jnp.repeat(scales[0], qweight.shape[1] // scales.shape[1])
         y = sums * row_scale * column_scale
-    else:
-        y = sums * row_scale * scales[0]
+    if quant.kind != "float8":
         # Zero points (asymmetric weights): W = q * scale - offset, so x W = x (q scale) - (sum_k x) offset, with
         # x the dequantized activations, as the float path has them.
         dequantized_sums = jnp.sum(codes.astype(jnp.float32), axis=-1, keepdims=True) * row_scale

@@ -35,13 +35,14 @@ from paged.kernels.reference import to_pool_dtype
 _SOURCE_DIR = Path(__file__).parent
 _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc",
             _SOURCE_DIR / "amx.cc", _SOURCE_DIR / "amx_attention.cc", _SOURCE_DIR / "argmax.cc",
-            _SOURCE_DIR / "norm.cc", _SOURCE_DIR / "transposed.cc")
+            _SOURCE_DIR / "norm.cc", _SOURCE_DIR / "transposed.cc", _SOURCE_DIR / "int8_matmul.cc")
 _HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h", _SOURCE_DIR / "amx_tiles.h",
             _SOURCE_DIR / "vector_math.h", _SOURCE_DIR / "transposed.h",
-            _SOURCE_DIR / "lane_argmax.h")
+            _SOURCE_DIR / "lane_argmax.h", _SOURCE_DIR / "panels.h")
 _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
+_INT8_MATMUL_TARGET = "int8_matmul_cpu"
 _MATMUL_TRANSPOSED_TARGET = "matmul_transposed_cpu"
 _MATMUL_TRANSPOSED_ARGMAX_TARGET = "matmul_transposed_argmax_cpu"
 _MATMUL_PACKED_TARGET = "matmul_packed_cpu"
@@ -129,6 +130,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
         for name, symbol in ((_KV_WRITE_TARGET, library.WriteKvCpu), (_COPY_BLOCKS_TARGET, library.CopyBlocksCpu),
                              (_SCATTER_BLOCKS_TARGET, library.ScatterBlocksCpu),
                              (_QUANT_MATMUL_TARGET, library.QuantMatmulCpu),
+                             (_INT8_MATMUL_TARGET, library.Int8MatmulCpu),
                              (_MATMUL_TRANSPOSED_TARGET, library.MatmulTransposedCpu),
                              (_MATMUL_TRANSPOSED_ARGMAX_TARGET, library.MatmulTransposedArgmaxCpu),
                              (_MATMUL_PACKED_TARGET, library.MatmulPackedCpu),
@@ -141,7 +143,8 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
             _VECTORIZED_MATMUL.update(float32=bool(library.MatmulCpuIsVectorized()),
                                       bfloat16=bool(library.MatmulCpuBf16IsVectorized()),
                                       int8=bool(library.QuantMatmulCpuIsVectorized()),
-                                      int8_bfloat16=bool(library.QuantMatmulCpuBf16IsVectorized()))
+                                      int8_bfloat16=bool(library.QuantMatmulCpuBf16IsVectorized()),
+                                      w8a8=bool(library.Int8MatmulCpuIsVectorized()))
             _MATMUL_ON_AMX[:] = [bool(library.MatmulCpuBf16UsesAmx())]
             _PROMPTS_ON_AMX[:] = [bool(library.PromptAttentionUsesAmx())]
             _TRANSPOSED_NATIVE[:] = [bool(library.MatmulTransposedIsAvailable())]
@@ -491,6 +494,34 @@ def quant_matmul_takes(in_features: int, out_features: int, groups: int, bits: i
     """Whether `quant_matmul_cpu` takes a layer of this shape (and the build has its fast path)."""
     return (matmul_is_vectorized("int8") and out_features % 64 == 0 and in_features % groups == 0
             and _groups_fit(in_features // groups, bits == 4))
+
+
+def int8_matmul_cpu(x: jax.Array, x_scale: jax.Array, w: jax.Array, w_scale: jax.Array,
+                    live_rows: jax.Array | int | None = None, *, _target: str = _INT8_MATMUL_TARGET) -> jax.Array:
+    """W8A8 as an integer product: (x @ w) * x_scale[m] * w_scale[n], float32 [M, N], the int8 codes multiplied
+    with exact int32 sums (AVX-512 VNNI where the build has it, `int8_matmul_is_vectorized()`).
+
+    x: int8 [M, K] activation codes, K a multiple of 4. x_scale: float32 [M] or [M, 1]. w: int8 [K, N] weight
+    codes, N a multiple of 64. w_scale: float32 [N] or [1, N]. live_rows: as for `matmul_cpu`.
+    """
+    _require_kernels()
+    if (x.ndim != 2 or w.ndim != 2 or x.dtype != jnp.int8 or w.dtype != jnp.int8 or x.shape[1] != w.shape[0]
+            or x.shape[1] % 4 or w.shape[1] % 64):
+        raise ValueError(f"int8_matmul_cpu: expected int8 x [M, K] and w [K, N] with K a multiple of 4 and N of "
+                         f"64; got {x.dtype}{list(x.shape)} and {w.dtype}{list(w.shape)}")
+    if x_scale.size != x.shape[0] or w_scale.size != w.shape[1]:
+        raise ValueError(f"int8_matmul_cpu: expected x_scale [M] and w_scale [N]; got {list(x_scale.shape)} and "
+                         f"{list(w_scale.shape)} for x {list(x.shape)}, w {list(w.shape)}")
+    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
+    call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
+    return call(x, x_scale.reshape(-1).astype(jnp.float32), w, w_scale.reshape(-1).astype(jnp.float32),
+                live.astype(jnp.int32))
+
+
+def int8_matmul_is_vectorized() -> bool:
+    """Whether the default build multiplies `int8_matmul_cpu`'s codes with AVX-512 VNNI (else the W8A8 layers
+    keep their float path on this CPU)."""
+    return available()[0] and _VECTORIZED_MATMUL.get("w8a8", False)
 
 
 def quant_matmul_takes_bfloat16(in_features: int, groups: int) -> bool:

@@ -38,6 +38,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "panels.h"
 #include "parallel.h"
 #include "transposed.h"
 #include "xla/ffi/api/ffi.h"
@@ -46,7 +47,11 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kPanel = 64;       // columns per panel: four 16-float vectors
+using paged::kPanel;
+using paged::over_row_tiles;
+using paged::over_panels;
+using paged::zero_rows_past_live;
+
 // Panel rows per block, read once from memory and kept in L1 across row tiles: 128 float32 rows or 256
 // bfloat16 rows, 32 KB either way. (bf16 blocks of 128 rows moved y's partial sums twice as often: 64 rows
 // ran at 709 against 799 GFLOP/s, 256 rows at 745 against 820; 512-row blocks were no faster.)
@@ -77,22 +82,6 @@ inline void prefetch_row(const T* row) {
   const char* line0 = reinterpret_cast<const char*>(row);
   for (int line = 0; line < static_cast<int>(kPanel * sizeof(T) / 64); ++line)
     _mm_prefetch(line0 + 64 * line, _MM_HINT_T1);
-}
-
-// tile(std::integral_constant<int, MR>{}, m0) over rows [0, M): tiles of 6 rows (the register blocking of
-// every tile here), then one of the M % 6 left.
-template <typename Tile>
-inline void over_row_tiles(int64_t M, const Tile& tile) {
-  int64_t m0 = 0;
-  for (; m0 + 6 <= M; m0 += 6) tile(std::integral_constant<int, 6>{}, m0);
-  switch (M - m0) {
-    case 1: tile(std::integral_constant<int, 1>{}, m0); break;
-    case 2: tile(std::integral_constant<int, 2>{}, m0); break;
-    case 3: tile(std::integral_constant<int, 3>{}, m0); break;
-    case 4: tile(std::integral_constant<int, 4>{}, m0); break;
-    case 5: tile(std::integral_constant<int, 5>{}, m0); break;
-    default: break;
-  }
 }
 
 template <int MR>
@@ -461,34 +450,9 @@ void panels(const X* x, const T* w, float* y, int64_t M, int64_t K, int64_t N, i
   }
 }
 
-// Panels per pass of panels(): y's partial sums for them (M x 1024 floats: 256 KB at 64 rows) stay in L2
-// between weight blocks. Without the cap a wide product swept all of its y for every block: the LM head
-// over a 152k vocabulary (39 MB of partial sums at 64 rows) ran at 5 GB/s of weights instead of 30.
-constexpr int64_t kPanelsPerPass = 16;
-
-// Runs fn(p_begin, p_end) over the panels: one contiguous range per thread (see panels()), kPanelsPerPass
-// panels at a time.
-template <typename Fn>
-void over_panels(ffi::ThreadPool& pool, int64_t num_panels, const Fn& fn) {
-  const int64_t parts = std::min<int64_t>(num_panels, std::max<int64_t>(1, pool.num_threads()));
-  paged::run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
-    const int64_t end = (part + 1) * num_panels / parts;
-    for (int64_t p = part * num_panels / parts; p < end; p += kPanelsPerPass) fn(p, std::min(end, p + kPanelsPerPass));
-  });
-}
-
 template <typename X, typename T>
 void matmul(ffi::ThreadPool& pool, const X* xp, const T* wp, float* yp, int64_t M, int64_t K, int64_t N) {
   over_panels(pool, N / kPanel, [&](int64_t p0, int64_t p1) { panels(xp, wp, yp, M, K, N, p0, p1); });
-}
-
-// The rows to compute, `live` clamped to [0, rows]; y's rows [live, rows) (of N columns) are zeroed: the step's
-// padding, which nobody reads.
-template <typename T>
-int64_t zero_rows_past_live(ffi::Buffer<ffi::S32> live, int64_t rows, int64_t N, T* y) {
-  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, rows);
-  std::fill(y + M * N, y + rows * N, T{0});
-  return M;
 }
 
 ffi::Error MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> live,

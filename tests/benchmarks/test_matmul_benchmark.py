@@ -21,6 +21,7 @@ def test_matmul_benchmark_times_every_backend_on_the_same_products(tmp_path):
         assert "xla" in names and ("native" in names) == (cpu.matmul_max_rows("bfloat16") > 0)
         assert ("native-avx512" in names) == cpu.matmul_on_amx()
         assert {"int8", "int4"} <= names or not cpu.matmul_is_vectorized("int8")
+        assert ("w8a8" in names) == (cpu.matmul_is_vectorized("int8") and cpu.int8_matmul_is_vectorized())
         assert all(row[name] > 0 and row[f"{name}_read_fraction"] > 0 for name in names)
         # One rounding of float32 sums apart at most (the products are the same bf16 values; int8 and int4 against
         # XLA's dot on their dequantized weights).

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged.kernels.cpu import (available, matmul_cpu, matmul_transposed_argmax_cpu, matmul_transposed_cpu,
+from paged.kernels.cpu import (available, int8_matmul_cpu, matmul_cpu, matmul_transposed_argmax_cpu, matmul_transposed_cpu,
                                paged_attention_cpu, quant_matmul_cpu)
 from tests.native import needs_compiler
 from tests.pallas_kernels.kernel_inputs import LAYER, attention_f64, random_pool, tolerance
@@ -871,6 +871,52 @@ def test_quant_matmul_portable_build_and_live_rows(portable_target):
             got = np.asarray(jax.jit(quant_matmul_cpu)(x, w, scales, jnp.int32(live)))
             assert not np.any(got[live:])
             np.testing.assert_allclose(got[:live].astype(np.float64), want[:live], atol=2e-4 * 8, rtol=2e-5)
+
+
+def _int8_case(rows, inner, cols, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.integers(-128, 128, (rows, inner)).astype(np.int8)
+    w = rng.integers(-128, 128, (inner, cols)).astype(np.int8)
+    x_scale = rng.uniform(0.001, 0.1, rows).astype(np.float32)
+    w_scale = rng.uniform(0.001, 0.1, cols).astype(np.float32)
+    want = (x.astype(np.float64) @ w.astype(np.float64)) * x_scale[:, None] * w_scale[None, :]
+    return (jnp.asarray(x), jnp.asarray(x_scale), jnp.asarray(w), jnp.asarray(w_scale)), want
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("inner, cols", [(64, 64), (516, 192), (1028, 320)])
+def test_int8_matmul_matches_float64(rows, inner, cols):
+    """W8A8's integer product: exact int32 sums of the codes (x offset by 128 for vpdpbusd and the offset's
+    column sums taken back), then the two scales. 516 and 1028 rows: blocks of 512 with a short last one;
+    every column of several panels (the interleaved order transposed back)."""
+    args, want = _int8_case(rows, inner, cols, rows + inner + cols)
+    got = np.asarray(int8_matmul_cpu(*args), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def test_int8_matmul_extremes_live_rows_and_the_portable_build(portable_target):
+    """Codes of -128 and 127 only (the offset's extremes), rows past live zeros, and the plain loop."""
+    x = jnp.asarray(np.where(np.arange(7 * 128).reshape(7, 128) % 3, -128, 127), jnp.int8)
+    w = jnp.asarray(np.where(np.arange(128 * 64).reshape(128, 64) % 5, 127, -128), jnp.int8)
+    ones_x, ones_w = jnp.ones((7,)), jnp.ones((64,))
+    want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+    np.testing.assert_array_equal(np.asarray(int8_matmul_cpu(x, ones_x, w, ones_w), np.float64), want)
+    got = np.asarray(jax.jit(int8_matmul_cpu)(x, ones_x, w, ones_w, jnp.int32(3)))
+    assert not np.any(got[3:]) and np.array_equal(got[:3], want[:3])
+    target = portable_target.replace("paged_attention_cpu", "int8_matmul_cpu")
+    args, want = _int8_case(13, 516, 128, 0)
+    np.testing.assert_allclose(np.asarray(int8_matmul_cpu(*args, _target=target), np.float64), want, rtol=1e-6,
+                               atol=1e-6 * np.abs(want).max())
+
+
+def test_int8_matmul_refuses_what_it_cannot_do():
+    w = jnp.zeros((64, 64), jnp.int8)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        int8_matmul_cpu(jnp.zeros((2, 62), jnp.int8), jnp.ones((2,)), jnp.zeros((62, 64), jnp.int8), jnp.ones((64,)))
+    with pytest.raises(ValueError, match="int8 x"):
+        int8_matmul_cpu(jnp.zeros((2, 64)), jnp.ones((2,)), w, jnp.ones((64,)))
+    with pytest.raises(ValueError, match="x_scale"):
+        int8_matmul_cpu(jnp.zeros((2, 64), jnp.int8), jnp.ones((3,)), w, jnp.ones((64,)))
 
 
 def test_quant_matmul_refuses_what_it_cannot_do():

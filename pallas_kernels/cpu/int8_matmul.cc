@@ -1,0 +1,194 @@
+// W8A8 on the CPU as an integer product: y[M, N] = (xq @ wq) * x_scale[m] * w_scale[n], int8 codes on both
+// sides, exact int32 sums, as an XLA FFI custom call (Int8MatmulCpu).
+//
+// Why: a W8A8 layer's activations and weights are int8 codes; multiplying them as floats (dequantized) runs at
+// the float matmul's rate. AVX-512 VNNI's vpdpbusd multiplies 64 byte pairs into 16 int32 lanes per
+// instruction, four products a lane (u8 x s8), twice the pairs of vdpbf16ps.
+//
+// vpdpbusd takes one unsigned operand: x's codes are offset by 128 (the sign bit flipped: xu = xq + 128, in
+// [0, 255]) and the extra 128 * sum_k wq[k, n] that brings is subtracted at the end of each block, summed in the
+// same pass that lays the block out. A lane must hold four consecutive k of one column, (w[4s, n] .. w[4s + 3,
+// n]): each block of kc rows x 64 columns is interleaved into that order once, into an L1 buffer, by byte then
+// word unpacks, which leave each 128-bit lane's columns in the order 4j + i for vector j, lane dword i; the
+// tile's stores transpose them back.
+//
+// Contract:
+//   x        [M, K]  int8 activation codes (one scale per row), K a multiple of 4
+//   x_scale  [M]     float32
+//   w        [K, N]  int8 weight codes (one scale per column), N a multiple of 64
+//   w_scale  [N]     float32
+//   live     []      int32: rows [0, live) are computed, the rest of y is zeros
+//   y        [M, N]  float32
+// Without AVX-512 VNNI a plain loop keeps the call correct, and Int8MatmulCpuIsVectorized() tells the model to
+// keep its float path.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX512VNNI__)
+#include <immintrin.h>
+#endif
+
+#include "panels.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+using paged::kPanel;
+using paged::over_row_tiles;
+
+#if defined(__AVX512VNNI__)
+constexpr int64_t kBlock = 512;  // rows of w per block: 512 x 64 bytes = 32 KB interleaved
+
+// The block interleaved: steps of four k rows, each four vectors of 16 column quads.
+alignas(64) static thread_local int8_t quads[kBlock * kPanel];
+// 128 * (the block's column sums), in the quads' column order: what offsetting x by 128 adds.
+alignas(64) static thread_local int32_t offset_sums[kPanel];
+
+// Rows [0, kc) of one panel of w (stride ldw) into `quads` and `offset_sums`; each row of `next` (the block
+// after, or null) is requested into L2 as its row is laid out.
+inline void interleave_block(const int8_t* w, int64_t ldw, int64_t kc, const int8_t* next) {
+  __m512i sums[4] = {_mm512_setzero_si512(), _mm512_setzero_si512(), _mm512_setzero_si512(),
+                     _mm512_setzero_si512()};
+  const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t s = 0; s < kc / 4; ++s) {
+    __m512i rows[4];
+    for (int r = 0; r < 4; ++r) {
+      if (next) _mm_prefetch(reinterpret_cast<const char*>(next + (4 * s + r) * ldw), _MM_HINT_T1);
+      rows[r] = _mm512_loadu_si512(w + (4 * s + r) * ldw);
+    }
+    const __m512i low01 = _mm512_unpacklo_epi8(rows[0], rows[1]), high01 = _mm512_unpackhi_epi8(rows[0], rows[1]);
+    const __m512i low23 = _mm512_unpacklo_epi8(rows[2], rows[3]), high23 = _mm512_unpackhi_epi8(rows[2], rows[3]);
+    const __m512i q[4] = {_mm512_unpacklo_epi16(low01, low23), _mm512_unpackhi_epi16(low01, low23),
+                          _mm512_unpacklo_epi16(high01, high23), _mm512_unpackhi_epi16(high01, high23)};
+    for (int j = 0; j < 4; ++j) {
+      _mm512_store_si512(quads + (4 * s + j) * 64, q[j]);
+      sums[j] = _mm512_dpbusd_epi32(sums[j], offset, q[j]);
+    }
+  }
+  for (int j = 0; j < 4; ++j) _mm512_store_si512(offset_sums + 16 * j, sums[j]);
+}
+
+// Four vectors whose 128-bit lane L holds columns 16 L + 4 j + i (vector j, dword i) into column order:
+// out[v] = (in[0].L_v, in[1].L_v, in[2].L_v, in[3].L_v), columns 16 v .. 16 v + 15.
+inline void to_column_order(const __m512i in[4], __m512i out[4]) {
+  const __m512i a = _mm512_shuffle_i32x4(in[0], in[1], _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512i b = _mm512_shuffle_i32x4(in[2], in[3], _MM_SHUFFLE(1, 0, 1, 0));
+  const __m512i c = _mm512_shuffle_i32x4(in[0], in[1], _MM_SHUFFLE(3, 2, 3, 2));
+  const __m512i d = _mm512_shuffle_i32x4(in[2], in[3], _MM_SHUFFLE(3, 2, 3, 2));
+  out[0] = _mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(2, 0, 2, 0));
+  out[1] = _mm512_shuffle_i32x4(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+  out[2] = _mm512_shuffle_i32x4(c, d, _MM_SHUFFLE(2, 0, 2, 0));
+  out[3] = _mm512_shuffle_i32x4(c, d, _MM_SHUFFLE(3, 1, 3, 1));
+}
+
+// Rows [0, MR) of x against the interleaved block: y[r, :64] (+)= (sums - offset sums) * x_scale[r] * w_scale.
+template <int MR>
+inline void quad_tile(const int8_t* x, int64_t ldx, float* y, int64_t ldy, int64_t kc, bool first,
+                      const float* x_scale, const float* w_scale) {
+  __m512i acc[MR][4];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
+  for (int64_t s = 0; s < kc / 4; ++s) {
+    const int8_t* b = quads + 4 * s * 64;
+    const __m512i b0 = _mm512_load_si512(b), b1 = _mm512_load_si512(b + 64);
+    const __m512i b2 = _mm512_load_si512(b + 128), b3 = _mm512_load_si512(b + 192);
+    for (int r = 0; r < MR; ++r) {
+      uint32_t four;  // x[r, 4s .. 4s + 3] as unsigned bytes, xq + 128
+      std::memcpy(&four, x + r * ldx + 4 * s, sizeof four);
+      const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(four ^ 0x80808080u));
+      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], a, b0);
+      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], a, b1);
+      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], a, b2);
+      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], a, b3);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    __m512i exact[4], ordered[4];
+    for (int j = 0; j < 4; ++j) exact[j] = _mm512_sub_epi32(acc[r][j], _mm512_load_si512(offset_sums + 16 * j));
+    to_column_order(exact, ordered);
+    const __m512 row_scale = _mm512_set1_ps(x_scale[r]);
+    for (int v = 0; v < 4; ++v) {
+      float* out = y + r * ldy + 16 * v;
+      const __m512 scaled =
+          _mm512_mul_ps(_mm512_cvtepi32_ps(ordered[v]), _mm512_mul_ps(_mm512_loadu_ps(w_scale + 16 * v), row_scale));
+      _mm512_storeu_ps(out, first ? scaled : _mm512_add_ps(scaled, _mm512_loadu_ps(out)));
+    }
+  }
+}
+
+#endif
+
+// Panels [p_begin, p_end) of y, a block of w's rows at a time (partial sums in y between blocks).
+void int8_panels(const int8_t* x, const float* x_scale, const int8_t* w, const float* w_scale, float* y, int64_t M,
+                 int64_t K, int64_t N, int64_t p_begin, int64_t p_end) {
+#if defined(__AVX512VNNI__)
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
+    const int64_t kc = std::min(kBlock, K - k0);
+    const int8_t* block_rows = w + k0 * N;
+    for (int64_t p = p_begin; p < p_end; ++p) {
+      const int64_t n0 = p * kPanel;
+      const int8_t* next = p + 1 < p_end ? block_rows + n0 + kPanel
+                           : k0 + kBlock < K ? w + (k0 + kBlock) * N + p_begin * kPanel
+                                             : nullptr;
+      interleave_block(block_rows + n0, N, kc, next);
+      over_row_tiles(M, [&](auto rows, int64_t m0) {
+        quad_tile<decltype(rows)::value>(x + m0 * K + k0, K, y + m0 * N + n0, N, kc, k0 == 0, x_scale + m0,
+                                         w_scale + n0);
+      });
+    }
+  }
+#else
+  for (int64_t n = p_begin * kPanel; n < p_end * kPanel; ++n) {
+    for (int64_t m = 0; m < M; ++m) {
+      int64_t acc = 0;
+      for (int64_t k = 0; k < K; ++k) acc += int64_t{x[m * K + k]} * int64_t{w[k * N + n]};
+      y[m * N + n] = static_cast<float>(acc) * (w_scale[n] * x_scale[m]);
+    }
+  }
+#endif
+}
+
+ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::F32> x_scale,
+                          ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale, ffi::Buffer<ffi::S32> live,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wd[1] % kPanel || xd[1] % 4)
+    return ffi::Error::InvalidArgument(
+        "int8_matmul_cpu: expected x [M, K] and w [K, N] with K a multiple of 4 and N a multiple of 64");
+  if (x_scale.element_count() != xd[0] || w_scale.element_count() != wd[1] || live.element_count() != 1)
+    return ffi::Error::InvalidArgument("int8_matmul_cpu: expected x_scale [M], w_scale [N] and a scalar live");
+  const int64_t K = xd[1], N = wd[1];
+  float* yp = y->typed_data();
+  const int64_t M = paged::zero_rows_past_live(live, xd[0], N, yp);
+  if (M == 0) return ffi::Error::Success();
+  paged::over_panels(pool, N / kPanel, [&](int64_t p0, int64_t p1) {
+    int8_panels(x.typed_data(), x_scale.typed_data(), w.typed_data(), w_scale.typed_data(), yp, M, K, N, p0, p1);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// Whether this build multiplies the codes with AVX-512 VNNI (else a plain loop: the model keeps its float path).
+extern "C" int Int8MatmulCpuIsVectorized() {
+#if defined(__AVX512VNNI__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8MatmulCpu, Int8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
