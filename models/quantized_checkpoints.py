@@ -37,12 +37,12 @@ from paged.models.quantization import (QUANT_BITS, WeightQuant, pack, quantize_p
 QUANT_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx",  # GPTQ, AWQ
                   "weight_packed", "weight_scale", "weight_zero_point", "weight_shape",  # compressed-tensors
                   "weight_scale_inv")  # HF fp8 (its codes are `weight`: see quantized_suffixes)
-ONLINE_METHODS = ("int8", "fp8")  # what quantization= may ask of a float checkpoint
+ONLINE_METHODS = ("int8", "fp8", "w8a8")  # what quantization= may ask of a float checkpoint
 
 
 def is_online(scheme: WeightQuant) -> bool:
     """Quantized from float weights while loading (not read from a quantized checkpoint)."""
-    return scheme.method in ("int8", "fp8-online")
+    return scheme.method in ("int8", "fp8-online", "w8a8")
 _AWQ_REORDER = np.array([0, 4, 1, 5, 2, 6, 3, 7])  # column c of an 8-column word sits in nibble _AWQ_REORDER[c]
 
 
@@ -60,6 +60,8 @@ def weight_quant(quantization_config: dict | None, requested: str | None) -> Wei
             scheme = WeightQuant(bits=8, group_size=-1, method="int8")
         elif requested == "fp8":
             scheme = WeightQuant(bits=8, group_size=-1, method="fp8-online", kind="float8")
+        elif requested == "w8a8":  # int8 weights per output channel and int8 activations per token, dynamic
+            scheme = WeightQuant(bits=8, group_size=-1, method="w8a8", activations="int8")
         elif requested in ("gptq", "awq", "compressed-tensors"):
             raise ValueError(f"quantization={requested!r} needs a checkpoint quantized that way; this one has no "
                              "quantization_config in its config.json")

@@ -139,9 +139,10 @@ class EngineConfig:
     # vLLM's --speculative-config (paged/speculative.py): here the n-gram (prompt lookup) method, greedy requests.
     speculative_config: str | None = _option(None, "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
                                                    "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}'")
-    quantization: str | None = _option(None, "quantize online (int8 or fp8: weight-only, per output channel) or "
-                                             "check the checkpoint's own quantization_config (gptq, awq, "
-                                             "compressed-tensors, fp8); default: the checkpoint's")
+    quantization: str | None = _option(None, "quantize online (int8 or fp8: weight-only, per output channel; "
+                                             "w8a8: int8 weights per output channel and int8 activations per "
+                                             "token) or check the checkpoint's own quantization_config (gptq, "
+                                             "awq, compressed-tensors, fp8); default: the checkpoint's")
 
     def validate(self) -> None:
         def check(ok: bool, message: str) -> None:

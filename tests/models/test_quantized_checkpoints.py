@@ -203,6 +203,39 @@ def test_online_int8_matches_per_channel_round_to_nearest(float_dir, tmp_path):
     assert engine.model_config.weight_quant.method == "int8" and engine.weight_bytes["int8"] > 0
 
 
+def test_online_w8a8_matches_the_librarys_dynamic_activations_on_rounded_weights(float_dir, tmp_path):
+    """quantization="w8a8": int8 weights per output channel (as "int8") and int8 activations per token. The
+    reference: transformers on the round-tripped weights, with compressed-tensors' own dynamic per-token int8
+    quantization of every projection's input (its forward wrapper); without it the tokens must differ."""
+    pytest.importorskip("compressed_tensors", reason="compressed-tensors needs torch (Python 3.11 here)")
+    import torch
+    import transformers
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+
+    def round_trip(w):
+        scale = np.abs(w.astype(np.float64)).max(axis=1, keepdims=True) / 127  # per output row of [out, in]
+        return np.round(w / scale) * scale
+
+    reference = _online_reference(float_dir, tmp_path / "ref", round_trip)
+    model = transformers.AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32).eval()
+    activations = QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True, symmetric=True)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": QuantizationScheme(
+        targets=["Linear"], input_activations=activations)}, ignore=["lm_head"]))
+    want = []
+    with torch.no_grad():
+        for prompt in PROMPTS:
+            ids = torch.tensor([prompt])
+            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
+                                       pad_token_id=0, eos_token_id=None)
+            want.append(generated[0, len(prompt):].tolist())
+    tokens, engine = _greedy(float_dir, quantization="w8a8")
+    assert tokens == want
+    assert tokens != _greedy(float_dir, quantization="int8")[0]  # the activations' quantization shows
+    scheme = engine.model_config.weight_quant
+    assert scheme.method == "w8a8" and scheme.activations == "int8" and engine.weight_bytes["int8"] > 0
+
+
 def test_quantized_weights_take_a_fraction_of_the_bfloat16_bytes(tmp_path):
     """Layers of realistic width (group 128): int4 at most 0.3x and int8 at most 0.55x of bf16, scales and zero
     points included (the embeddings and norms stay bf16 and are left out of the ratio)."""
