@@ -17,7 +17,8 @@ read once over the time make (the roof of a memory-bound decode-sized product). 
               dequantized weights.
   int8-f32x, int4-f32x  the same codes with x widened to float32 (the path without AVX-512 BF16)
   w8a8        the int8 weights with x quantized per row too, through the integer matmul (AVX-512 VNNI), as a
-              W8A8 layer runs on the "cpu" backend; against XLA's float32 dot on both sides' dequantized codes
+              W8A8 layer's prompt steps run on the "cpu" backend; against XLA's float32 dot on both sides'
+              dequantized codes
 
     paged bench matmul                                  # qwen2.5-0.5b's shapes, bfloat16, 8 to 2048 rows
     paged bench matmul --dtype float32 --rows 8 64 256 --json docs/results/matmul_f32.json

@@ -188,7 +188,7 @@ class Linear(nn.Module):
             params = _quantized_params(self, self.quant, x.shape[-1], axes)
             if "perm" in params:  # act_order: the rows were regrouped at load; the input follows them
                 x = jnp.take(x, params["perm"], axis=-1)
-            route = low_precision_dot.route(self.quant, params, self.backend)
+            route = low_precision_dot.route(self.quant, params, self.backend, math.prod(x.shape[:-1]))
             if route:  # W8A8 codes in an integer (or fp8) product: the CPU's kernel, or the platform's dot
                 y = low_precision_dot.w8a8_dot(x.astype(self.dtype), params, self.quant, self.out_dtype,
                                                native=route == "native", live_rows=live_rows)

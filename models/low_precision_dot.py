@@ -2,8 +2,9 @@
 
 A W8A8 layer (compressed-tensors int-quantized or float-quantized with dynamic per-token input activations)
 multiplies activation codes by weight codes. On a CPU with AVX-512 VNNI and the "cpu" linear backend, int8
-codes go to the native integer matmul (`paged.kernels.cpu.int8_matmul_cpu`); elsewhere on CPU the engine
-dequantizes both and runs the float matmul (`quantize_activations`, models/linear.py). On a GPU or a TPU,
+codes of prompt-sized steps go to the native integer matmul (`paged.kernels.cpu.int8_matmul_cpu`); otherwise
+on CPU the engine quantizes the activations and back and runs the weight-only path (`quantize_activations`,
+models/linear.py). On a GPU or a TPU,
 XLA's dot takes the codes themselves:
     int8  x int8  -> int32    (TPUs; NVIDIA GPUs from Turing on, through cuBLASLt)
     e4m3  x e4m3  -> float32  (NVIDIA GPUs of compute capability 8.9 and up: Ada, Hopper)
@@ -51,15 +52,16 @@ def takes(quant: WeightQuant, params: dict[str, jax.Array]) -> bool:
     return quant.activations == "fp8" and quant.kind == "float8"
 
 
-def route(quant: WeightQuant, params: dict[str, jax.Array], backend: str) -> str | None:
-    """How a layer's W8A8 product runs: "native" (the CPU's int8 kernel), "dot" (XLA's low-precision dot on a
-    GPU or TPU), or None (dequantized, the float matmul)."""
+def route(quant: WeightQuant, params: dict[str, jax.Array], backend: str, rows: int) -> str | None:
+    """How a layer's W8A8 product of `rows` rows runs: "native" (the CPU's int8 kernel, from
+    `cpu.INT8_MATMUL_MIN_ROWS` rows: below, the weight-only quantized matmul on the activations quantized and
+    back is faster), "dot" (XLA's low-precision dot on a GPU or TPU), or None (the codes dequantized)."""
     if not takes(quant, params):
         return None
     in_features, out_features = params["qweight"].shape
     if (quant.activations == "int8" and backend == "cpu" and cpu.int8_matmul_is_vectorized()
             and in_features % 4 == 0 and out_features % 64 == 0):
-        return "native"
+        return "native" if rows >= cpu.INT8_MATMUL_MIN_ROWS else None
     return "dot" if platform_dot(quant.activations) else None
 
 

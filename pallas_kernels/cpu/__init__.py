@@ -518,6 +518,12 @@ def int8_matmul_cpu(x: jax.Array, x_scale: jax.Array, w: jax.Array, w_scale: jax
                 live.astype(jnp.int32))
 
 
+# The fewest rows for which W8A8's integer matmul beats the layer's other CPU path (the weight-only quantized
+# matmul on the activations quantized and back): on the EPYC machine's 0.5B layer products, 32 rows 256 against
+# 287 GFLOP/s, 128 rows 397 against 342 (docs/kernels.md). Decode steps keep the other path.
+INT8_MATMUL_MIN_ROWS = 128
+
+
 def int8_matmul_is_vectorized() -> bool:
     """Whether the default build multiplies `int8_matmul_cpu`'s codes with AVX-512 VNNI (else the W8A8 layers
     keep their float path on this CPU)."""

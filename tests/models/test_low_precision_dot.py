@@ -80,8 +80,8 @@ def test_w8a8_dot_matches_float64_of_the_same_codes(kind, zero_points, per_tenso
 
 @pytest.mark.parametrize("zero_points", [False, True])
 def test_the_cpus_int8_kernel_computes_w8a8_as_float64_does(monkeypatch, zero_points):
-    """With the "cpu" linear backend and AVX-512 VNNI, a W8A8 int8 Linear routes to the native integer matmul
-    (called once), and its output is float64's product of the same codes."""
+    """With the "cpu" linear backend and AVX-512 VNNI, a W8A8 int8 Linear of prompt-sized steps routes to the
+    native integer matmul, and its output is float64's product of the same codes."""
     from paged.kernels import cpu
     if not cpu.int8_matmul_is_vectorized():
         pytest.skip("no AVX-512 VNNI here: W8A8 keeps the float path on this CPU")
@@ -89,10 +89,12 @@ def test_the_cpus_int8_kernel_computes_w8a8_as_float64_does(monkeypatch, zero_po
     real = cpu.int8_matmul_cpu
     monkeypatch.setattr(cpu, "int8_matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
     quant, params = _w8a8("int8", 96, 128, seed=4, zero_points=zero_points)
-    assert low_precision_dot.route(quant, params, "cpu") == "native"
-    assert low_precision_dot.route(quant, params, "xla") is None  # the CPU has no int8 dot of its own
+    rows = cpu.INT8_MATMUL_MIN_ROWS
+    assert low_precision_dot.route(quant, params, "cpu", rows) == "native"
+    assert low_precision_dot.route(quant, params, "cpu", rows - 1) is None  # decode-sized: the weight-only path
+    assert low_precision_dot.route(quant, params, "xla", rows) is None  # the CPU has no int8 dot of its own
     layer = Linear(128, jnp.float32, backend="cpu", quant=quant)
-    x = jnp.asarray(np.random.default_rng(5).normal(size=(2, 5, 96)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(2, rows // 2 + 3, 96)), jnp.float32)
     got = np.asarray(layer.apply({"params": params}, x), np.float64)
     assert calls
     want = _float64_of_codes(x, params, quant)

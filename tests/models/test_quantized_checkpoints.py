@@ -203,10 +203,12 @@ def test_online_int8_matches_per_channel_round_to_nearest(float_dir, tmp_path):
     assert engine.model_config.weight_quant.method == "int8" and engine.weight_bytes["int8"] > 0
 
 
-def test_online_w8a8_matches_the_librarys_dynamic_activations_on_rounded_weights(float_dir, tmp_path):
+def test_online_w8a8_matches_the_librarys_dynamic_activations_on_rounded_weights(float_dir, tmp_path, monkeypatch):
     """quantization="w8a8": int8 weights per output channel (as "int8") and int8 activations per token. The
     reference: transformers on the round-tripped weights, with compressed-tensors' own dynamic per-token int8
-    quantization of every projection's input (its forward wrapper); without it the tokens must differ."""
+    quantization of every projection's input (its forward wrapper); without it the tokens must differ. Both
+    CPU routes: these small steps take the weight-only path, and every step the integer matmul when its row
+    threshold is lowered to 1 (where the build has AVX-512 VNNI)."""
     pytest.importorskip("compressed_tensors", reason="compressed-tensors needs torch (Python 3.11 here)")
     import torch
     import transformers
@@ -232,6 +234,13 @@ def test_online_w8a8_matches_the_librarys_dynamic_activations_on_rounded_weights
     tokens, engine = _greedy(float_dir, quantization="w8a8")
     assert tokens == want
     assert tokens != _greedy(float_dir, quantization="int8")[0]  # the activations' quantization shows
+    from paged.kernels import cpu
+    if cpu.int8_matmul_is_vectorized():
+        calls = []
+        real = cpu.int8_matmul_cpu
+        monkeypatch.setattr(cpu, "int8_matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+        monkeypatch.setattr(cpu, "INT8_MATMUL_MIN_ROWS", 1)
+        assert _greedy(float_dir, quantization="w8a8")[0] == want and calls
     scheme = engine.model_config.weight_quant
     assert scheme.method == "w8a8" and scheme.activations == "int8" and engine.weight_bytes["int8"] > 0
 
