@@ -85,7 +85,11 @@ def hf_model(directory: str):
 
 def hf_greedy(directory: str, prompts: list[list[int]], max_new_tokens: int, **generate_kwargs) -> list[list[int]]:
     """Greedy continuation of each prompt by transformers, in float32, never stopping early."""
-    model = hf_model(directory)
+    return model_greedy(hf_model(directory), prompts, max_new_tokens, **generate_kwargs)
+
+
+def model_greedy(model, prompts: list[list[int]], max_new_tokens: int, **generate_kwargs) -> list[list[int]]:
+    """Greedy continuation of each prompt by a transformers model already built (one prompt at a time)."""
     outputs = []
     with torch.no_grad():
         for prompt in prompts:

@@ -17,7 +17,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from paged import LLM, SamplingParams
-from tests.hf_checkpoints import build_checkpoint, hf_greedy
+from tests.hf_checkpoints import build_checkpoint, hf_greedy, model_greedy
 
 PROMPTS = [[5, 17, 42, 99, 3], [200, 201, 7], [11, 12, 13, 14, 15, 16, 17, 18], [300, 2, 250]]
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
@@ -224,13 +224,7 @@ def test_online_w8a8_matches_the_librarys_dynamic_activations_on_rounded_weights
     activations = QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True, symmetric=True)
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": QuantizationScheme(
         targets=["Linear"], input_activations=activations)}, ignore=["lm_head"]))
-    want = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
-                                       pad_token_id=0, eos_token_id=None)
-            want.append(generated[0, len(prompt):].tolist())
+    want = model_greedy(model, PROMPTS, 12, eos_token_id=None)
     tokens, engine = _greedy(float_dir, quantization="w8a8")
     assert tokens == want
     assert tokens != _greedy(float_dir, quantization="int8")[0]  # the activations' quantization shows
@@ -339,13 +333,7 @@ def test_compressed_tensors_checkpoints_written_by_the_library_itself(float_dir,
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
 
     compressor.decompress_model(model)
-    want = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            generated = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12,
-                                       pad_token_id=0, eos_token_id=None)
-            want.append(generated[0, len(prompt):].tolist())
+    want = model_greedy(model, PROMPTS, 12, eos_token_id=None)
     tokens, engine = _greedy(str(out))
     assert tokens == want
     assert engine.model_config.weight_quant.method == "compressed-tensors"
@@ -414,14 +402,7 @@ def test_compressed_tensors_int8_and_fp8_codes_written_by_the_library_itself(flo
         ids = torch.tensor([PROMPTS[0]])
         differs = not torch.equal(model(ids).logits, weights_only(ids).logits)
     assert differs == dynamic_inputs
-    reference = model
-    want = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            generated = reference.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                           max_new_tokens=12, pad_token_id=0, eos_token_id=None)
-            want.append(generated[0, len(prompt):].tolist())
+    want = model_greedy(model, PROMPTS, 12, eos_token_id=None)
     tokens, engine = _greedy(str(out))
     assert tokens == want
     bytes_ = engine.weight_bytes
