@@ -9,13 +9,15 @@ from __future__ import annotations
 import json
 import os
 
-from paged.models.demo_model import DEMO_MODEL_DESCRIPTION, DEMO_MODEL_NAME, demo_model_dir
+from paged.models.demo_model import (DEMO_DRAFT_MODEL_DESCRIPTION, DEMO_DRAFT_MODEL_NAME, DEMO_MODEL_DESCRIPTION,
+                                     DEMO_MODEL_NAME, demo_draft_model_dir, demo_model_dir)
 from paged.models.tiny import TINY_MODEL_NAME, default_tiny_model_dir
 
 DEFAULT_MODEL = DEMO_MODEL_NAME  # what `paged generate` and `paged serve` run without a model argument
 
 BUILTIN_MODELS = {
     DEMO_MODEL_NAME: (demo_model_dir, DEMO_MODEL_DESCRIPTION),
+    DEMO_DRAFT_MODEL_NAME: (demo_draft_model_dir, DEMO_DRAFT_MODEL_DESCRIPTION),
     TINY_MODEL_NAME: (default_tiny_model_dir, "built in: a tiny Llama with random weights, for tests; its text "
                                               "is noise"),
 }

@@ -33,6 +33,7 @@ from paged.request import PLACEHOLDER, ParentRequest
 from paged.sampler import SamplerOutput
 from paged.sampling_params import SamplingParams
 from paged.scheduler import ScheduledBatch, Scheduler
+from paged.draft_model import DraftModelProposer
 from paged.speculative import SpecDecodeStats, max_verify_tokens, ngram_proposer
 from paged.trace import EngineTrace, StepRecord, record_step
 from paged.worker import Worker
@@ -115,11 +116,15 @@ class LLMEngine:
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.max_num_seqs,
                                           worker.max_blocks_per_seq, config.enable_prefix_caching)
         self.speculative = speculative = config.parsed_speculative_config()
-        if speculative is not None and speculative.method != "ngram":
+        if speculative is not None and speculative.method not in ("ngram", "draft_model"):
             raise NotImplementedError(f"speculative decoding by {speculative.method!r} is not implemented yet; "
-                                      "method 'ngram' is")
+                                      "methods 'ngram' and 'draft_model' are")
         if speculative is not None and self.runner_type == "pooling":
             raise ValueError("speculative decoding is for generation; a pooling model does not decode")
+        self.draft = None  # the draft model's proposer (method "draft_model")
+        if speculative is not None and speculative.method == "draft_model":
+            self.draft = DraftModelProposer(speculative, config, model_config, self.attention_name,
+                                            self.linear_backend, worker.num_blocks, show_progress)
         self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs,
                                rope_lengths=model_config.rope.length_dependent,
                                vocab_size=model_config.vocab_size, max_model_len=config.max_model_len,
@@ -136,7 +141,7 @@ class LLMEngine:
                                    config.enable_chunked_prefill, worker.mover if worker.mover.swap_blocks else None,
                                    rope_recompute=(recompute_len, model_config.rope.length_class(recompute_len))
                                    if recompute_len is not None else None, lora_slots=self.lora_slots,
-                                   propose=ngram_proposer(speculative) if speculative is not None else None,
+                                   propose=(self.draft or ngram_proposer(speculative)) if speculative else None,
                                    speculation_limit=speculative.disable_by_batch_size if speculative else None)
         # When every layer slides, blocks behind the widest window are released as sequences advance.
         windows = self.model_config.layer_windows
@@ -323,6 +328,8 @@ class LLMEngine:
         # A step with proposals is read back before the next is scheduled (how many were accepted decides the
         # next step's tokens); one without them overlaps the next as without speculation.
         reads_back = bool(batch.num_drafts)
+        # A draft model reads each row's last token: without it in hand, the next step could not speculate.
+        reads_back = reads_back or (self.draft is not None and self.scheduler.may_propose())
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             request.num_computed_tokens += num_new
             if request.num_computed_tokens < request.num_tokens or request.pooling is not None:
@@ -363,6 +370,8 @@ class LLMEngine:
     def precompile(self, show_progress: bool = False) -> None:
         """Compiles every (tokens, seqs) bucket ahead of traffic by running all-padding steps."""
         self.worker.precompile(self.buckets, self.block_manager, self.compilation_cache_dir, show_progress)
+        if self.draft is not None:
+            self.draft.precompile()
 
     # ---- tracing --------------------------------------------------------------------------------------
 
@@ -436,7 +445,7 @@ class LLMEngine:
 
     @property
     def num_compilations(self) -> int:
-        return self.worker.num_compilations
+        return self.worker.num_compilations + (self.draft.num_compilations if self.draft is not None else 0)
 
     @property
     def num_preemptions(self) -> int:

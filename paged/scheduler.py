@@ -64,7 +64,9 @@ class Scheduler:
         `propose(request, limit) -> list[int]`: speculative decoding's proposer (paged/speculative.py): up to
         `limit` tokens appended to a decoding request that may speculate, computed with its next token and
         verified when the step is read back; not while `speculation_limit` or more requests run (a full batch
-        is compute-bound: computing proposals there costs more than it saves)."""
+        is compute-bound: computing proposals there costs more than it saves). A proposer that runs a model
+        (paged/draft_model.py) also has `begin_step(candidates, running)`, called first with every (request,
+        limit) that may speculate, so that it drafts for all of them at once."""
         self.block_manager = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -88,6 +90,9 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch([], [], [])
         budget = self.max_num_batched_tokens
+        if hasattr(self.propose, "begin_step"):
+            self.propose.begin_step([(request, room) for request in self.running
+                                     if (room := self._draft_room(request)) > 0], self.running)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -137,19 +142,26 @@ class Scheduler:
         return self.propose is not None and (self.speculation_limit is None
                                              or len(self.running) < self.speculation_limit)
 
-    def _add_drafts(self, request: Request, budget: int) -> None:
-        """Appends the proposer's tokens to a request about to compute its one next token, within the step's
-        budget and the request's length limit (its last verified token must stay within it)."""
+    def _draft_room(self, request: Request) -> int:
+        """How many proposals `request` may carry this step, the step's budget aside: none unless it is about
+        to compute its one next token and may speculate; within its length limit (its last verified token
+        must stay within it)."""
         if request.num_computed_tokens != request.num_tokens - 1 or not may_speculate(request):
-            return
+            return 0
         if not self.may_propose():
-            return
-        room = budget - 1
+            return 0
+        room = self.max_num_batched_tokens
         if request.length_limit is not None:
             room = min(room, request.length_limit - request.num_tokens - 1)
         if self.rope_recompute is not None and request.rope_length_floor < self.rope_recompute[0]:
             # Tokens predicted from a sequence of the recompute length or longer come after its recompute.
             room = min(room, self.rope_recompute[0] - 1 - request.num_tokens)
+        return room
+
+    def _add_drafts(self, request: Request, budget: int) -> None:
+        """Appends the proposer's tokens to a request about to compute its one next token, within the step's
+        budget and `_draft_room`."""
+        room = min(budget - 1, self._draft_room(request))
         drafts = self.propose(request, room) if room > 0 else []
         if request.grammar is not None:  # a proposal the grammar rejects can never be accepted
             drafts = drafts[:request.grammar.valid_prefix([int(t) for t in drafts])]

@@ -28,10 +28,16 @@ import numpy as np
 from safetensors.numpy import save_file
 
 CHECKPOINT_DIR = pathlib.Path(__file__).parent / "checkpoint"
+DRAFT_CHECKPOINT_DIR = pathlib.Path(__file__).parent / "draft_checkpoint"
 # Small enough to commit (about 2.0M parameters, 3.9 MB in bfloat16) and to train on a laptop; large enough
 # that greedy text is made of real words in docstring-like sentences.
 SHAPE = dict(vocab_size=2048, hidden_size=192, intermediate_size=512, num_hidden_layers=4,
              num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512)
+# The draft model for speculative decoding (`--shape draft`): the same tokenizer and corpus, a quarter of the
+# width and half the layers, so one forward costs a small fraction of the target's.
+DRAFT_SHAPE = dict(SHAPE, hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=3,
+                   num_key_value_heads=1)
+SHAPES = {"demo": SHAPE, "draft": DRAFT_SHAPE}
 SPECIALS = ["<s>", "</s>", "<unk>", "<|user|>", "<|assistant|>", "<|system|>"]
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}</s>\n{% endfor %}"
@@ -84,12 +90,12 @@ def train_tokenizer(docs: list[str], directory: pathlib.Path):
     return tokenizer
 
 
-def init_params(key) -> dict[str, jax.Array]:
+def init_params(key, shape: dict = SHAPE) -> dict[str, jax.Array]:
     """HF Llama tensor names and layouts ([out, in] projections); GPT-2-style scaled init of the outputs."""
-    d, f, n = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["num_hidden_layers"]
-    head_dim = d // SHAPE["num_attention_heads"]
-    kv = SHAPE["num_key_value_heads"] * head_dim
-    shapes = {"model.embed_tokens.weight": (SHAPE["vocab_size"], d)}
+    d, f, n = shape["hidden_size"], shape["intermediate_size"], shape["num_hidden_layers"]
+    head_dim = d // shape["num_attention_heads"]
+    kv = shape["num_key_value_heads"] * head_dim
+    shapes = {"model.embed_tokens.weight": (shape["vocab_size"], d)}
     for i in range(n):
         p = f"model.layers.{i}."
         shapes.update({p + "self_attn.q_proj.weight": (d, d), p + "self_attn.k_proj.weight": (kv, d),
@@ -121,16 +127,16 @@ def _rope(x, theta=10000.0):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1)
 
 
-def loss_fn(params, tokens):
+def loss_fn(params, tokens, shape: dict = SHAPE):
     """Mean next-token cross entropy over tokens [batch, seq + 1]."""
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     b, s = inputs.shape
-    heads, kv_heads = SHAPE["num_attention_heads"], SHAPE["num_key_value_heads"]
-    head_dim = SHAPE["hidden_size"] // heads
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    head_dim = shape["hidden_size"] // heads
     embed = params["model.embed_tokens.weight"]
     x = embed[inputs]
     causal = jnp.tril(jnp.ones((s, s), bool))
-    for i in range(SHAPE["num_hidden_layers"]):
+    for i in range(shape["num_hidden_layers"]):
         p = lambda name: params[f"model.layers.{i}.{name}.weight"]
         h = _rms_norm(x, p("input_layernorm"))
         q = _rope((h @ p("self_attn.q_proj").T).reshape(b, s, heads, head_dim))
@@ -148,13 +154,14 @@ def loss_fn(params, tokens):
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], -1))
 
 
-def make_train_step(steps: int, peak_lr: float, warmup: int = 100, weight_decay: float = 0.1):
+def make_train_step(steps: int, peak_lr: float, shape: dict = SHAPE, warmup: int = 100,
+                    weight_decay: float = 0.1):
     """AdamW (beta2 0.95, as small language models are usually trained) with warmup and cosine decay to 10%."""
     b1, b2, eps = 0.9, 0.95, 1e-8
 
     @jax.jit
     def step(params, m, v, t, tokens):
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens)
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens, shape)
         norm = jnp.sqrt(sum(jnp.sum(g * g) for g in jax.tree.leaves(grads)))
         grads = jax.tree.map(lambda g: g * jnp.minimum(1.0, 1.0 / (norm + 1e-6)), grads)  # clip at 1.0
         progress = jnp.clip((t - warmup) / max(steps - warmup, 1), 0.0, 1.0)
@@ -172,10 +179,10 @@ def make_train_step(steps: int, peak_lr: float, warmup: int = 100, weight_decay:
     return step
 
 
-def write_checkpoint(params, directory: pathlib.Path, tokenizer) -> None:
-    d = SHAPE["hidden_size"]
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **SHAPE,
-              "head_dim": d // SHAPE["num_attention_heads"], "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+def write_checkpoint(params, directory: pathlib.Path, tokenizer, shape: dict = SHAPE) -> None:
+    d = shape["hidden_size"]
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **shape,
+              "head_dim": d // shape["num_attention_heads"], "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
               "tie_word_embeddings": True, "hidden_act": "silu",
               "bos_token_id": tokenizer.token_to_id("<s>"), "eos_token_id": tokenizer.token_to_id("</s>"),
               "torch_dtype": "bfloat16"}
@@ -191,8 +198,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=pathlib.Path, default=CHECKPOINT_DIR)
+    parser.add_argument("--out", type=pathlib.Path, default=None,
+                        help="default: checkpoint/ for the demo shape, draft_checkpoint/ for the draft")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="demo",
+                        help="demo: the built-in model; draft: its speculative-decoding draft (same tokenizer)")
     args = parser.parse_args(argv)
+    shape = SHAPES[args.shape]
+    if args.out is None:
+        args.out = CHECKPOINT_DIR if args.shape == "demo" else DRAFT_CHECKPOINT_DIR
     args.out.mkdir(parents=True, exist_ok=True)
     docs = stdlib_docstrings()
     tokenizer = train_tokenizer(docs, args.out)
@@ -204,10 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     held_out = stream[-len(stream) // 50:]
     stream = stream[:-len(stream) // 50]
     rng = np.random.default_rng(args.seed)
-    params = init_params(jax.random.key(args.seed))
+    params = init_params(jax.random.key(args.seed), shape)
     m = jax.tree.map(jnp.zeros_like, params)
     v = jax.tree.map(jnp.zeros_like, params)
-    step = make_train_step(args.steps, args.lr)
+    step = make_train_step(args.steps, args.lr, shape)
     window = args.seq_len + 1
     start = time.perf_counter()
     for t in range(args.steps):
@@ -217,8 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         if t % 100 == 0 or t == args.steps - 1:
             print(f"step {t:5d}  loss {float(loss):.3f}  {time.perf_counter() - start:6.0f}s", flush=True)
     windows = np.stack([held_out[o:o + window] for o in range(0, len(held_out) - window, window)][:64])
-    print(f"held-out loss {float(jax.jit(loss_fn)(params, windows)):.3f} nats/token")
-    write_checkpoint(params, args.out, tokenizer)
+    print(f"held-out loss {float(jax.jit(lambda p, w: loss_fn(p, w, shape))(params, windows)):.3f} nats/token")
+    write_checkpoint(params, args.out, tokenizer, shape)
     print(f"wrote {args.out}")
     return 0
 
