@@ -214,20 +214,25 @@ class DraftModelProposer:
             page_tables[i] = manager.page_table[row.sequence.page_row]
             lengths[i] = row.sequence.num_computed_tokens + len(row.new_tokens)
             counts[i] = row.num_proposals
-        metas = []
-        for j in range(1, self.k):
-            live = j < counts
-            positions = np.where(live, lengths + j - 1, 0).astype(np.int32)
-            blocks = page_tables[np.arange(s_pad), positions // bs]
-            slot_mapping = np.where(live, blocks * bs + positions % bs, SINK_BLOCK * bs).astype(np.int32)
-            meta = AttentionMetadata(
-                slot_mapping=slot_mapping, positions=positions, token_seq_ids=np.arange(s_pad, dtype=np.int32),
-                page_tables=np.where(live[:, None], page_tables, SINK_BLOCK).astype(np.int32),
-                query_start=np.arange(s_pad + 1, dtype=np.int32), seq_lens=positions + 1,
-                num_decode_rows=np.asarray(s_pad, np.int32), num_prefill_rows=np.asarray(0, np.int32),
-                rope_lengths=positions + 1 if self.buckets.rope_lengths else None)
-            metas.append(self.attention.prepare(meta))
-        return jax.tree.map(lambda *leaves: np.stack(leaves), *metas)
+        # [k - 1, S]: pass j (from 1) of row i puts its token at position len_i + j - 1.
+        live = np.arange(1, self.k)[:, None] < counts[None, :]
+        positions = np.where(live, lengths[None, :] + np.arange(self.k - 1)[:, None], 0).astype(np.int32)
+        blocks = page_tables[np.arange(s_pad)[None, :], positions // bs]
+        slot_mapping = np.where(live, blocks * bs + positions % bs, SINK_BLOCK * bs).astype(np.int32)
+        passes = self.k - 1
+        stacked = AttentionMetadata(
+            slot_mapping=slot_mapping, positions=positions,
+            token_seq_ids=np.broadcast_to(np.arange(s_pad, dtype=np.int32), (passes, s_pad)),
+            page_tables=np.where(live[:, :, None], page_tables[None], SINK_BLOCK).astype(np.int32),
+            query_start=np.broadcast_to(np.arange(s_pad + 1, dtype=np.int32), (passes, s_pad + 1)),
+            seq_lens=positions + 1, num_decode_rows=np.full(passes, s_pad, np.int32),
+            num_prefill_rows=np.zeros(passes, np.int32),
+            rope_lengths=positions + 1 if self.buckets.rope_lengths else None)
+        # The backend's own data from the first pass, for every pass: the passes share their layout (one token
+        # per row), which is all a backend's `prepare` reads (XlaAttention's TailSplit).
+        first = self.attention.prepare(jax.tree.map(lambda leaf: leaf[0], stacked)).backend_data
+        return dataclasses.replace(stacked, backend_data=jax.tree.map(
+            lambda leaf: np.broadcast_to(leaf, (passes, *np.shape(leaf))), first))
 
     def _propose_impl(self, params, kv_cache, token_ids, meta, logits_indices, decode_metas):
         """int32 [S, k]: each row's k greedy proposals (rows past their own count hold junk)."""
