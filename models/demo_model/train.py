@@ -16,7 +16,6 @@ import argparse
 import ast
 import json
 import math
-import os
 import pathlib
 import sysconfig
 import time
