@@ -136,7 +136,7 @@ class EngineConfig:
     max_loras: int = _option(1, "LoRA adapters on the device at once (requests of others wait)")
     max_lora_rank: int = _option(16, "largest LoRA rank served", (1, 8, 16, 32, 64, 128, 256, 320, 512))
     max_cpu_loras: int | None = _option(None, "LoRA adapters kept in host memory (default: max_loras)")
-    # vLLM's --speculative-config (paged/speculative.py): here the n-gram (prompt lookup) method, greedy requests.
+    # vLLM's --speculative-config (paged/speculative.py): the n-gram (prompt lookup) and draft_model methods.
     speculative_config: str | None = _option(None, "speculative decoding as JSON, e.g. '{\"method\": \"ngram\", "
                                                    "\"num_speculative_tokens\": 3, \"prompt_lookup_max\": 4}'")
     quantization: str | None = _option(None, "quantize online (int8 or fp8: weight-only, per output channel; "

@@ -142,3 +142,32 @@ def test_the_demo_models_draft_is_built_in():
     assert llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == \
         plain.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
     assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+TP_SCRIPT = """
+import json, sys
+from paged import LLM, SamplingParams
+model, draft, prompts = json.loads(sys.argv[1])
+params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+want = LLM(model, show_progress=False).generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+llm = LLM(model, tensor_parallel_size=2, show_progress=False,
+          speculative_config={"method": "draft_model", "model": draft, "num_speculative_tokens": 3})
+got = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+print("RESULT " + json.dumps([[list(o.outputs[0].token_ids) for o in outs] for outs in (want, got)]
+                             + [llm.engine.spec_stats.num_accepted_tokens]))
+"""
+
+
+def test_a_tensor_parallel_target_keeps_its_tokens(tiny_model_dir):
+    """The target sharded over two devices, the draft on one beside it."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    run = subprocess.run([sys.executable, "-c", TP_SCRIPT, json.dumps([tiny_model_dir, tiny_model_dir, _prompts(4)])],
+                         capture_output=True, text=True, env=env, timeout=600)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    want, got, accepted = json.loads(lines[0][len("RESULT "):])
+    assert got == want and accepted > 0
