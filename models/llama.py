@@ -45,11 +45,18 @@ class DecoderLayer(Block):
     made where a norm reads its result, so the two are one pass on the native path (`RMSNorm` with a residual).
     """
 
+    # False: attention reads the residual stream as it is (an EAGLE head's layer, whose input is already the
+    # fused embedding and target features: it has no input_layernorm).
+    input_norm: bool = True
+
     @nn.compact
     def __call__(self, h, delta, cos, sin, k_cache, v_cache, layer, window, meta, attention, live_rows=None):
         cfg = self.config
         norm = lambda name: RMSNorm(cfg.rms_norm_eps, self.dtype, cfg.norm_plus_one, self.linear_backend, name=name)
-        h, x = norm("input_layernorm")(h, delta)
+        if self.input_norm:
+            h, x = norm("input_layernorm")(h, delta)
+        else:
+            h = x = h + delta
         x, k_cache, v_cache = PagedSelfAttention(cfg, self.dtype, self.linear_backend, name="self_attn")(
             x, cos, sin, k_cache, v_cache, layer, window, meta, attention, live_rows)
         mlp_cls = SparseMoE if cfg.num_experts else GatedMLP

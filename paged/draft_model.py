@@ -34,17 +34,21 @@ from paged.sampler import first_argmax
 
 class _DraftSequence:
     """The draft pool's view of one target request: its pages (BlockManager reads page_row, block_ids and
-    num_registered_blocks) and the tokens whose K/V the pool holds."""
+    num_registered_blocks) and the tokens its K/V were computed from."""
 
-    def __init__(self):
+    def __init__(self, shift: int):
         self.page_row: int | None = None
         self.block_ids: list[int] = []
         self.num_registered_blocks = 0
-        self.token_ids: list[int] = []  # the tokens at positions 0.. whose K/V are in the draft's pool
+        # The sequence's tokens that the pool's K/V depend on: position p reads token p + shift (a draft model:
+        # shift 0; an EAGLE head, which reads the next token beside the feature at p: 1).
+        self.token_ids: list[int] = []
+        self.shift = shift
 
     @property
     def num_computed_tokens(self) -> int:
-        return len(self.token_ids)
+        """Positions whose K/V are in the pool."""
+        return max(len(self.token_ids) - self.shift, 0)
 
     def keep_verified(self, target_tokens: list[int]) -> None:
         """Drops held tokens from the first that differs from the target's sequence (a rejected proposal)."""
@@ -62,7 +66,7 @@ class _DraftSequence:
 class _Row:
     request: Request
     sequence: _DraftSequence
-    new_tokens: list[int]  # caught up this step, from position sequence.num_computed_tokens
+    new_tokens: list[int]  # the tokens read at the positions caught up this step (from num_computed_tokens on)
     num_proposals: int  # 0: the catch-up did not fit this step; no proposals yet
 
 
@@ -71,24 +75,16 @@ class DraftModelProposer:
     `begin_step` drafts for every candidate at once, then each request's call returns its own proposals."""
 
     needs_known_tokens = True  # drafting reads the last token: a step in flight must be read back first
+    shift = 0  # position p reads token p (an EAGLE head reads p + 1)
 
     def __init__(self, speculative, config, target_config, attention_name: str, linear_backend: str,
                  num_blocks: int, show_progress: bool = False):
         """`speculative`: the SpeculativeConfig (method "draft_model", `model` the draft checkpoint); `config`:
         the engine's EngineConfig; `target_config`: the target's ModelConfig (the draft must share its
         vocabulary); `num_blocks`: the draft pool's blocks (the target's: the draft holds the same tokens)."""
-        builtin = builtin_model(speculative.model)
-        model_dir = builtin[0] if builtin else speculative.model
         platform = jax.default_backend()
-        unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and platform == "cpu")
-        _, self.model_config, self.model, params, dtype = load_model(
-            model_dir, config.dtype, show_progress, stacked_layers=not unroll, linear_backend=linear_backend)
-        if self.model_config.vocab_size != target_config.vocab_size:
-            raise ValueError(f"speculative_config: the draft model {speculative.model!r} has a vocabulary of "
-                             f"{self.model_config.vocab_size} tokens, the target {target_config.vocab_size}; a draft "
-                             "model must share the target's tokenizer")
-        if self.model_config.encoder_only:
-            raise ValueError(f"speculative_config: the draft model {speculative.model!r} does not generate")
+        self.model_config, self.model, params, dtype = self._load(speculative, config, target_config, linear_backend,
+                                                                  show_progress)
         self.attention = get_attention_backend(attention_name, platform)
         if (check := getattr(self.attention, "check_model", None)) is not None:
             check(self.model_config, dtype, dtype, config.block_size)
@@ -108,6 +104,21 @@ class DraftModelProposer:
         self.num_compilations = 0
         self._propose = jax.jit(self._propose_impl, donate_argnums=(1,))
 
+    def _load(self, speculative, config, target_config, linear_backend: str, show_progress: bool):
+        """(config, model, params, dtype) of the draft checkpoint."""
+        builtin = builtin_model(speculative.model)
+        model_dir = builtin[0] if builtin else speculative.model
+        unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and jax.default_backend() == "cpu")
+        _, model_config, model, params, dtype = load_model(
+            model_dir, config.dtype, show_progress, stacked_layers=not unroll, linear_backend=linear_backend)
+        if model_config.vocab_size != target_config.vocab_size:
+            raise ValueError(f"speculative_config: the draft model {speculative.model!r} has a vocabulary of "
+                             f"{model_config.vocab_size} tokens, the target {target_config.vocab_size}; a draft "
+                             "model must share the target's tokenizer")
+        if model_config.encoder_only:
+            raise ValueError(f"speculative_config: the draft model {speculative.model!r} does not generate")
+        return model_config, model, params, dtype
+
     # ---- the scheduler's interface ---------------------------------------------------------------------
 
     def begin_step(self, candidates: list[tuple[Request, int]], running: list[Request]) -> None:
@@ -122,13 +133,15 @@ class DraftModelProposer:
             tokens = request.token_ids
             if limit <= 0 or not tokens or tokens[-1] == PLACEHOLDER or budget <= 0:
                 continue
-            _, sequence = self.sequences.setdefault(id(request), (request, _DraftSequence()))
+            _, sequence = self.sequences.setdefault(id(request), (request, _DraftSequence(self.shift)))
             sequence.keep_verified(tokens)
-            new = tokens[sequence.num_computed_tokens:]
+            new = tokens[sequence.num_computed_tokens + self.shift:]  # read at positions up to len - shift - 1
+            if not new:
+                continue
             count = min(limit, self.k, self.max_model_len - len(tokens))
             if len(new) > budget:  # a long catch-up (a prompt) goes in chunks, proposing once it is through
                 new, count = new[:budget], 0
-            # Positions up to len(tokens) + count - 2 get K/V: the last proposal is not run through the draft.
+            # K/V for the positions caught up and then all but the last proposal.
             if not self.block_manager.allocate(sequence, sequence.num_computed_tokens + len(new) + max(count - 1, 0)):
                 self.block_manager.free(sequence)
                 sequence.token_ids.clear()
@@ -147,14 +160,21 @@ class DraftModelProposer:
         catch_up, logits_indices = self._catch_up_inputs(rows)
         decode_metas = self._decode_metas(rows, logits_indices.shape[0])
         self.kv_cache, proposals = self._propose(self.params, self.kv_cache, self._catch_up_tokens(rows, catch_up),
-                                                 self.attention.prepare(catch_up), logits_indices, decode_metas)
+                                                 self.attention.prepare(catch_up), logits_indices, decode_metas,
+                                                 *self._extra_inputs(rows, catch_up.positions.shape[0]))
         proposals = np.asarray(proposals)
         for i, row in enumerate(rows):
             drafted = [int(t) for t in proposals[i, :row.num_proposals]]
-            row.sequence.token_ids.extend(row.new_tokens)
-            row.sequence.token_ids.extend(drafted[:-1])  # the last proposal's K/V are not computed
+            held = row.sequence.token_ids
+            held.extend(row.request.token_ids[len(held):row.sequence.num_computed_tokens + len(row.new_tokens)
+                                              + self.shift])
+            held.extend(drafted[:-1])  # the last proposal's K/V are not computed
             if row.num_proposals:
                 self.proposals[id(row.request)] = drafted
+
+    def _extra_inputs(self, rows: list[_Row], t_pad: int) -> tuple:
+        """What `_propose_impl` reads beyond the draft's own inputs (an EAGLE head: the target's features)."""
+        return ()
 
     def _catch_up_tokens(self, rows: list[_Row], meta: AttentionMetadata) -> np.ndarray:
         tokens = np.zeros(meta.positions.shape[0], np.int32)
@@ -258,7 +278,7 @@ class DraftModelProposer:
             meta, logits_indices = self._padding_inputs(t_pad, s_pad)
             self.kv_cache, _ = self._propose(self.params, self.kv_cache, np.zeros(t_pad, np.int32),
                                              self.attention.prepare(meta), logits_indices,
-                                             self._decode_metas([], s_pad))
+                                             self._decode_metas([], s_pad), *self._extra_inputs([], t_pad))
 
     def _padding_inputs(self, t_pad: int, s_pad: int) -> tuple[AttentionMetadata, np.ndarray]:
         width = self.block_manager.max_blocks_per_seq

@@ -34,6 +34,7 @@ from paged.sampler import SamplerOutput
 from paged.sampling_params import SamplingParams
 from paged.scheduler import ScheduledBatch, Scheduler
 from paged.draft_model import DraftModelProposer
+from paged.eagle import EagleProposer
 from paged.speculative import SpecDecodeStats, max_verify_tokens, ngram_proposer
 from paged.trace import EngineTrace, StepRecord, record_step
 from paged.worker import Worker
@@ -116,15 +117,19 @@ class LLMEngine:
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.max_num_seqs,
                                           worker.max_blocks_per_seq, config.enable_prefix_caching)
         self.speculative = speculative = config.parsed_speculative_config()
-        if speculative is not None and speculative.method not in ("ngram", "draft_model"):
+        if speculative is not None and speculative.method not in ("ngram", "draft_model", "eagle"):
             raise NotImplementedError(f"speculative decoding by {speculative.method!r} is not implemented yet; "
-                                      "methods 'ngram' and 'draft_model' are")
+                                      "methods 'ngram', 'draft_model' and 'eagle' are")
         if speculative is not None and self.runner_type == "pooling":
             raise ValueError("speculative decoding is for generation; a pooling model does not decode")
-        self.draft = None  # the draft model's proposer (method "draft_model")
+        self.draft = None  # the proposer that runs a model (methods "draft_model" and "eagle")
         if speculative is not None and speculative.method == "draft_model":
             self.draft = DraftModelProposer(speculative, config, model_config, self.attention_name,
                                             self.linear_backend, worker.num_blocks, show_progress)
+        elif speculative is not None and speculative.method == "eagle":
+            self.draft = EagleProposer(speculative, config, worker.model, model_config, worker.runner,
+                                       self.block_manager, self.attention_name, self.linear_backend,
+                                       worker.num_blocks, show_progress)
         self.buckets = Buckets(config.max_num_batched_tokens, config.max_num_seqs,
                                rope_lengths=model_config.rope.length_dependent,
                                vocab_size=model_config.vocab_size, max_model_len=config.max_model_len,

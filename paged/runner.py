@@ -86,14 +86,16 @@ def kv_budget(memory_utilization: float, memory_bytes: int | None, device) -> tu
 class ModelRunner:
     def __init__(self, model, params, attention, num_blocks: int, block_size: int, dtype, max_num_seqs: int,
                  mesh=None, device=None, publish=None, pooling: tuple[str, bool] | None = None,
-                 max_verify_tokens: int = 0):
+                 max_verify_tokens: int = 0, keep_hidden: bool = False):
         """`mesh`: the tensor-parallel mesh (None: one device); `device`: that one device when it is not the
         default (a data-parallel replica's); `publish(operation)`: on a multi-host leader, hands each device
         operation's host inputs to the followers before it runs (paged/multihost.py); `pooling`: for a pooling
         model, (pooling type, whether the model's classifier head follows): each step then returns pooled rows
         (paged/pooler.py) instead of samples; `max_verify_tokens`: a speculating engine's most verified positions
         in a step (Buckets.max_verify_tokens; 0 without speculation): a step carrying proposals
-        (`StepInputs.num_verify`) also draws the token after each, to verify them."""
+        (`StepInputs.num_verify`) also draws the token after each, to verify them; `keep_hidden`: every step also
+        writes each packed token's final-normed hidden state into `hidden_pool` [num_blocks * block_size, H] at
+        its K/V slot, where an EAGLE head (paged/draft_model.py) reads the target's features."""
         cfg = model.config
         self.model = model
         self.params = params
@@ -105,6 +107,11 @@ class ModelRunner:
         # Each device allocates only its KV heads (with a mesh), on the replica's device without one.
         pool = kv_pool_sharding(mesh) if mesh is not None else placement(None, device)
         self._zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool)
+        self.hidden_pool = None
+        if keep_hidden:
+            self.hidden_pool = jnp.zeros((num_blocks * block_size, cfg.hidden_size), dtype)
+            if (where := placement(mesh, device)) is not None:
+                self.hidden_pool = jax.device_put(self.hidden_pool, where)
         self.kv_cache = None
         self.allocate_pool()
         self.num_compilations = 0
@@ -122,7 +129,8 @@ class ModelRunner:
         self.speculative = max_verify_tokens > 0
         # The hidden states the adjusted rows read: the sampled rows', then the verified positions'.
         self.adjusted_width = max_num_seqs + max_verify_tokens
-        self._step = jax.jit(self._step_impl if pooling is None else self._pool_step_impl, donate_argnums=(1,))
+        self._step = jax.jit(self._step_impl, donate_argnums=(1, 4)) if pooling is None else \
+            jax.jit(self._pool_step_impl, donate_argnums=(1,))
         # The rows a request adjusts (paged/logit_adjustments.py) in three small programs: the LM head and the
         # grammar mask (per R), the entries (per R x E: the only product, and the cheapest to compile), the
         # draw (per R).
@@ -132,7 +140,7 @@ class ModelRunner:
         # Prompt logprobs from the step's normed hidden states (per token bucket).
         self._prompt_logprobs = jax.jit(self._prompt_logprobs_impl)
 
-    def _step_impl(self, params, kv_cache, inputs: StepInputs, previous_tokens):
+    def _step_impl(self, params, kv_cache, inputs: StepInputs, previous_tokens, hidden_pool=None):
         self.num_compilations += 1  # runs only while tracing, i.e. once per new input shape
         source = inputs.token_source
         token_ids = jnp.where(source >= 0, previous_tokens[jnp.maximum(source, 0)], inputs.token_ids)
@@ -160,7 +168,9 @@ class ModelRunner:
                 inputs.num_verify > 0, lambda: self._verify(params, verify_hidden, inputs),
                 lambda: no_samples(inputs.verify_indices.shape[0])))
             hidden = hidden.at[self.max_num_seqs:self.max_num_seqs + verify_hidden.shape[0]].set(verify_hidden)
-        return kv_cache, out, self.no_tokens.at[:num_seqs].set(out.tokens), hidden, token_hidden
+        if hidden_pool is not None:  # padding writes the sink block's slots, which nothing reads
+            hidden_pool = hidden_pool.at[inputs.attention.slot_mapping].set(token_hidden.astype(hidden_pool.dtype))
+        return kv_cache, out, self.no_tokens.at[:num_seqs].set(out.tokens), hidden, token_hidden, hidden_pool
 
     def _verify(self, params, hidden, inputs: StepInputs) -> SamplerOutput:
         """The next token after each verified packed token, drawn as the row would draw it without proposals
@@ -242,7 +252,8 @@ class ModelRunner:
         inputs = dataclasses.replace(inputs, attention=self.attention.prepare(inputs.attention), adjustments=None,
                                      prompt_logprob_indices=None, prompt_logprob_targets=None,
                                      verify_adjustments=None)
-        self.kv_cache, out, tokens, hidden, token_hidden = self._step(self.params, self.kv_cache, inputs, previous)
+        self.kv_cache, out, tokens, hidden, token_hidden, self.hidden_pool = self._step(
+            self.params, self.kv_cache, inputs, previous, self.hidden_pool)
         if prompt_indices.shape[0]:
             out = dataclasses.replace(out, prompt=self._prompt_logprobs(self.params, token_hidden, prompt_indices,
                                                                         prompt_targets))

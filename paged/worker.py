@@ -98,7 +98,8 @@ class Worker:
         self.runner = ModelRunner(self.model, {**params, **precomputed}, attention, self.num_blocks,
                                   config.block_size, self.kv_dtype, config.max_num_seqs, self.mesh, self.device,
                                   publish=channel.publish if channel is not None and channel.leader else None,
-                                  pooling=pooling, max_verify_tokens=max_verify_tokens(self.speculative, config.max_num_seqs))
+                                  pooling=pooling, max_verify_tokens=max_verify_tokens(self.speculative, config.max_num_seqs),
+                                  keep_hidden=self.speculative is not None and self.speculative.method == "eagle")
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.kv_dtype)
         self.kv_pool_bytes = self.num_blocks * block_bytes  # K and V over all layers, every device's share
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0
