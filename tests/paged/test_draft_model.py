@@ -171,3 +171,21 @@ def test_a_tensor_parallel_target_keeps_its_tokens(tiny_model_dir):
     assert run.returncode == 0 and lines, run.stderr[-3000:]
     want, got, accepted = json.loads(lines[0][len("RESULT "):])
     assert got == want and accepted > 0
+
+
+FAMILIES = ["llama-gqa", "mistral-window", "phi3-fused", "gpt2", "gemma2", "gemma3", "glm", "qwen3-moe"]
+
+
+@pytest.mark.torch
+@pytest.mark.parametrize("name", FAMILIES)
+def test_every_family_keeps_its_tokens_with_itself_as_draft(name, tmp_path_factory):
+    """Each family's tiny checkpoint drafting for itself (sliding windows, soft caps, MoE routing in the draft's
+    passes too): the tokens of the same engine without speculation, most proposals accepted."""
+    pytest.importorskip("torch")
+    from tests.hf_checkpoints import build_checkpoint
+    model = build_checkpoint(name, str(tmp_path_factory.mktemp(name)))
+    prompts = _prompts(3, seed=7)
+    want = _tokens(LLM(model, show_progress=False, dtype="float32"), prompts)
+    llm = LLM(model, show_progress=False, dtype="float32", speculative_config=_draft(model))
+    assert _tokens(llm, prompts) == want
+    assert llm.engine.spec_stats.acceptance_rate > 0.5
