@@ -481,6 +481,10 @@ def model_config_from_hf(raw: dict[str, Any], generation_config: dict[str, Any] 
 def load_model_config(model_dir: str, hf_overrides: dict | None = None) -> ModelConfig:
     """The model's config.json (and generation_config.json), with `hf_overrides`' fields set over it (vLLM's
     --hf-overrides)."""
+    from paged.models.gemma_checkpoint import hf_config, is_gemma_checkpoint
+    if is_gemma_checkpoint(model_dir):  # the gemma library saves no config: read from its tree's shapes
+        raw = {**hf_config(model_dir), **(hf_overrides or {})}
+        return model_config_from_hf(raw, None)
     with open(os.path.join(model_dir, "config.json")) as f:
         raw = {**json.load(f), **(hf_overrides or {})}
     generation = None

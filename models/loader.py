@@ -23,6 +23,7 @@ from safetensors import safe_open
 from paged.models.progress import progress
 
 from paged.models.config import ModelConfig, load_model_config
+from paged.models.gemma_checkpoint import HFTensors, is_gemma_checkpoint, read_arrays as read_gemma_arrays
 from paged.models.linear import LORA_FACTORS, to_declared_layout
 from paged.models.orbax_checkpoint import SavedLayout, is_orbax_checkpoint, read_layout, restore_params
 from paged.models.quantization import WeightQuant
@@ -64,7 +65,7 @@ def resolve_dtype(dtype: Any, config: ModelConfig) -> np.dtype:
 def resolve_model_path(model: str) -> str:
     """A local directory, else a hub id downloaded (config, tokenizer, safetensors only)."""
     if os.path.isdir(model):
-        if not os.path.exists(os.path.join(model, "config.json")):
+        if not os.path.exists(os.path.join(model, "config.json")) and not is_gemma_checkpoint(model):
             raise ValueError(f"model directory {model!r} has no config.json")
         return model
     if os.path.exists(model):
@@ -131,7 +132,7 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
     specs = partition_specs(model) if mesh is not None else {}
     params: dict = {}
     placer = _Placer(params, expected_with_dtypes, specs, stacked_layers, config.num_layers, mesh, device)
-    files = _safetensors_files(model_dir)
+    files = [] if is_gemma_checkpoint(model_dir) else _safetensors_files(model_dir)
     scheme = config.weight_quant
     quantized_layers: dict[str, dict[str, np.ndarray]] = {}  # checkpoint prefix -> its packed tensors
 
@@ -165,21 +166,19 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
         return target[0] if target is not None and target[0] in expected else None
 
     with progress(desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
-        for path in files:
-            with safe_open(path, framework="np") as opened:
-                f = _WithFloat8(opened, path)
-                for stored_name in f.keys():
-                    for name, read in model.split_fused(stored_name, f):
-                        prefix, _, suffix = name.rpartition(".")
-                        if scheme is not None and quantized_key(prefix) is not None:
-                            if is_online(scheme) and suffix == "weight":
-                                for part, array in quantize_online(read().T, scheme, dtype).items():
-                                    offer(f"{prefix}.paged_{part}", lambda array=array: array)
-                                continue
-                            if suffix in quantized_suffixes(scheme):  # converted once the layer's are all read
-                                quantized_layers.setdefault(prefix, {})[suffix] = read()
-                                continue
-                        offer(name, read)
+        for f in _tensor_sources(model_dir, files):
+            for stored_name in f.keys():
+                for name, read in model.split_fused(stored_name, f):
+                    prefix, _, suffix = name.rpartition(".")
+                    if scheme is not None and quantized_key(prefix) is not None:
+                        if is_online(scheme) and suffix == "weight":
+                            for part, array in quantize_online(read().T, scheme, dtype).items():
+                                offer(f"{prefix}.paged_{part}", lambda array=array: array)
+                            continue
+                        if suffix in quantized_suffixes(scheme):  # converted once the layer's are all read
+                            quantized_layers.setdefault(prefix, {})[suffix] = read()
+                            continue
+                    offer(name, read)
         for prefix, tensors in quantized_layers.items():
             key = quantized_key(prefix)
             packed_rows, out_features = expected[key][-2:]  # [layers, (experts,) rows, out]
@@ -194,6 +193,17 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} lacks tensors for: {', '.join(missing)}")
     return params
+
+
+def _tensor_sources(model_dir: str, files: list[str]):
+    """Each source of named tensors (`keys()`, `get_tensor(name)`): the safetensors files, or a gemma-library
+    checkpoint's tree under Hugging Face's names (models/gemma_checkpoint.py)."""
+    if not files:
+        yield HFTensors(read_gemma_arrays(model_dir))
+        return
+    for path in files:
+        with safe_open(path, framework="np") as opened:
+            yield _WithFloat8(opened, path)
 
 
 class _Placer:
@@ -451,6 +461,8 @@ class _WithFloat8:
 
 
 def _quantization_config(model_dir: str) -> dict | None:
+    if is_gemma_checkpoint(model_dir):
+        return None
     with open(os.path.join(model_dir, "config.json")) as f:
         return json.load(f).get("quantization_config")
 

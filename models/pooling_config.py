@@ -65,6 +65,8 @@ def _pooling_type(config: dict) -> str:
 def is_matryoshka(model_dir: str) -> bool:
     """Whether the checkpoint's config.json says its embeddings may be truncated (as vLLM reads it:
     `is_matryoshka` or a `matryoshka_dimensions` list)."""
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        return False
     with open(os.path.join(model_dir, "config.json")) as f:
         raw = json.load(f)
     return bool(raw.get("is_matryoshka") or raw.get("matryoshka_dimensions"))
