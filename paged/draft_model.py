@@ -43,6 +43,7 @@ class _DraftSequence:
         # The sequence's tokens that the pool's K/V depend on: position p reads token p + shift (a draft model:
         # shift 0; an EAGLE head, which reads the next token beside the feature at p: 1).
         self.token_ids: list[int] = []
+        self.num_known = 0  # how many of token_ids are the target's (the rest: proposals not yet verified)
         self.shift = shift
 
     @property
@@ -51,15 +52,13 @@ class _DraftSequence:
         return max(len(self.token_ids) - self.shift, 0)
 
     def keep_verified(self, target_tokens: list[int]) -> None:
-        """Drops held tokens from the first that differs from the target's sequence (a rejected proposal)."""
+        """Drops held tokens from the first that differs from the target's sequence: only the draft's own
+        proposals (held past `num_known`) can, since a request's tokens never change once verified."""
         held = self.token_ids
         same = min(len(held), len(target_tokens))
-        # Proposals sit at the end: only the tail can differ, so compare from where the last catch-up ended.
-        start = max(0, same - 64)
-        mismatch = next((i for i in range(start, same) if held[i] != target_tokens[i]), same)
-        if held[:start] != target_tokens[:start]:  # a sequence rewritten further back (not expected): restart
-            mismatch = 0
+        mismatch = next((i for i in range(min(self.num_known, same), same) if held[i] != target_tokens[i]), same)
         del held[mismatch:]
+        self.num_known = min(self.num_known, mismatch)
 
 
 @dataclasses.dataclass
@@ -145,6 +144,7 @@ class DraftModelProposer:
             if not self.block_manager.allocate(sequence, sequence.num_computed_tokens + len(new) + max(count - 1, 0)):
                 self.block_manager.free(sequence)
                 sequence.token_ids.clear()
+                sequence.num_known = 0
                 continue
             rows.append(_Row(request, sequence, list(new), count))
             budget -= len(new)
@@ -168,6 +168,7 @@ class DraftModelProposer:
             held = row.sequence.token_ids
             held.extend(row.request.token_ids[len(held):row.sequence.num_computed_tokens + len(row.new_tokens)
                                               + self.shift])
+            row.sequence.num_known = len(held)
             held.extend(drafted[:-1])  # the last proposal's K/V are not computed
             if row.num_proposals:
                 self.proposals[id(row.request)] = drafted
