@@ -17,6 +17,7 @@ import numpy as np
 from paged.block_manager import SINK_BLOCK
 from paged.draft_model import DraftModelProposer, _Row
 from paged.models.eagle import load_eagle_head
+from paged.models.llama import LlamaForCausalLM
 from paged.sampler import first_argmax
 
 
@@ -28,6 +29,10 @@ class EagleProposer(DraftModelProposer):
         """`target`: the target model; `runner`: its ModelRunner (its parameters, and the hidden-state pool it
         fills); `target_blocks`: its BlockManager (where each position's feature lies)."""
         self.target, self.runner, self.target_blocks = target, runner, target_blocks
+        if not isinstance(target, LlamaForCausalLM) or target_config.embed_scale or target_config.encoder_only:
+            raise NotImplementedError(f"speculative decoding by an EAGLE head for {target_config.architecture} is not "
+                                      "implemented: heads read the Llama-family decoders' features (Llama, Mistral, "
+                                      "Qwen2/3, Phi-3, GLM), whose embedding is not scaled")
         if runner.mesh is not None:
             raise NotImplementedError("speculative decoding by an EAGLE head with tensor_parallel_size > 1 is not "
                                       "implemented yet")

@@ -160,3 +160,23 @@ def test_nothing_compiles_after_precompile(tiny_model_dir, eagle_head):
     _tokens(llm, PROMPTS, lengths)
     _tokens(llm, [p * 5 for p in PROMPTS])
     assert llm.engine.num_compilations == compiled
+
+
+@pytest.mark.torch
+def test_a_target_outside_the_llama_decoders_is_refused_by_name(tmp_path):
+    """GPT-2 has no such features (and Gemma scales its embedding, which a head's fc does not expect)."""
+    pytest.importorskip("torch")
+    from tests.hf_checkpoints import build_checkpoint
+    model = build_checkpoint("gpt2", str(tmp_path / "gpt2"))
+    with open(os.path.join(model, "config.json")) as f:
+        gpt2 = json.load(f)
+    shape = tmp_path / "shape"
+    shape.mkdir()
+    (shape / "config.json").write_text(json.dumps({
+        "hidden_size": gpt2["n_embd"], "intermediate_size": 4 * gpt2["n_embd"], "num_attention_heads": gpt2["n_head"],
+        "num_key_value_heads": gpt2["n_head"], "head_dim": gpt2["n_embd"] // gpt2["n_head"],
+        "vocab_size": gpt2["vocab_size"], "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 512,
+        "hidden_act": "silu"}))
+    head = write_eagle_head(str(tmp_path / "head"), str(shape))
+    with pytest.raises(NotImplementedError, match="EAGLE head for GPT2LMHeadModel is not implemented"):
+        LLM(model, show_progress=False, speculative_config=_eagle(head))
