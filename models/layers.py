@@ -227,6 +227,12 @@ class PagedSelfAttention(Block):
         return out, k_cache, v_cache
 
 
+def unrolled_layers(layer_loop: str, platform: str) -> bool:
+    """Whether a model loads its layers as a list for the unrolled loop (`run_layers`): `layer_loop`
+    "unroll", or "auto" on CPU, where the scanned loop's weight copies cost more than compiling every layer."""
+    return layer_loop == "unroll" or (layer_loop == "auto" and platform == "cpu")
+
+
 def run_layers(one_layer: Callable, carry, layer_params, per_layer: tuple[jax.Array, ...]):
     """Applies `one_layer(carry, (params, *per_layer[i])) -> carry` for every decoder layer.
 

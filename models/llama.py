@@ -226,7 +226,8 @@ class LlamaForCausalLM:
             tables["local"] = rotary_table(max_positions, self.local_inv_freq, self.local_rope_scaling)
         return {"rotary": tables}
 
-    def hidden_states(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
+    def hidden_states(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention,
+                      aux_layers: tuple[int, ...] = ()):
         """The step's layers, up to the LM head.
 
         Args:
@@ -237,8 +238,11 @@ class LlamaForCausalLM:
           meta: AttentionMetadata for the step.
           logits_indices: int32 [S]; which packed token's hidden state feeds each sequence's logits.
           attention: the attention backend.
+          aux_layers: residual streams to return beside (an EAGLE-3 head's features): id j is the stream
+            entering layer j (0: the embedding).
         Returns:
-          (LastHidden: the final-normed hidden states of the tokens logits_indices picks, kv_cache)
+          (LastHidden: the final-normed hidden states of the tokens logits_indices picks, kv_cache), and with
+          aux_layers a third item: [len(aux_layers), T, H], each packed token's streams.
         """
         cfg = self.config
         embed = {"params": params["embed_tokens"]}
@@ -275,10 +279,23 @@ class LlamaForCausalLM:
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         windows = jnp.asarray(cfg.layer_windows or (0,) * cfg.num_layers, jnp.int32)
         # The first layer adds zeros: bf16(h + 0) is h.
-        h, delta, k_all, v_all = run_layers(one_layer, (h, jnp.zeros_like(h), k_all, v_all), params["layers"],
-                                            (layer_ids, windows))
+        carry = (h, jnp.zeros_like(h), k_all, v_all)
+        if aux_layers:
+            wanted = jnp.asarray(aux_layers, jnp.int32)[:, None, None]
+
+            def capturing(carry, xs):  # the stream entering a wanted layer (h + delta) is kept as it passes
+                *inner, aux = carry
+                aux = jnp.where(wanted == xs[1], (inner[0] + inner[1])[None], aux)
+                return (*one_layer(tuple(inner), xs), aux)
+            h, delta, k_all, v_all, aux = run_layers(capturing, (*carry, jnp.zeros((len(aux_layers), *h.shape),
+                                                                                    h.dtype)),
+                                                     params["layers"], (layer_ids, windows))
+        else:
+            h, delta, k_all, v_all = run_layers(one_layer, carry, params["layers"], (layer_ids, windows))
         _, h = self.final_norm.apply({"params": params["norm"]}, h[logits_indices], delta[logits_indices])
         live_seqs = jnp.sum(meta.seq_lens > 0, dtype=jnp.int32)  # rows of padded sequences may be skipped
+        if aux_layers:
+            return LastHidden(h, live_seqs), (k_all, v_all), aux
         return LastHidden(h, live_seqs), (k_all, v_all)
 
     def logits(self, params, last: LastHidden) -> jax.Array:

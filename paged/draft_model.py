@@ -26,6 +26,7 @@ from paged.batch import Buckets
 from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.models import get_attention_backend, load_model
 from paged.models.attention import AttentionMetadata
+from paged.models.layers import unrolled_layers
 from paged.models.builtin import builtin_model
 from paged.request import PLACEHOLDER, Request
 from paged.runner import kv_block_bytes
@@ -107,7 +108,7 @@ class DraftModelProposer:
         """(config, model, params, dtype) of the draft checkpoint."""
         builtin = builtin_model(speculative.model)
         model_dir = builtin[0] if builtin else speculative.model
-        unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and jax.default_backend() == "cpu")
+        unroll = unrolled_layers(config.layer_loop, jax.default_backend())
         _, model_config, model, params, dtype = load_model(
             model_dir, config.dtype, show_progress, stacked_layers=not unroll, linear_backend=linear_backend)
         if model_config.vocab_size != target_config.vocab_size:

@@ -1,11 +1,13 @@
-"""Speculative decoding's `eagle` method: an EAGLE head (models/eagle.py) proposes from the target's own
-hidden states.
+"""Speculative decoding's `eagle` and `eagle3` methods: an EAGLE head (models/eagle.py) proposes from the
+target's own hidden states.
 
-The target's step writes every computed token's final-normed hidden state into a pool beside its K/V, at the
-token's K/V slot (ModelRunner `keep_hidden`), so the features live exactly as long as the K/V they came with
-and need no bookkeeping of their own. Drafting is the draft model's (paged/draft_model.py) with two changes:
+The target's step writes every computed token's features into a pool beside its K/V, at the token's K/V slot
+(ModelRunner `keep_hidden`): its final-normed hidden state for EAGLE-1, three of its intermediate residual
+streams for EAGLE-3 (`aux_layers`). The features live exactly as long as the K/V they came with and need no
+bookkeeping of their own. Drafting is the draft model's (paged/draft_model.py) with two changes:
 position p reads the token after it (`shift` 1) and the target's feature at p, gathered from that pool by the
-target's slots; the single-token passes then feed the head's own output as the next feature.
+target's slots (through the head's `combine`: EAGLE-3's fc); the single-token passes then feed the head's own
+output as the next feature.
 """
 
 from __future__ import annotations
@@ -16,9 +18,8 @@ import numpy as np
 
 from paged.block_manager import SINK_BLOCK
 from paged.draft_model import DraftModelProposer, _Row
-from paged.models.eagle import load_eagle_head
+from paged.models.eagle import load_eagle3_head, load_eagle_head
 from paged.models.llama import LlamaForCausalLM
-from paged.sampler import first_argmax
 
 
 class EagleProposer(DraftModelProposer):
@@ -42,8 +43,9 @@ class EagleProposer(DraftModelProposer):
                          show_progress)
 
     def _load(self, speculative, config, target_config, linear_backend: str, show_progress: bool):
-        model_config, head, params = load_eagle_head(speculative.model, target_config, self.runner.hidden_pool.dtype,
-                                                     linear_backend, show_progress)
+        load = load_eagle3_head if speculative.method == "eagle3" else load_eagle_head
+        model_config, head, params = load(speculative.model, target_config, self.runner.hidden_pool.dtype,
+                                          linear_backend, show_progress)
         return model_config, head, params, np.dtype(self.runner.hidden_pool.dtype)
 
     def _target_head_params(self) -> dict:
@@ -65,11 +67,11 @@ class EagleProposer(DraftModelProposer):
         """int32 [S, k]: each row's k greedy proposals (rows past their own count hold junk)."""
         self.num_compilations += 1  # runs only while tracing
         head, target = self.model, self.target
-        features = jnp.take(hidden_pool, target_slots, axis=0)
+        features = head.combine(params, jnp.take(hidden_pool, target_slots, axis=0))
         out, kv_cache = head.hidden_states(params, kv_cache, token_ids, meta, logits_indices, self.attention,
                                            features=features, target=target, target_params=target_params)
         rows = out.shape[0]
-        propose = lambda out: first_argmax(head.head_logits(target, target_params, out, jnp.int32(rows)))
+        propose = lambda out: head.propose(params, target, target_params, out)
         first = propose(out)
         if decode_metas is None:
             return kv_cache, first[:, None]

@@ -117,16 +117,13 @@ class LLMEngine:
         self.block_manager = BlockManager(worker.num_blocks, config.block_size, config.max_num_seqs,
                                           worker.max_blocks_per_seq, config.enable_prefix_caching)
         self.speculative = speculative = config.parsed_speculative_config()
-        if speculative is not None and speculative.method not in ("ngram", "draft_model", "eagle"):
-            raise NotImplementedError(f"speculative decoding by {speculative.method!r} is not implemented yet; "
-                                      "methods 'ngram', 'draft_model' and 'eagle' are")
         if speculative is not None and self.runner_type == "pooling":
             raise ValueError("speculative decoding is for generation; a pooling model does not decode")
-        self.draft = None  # the proposer that runs a model (methods "draft_model" and "eagle")
+        self.draft = None  # the proposer that runs a model (methods "draft_model", "eagle" and "eagle3")
         if speculative is not None and speculative.method == "draft_model":
             self.draft = DraftModelProposer(speculative, config, model_config, self.attention_name,
                                             self.linear_backend, worker.num_blocks, show_progress)
-        elif speculative is not None and speculative.method == "eagle":
+        elif speculative is not None and speculative.method in ("eagle", "eagle3"):
             self.draft = EagleProposer(speculative, config, worker.model, model_config, worker.runner,
                                        self.block_manager, self.attention_name, self.linear_backend,
                                        worker.num_blocks, show_progress)

@@ -86,7 +86,7 @@ def kv_budget(memory_utilization: float, memory_bytes: int | None, device) -> tu
 class ModelRunner:
     def __init__(self, model, params, attention, num_blocks: int, block_size: int, dtype, max_num_seqs: int,
                  mesh=None, device=None, publish=None, pooling: tuple[str, bool] | None = None,
-                 max_verify_tokens: int = 0, keep_hidden: bool = False):
+                 max_verify_tokens: int = 0, keep_hidden: bool = False, aux_layers: tuple[int, ...] = ()):
         """`mesh`: the tensor-parallel mesh (None: one device); `device`: that one device when it is not the
         default (a data-parallel replica's); `publish(operation)`: on a multi-host leader, hands each device
         operation's host inputs to the followers before it runs (paged/multihost.py); `pooling`: for a pooling
@@ -95,7 +95,8 @@ class ModelRunner:
         in a step (Buckets.max_verify_tokens; 0 without speculation): a step carrying proposals
         (`StepInputs.num_verify`) also draws the token after each, to verify them; `keep_hidden`: every step also
         writes each packed token's final-normed hidden state into `hidden_pool` [num_blocks * block_size, H] at
-        its K/V slot, where an EAGLE head (paged/draft_model.py) reads the target's features."""
+        its K/V slot, where an EAGLE head (paged/eagle.py) reads the target's features; with `aux_layers` (an
+        EAGLE-3 head's), the residual streams entering those layers instead, concatenated [.., len * H]."""
         cfg = model.config
         self.model = model
         self.params = params
@@ -108,8 +109,10 @@ class ModelRunner:
         pool = kv_pool_sharding(mesh) if mesh is not None else placement(None, device)
         self._zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=pool)
         self.hidden_pool = None
+        self.aux_layers = tuple(aux_layers)
         if keep_hidden:
-            self.hidden_pool = jnp.zeros((num_blocks * block_size, cfg.hidden_size), dtype)
+            width = cfg.hidden_size * max(len(aux_layers), 1)
+            self.hidden_pool = jnp.zeros((num_blocks * block_size, width), dtype)
             if (where := placement(mesh, device)) is not None:
                 self.hidden_pool = jax.device_put(self.hidden_pool, where)
         self.kv_cache = None
@@ -151,8 +154,12 @@ class ModelRunner:
         num_seqs, num_tokens = inputs.logits_indices.shape[0], token_ids.shape[0]
         indices = jnp.concatenate([inputs.logits_indices, jnp.arange(num_tokens, dtype=jnp.int32)])
         with lora_token_slots(inputs.lora_slots):
-            normed, kv_cache = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention, indices,
-                                                        self.attention)
+            if self.aux_layers:
+                normed, kv_cache, aux = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention,
+                                                                 indices, self.attention, aux_layers=self.aux_layers)
+            else:
+                normed, kv_cache = self.model.hidden_states(params, kv_cache, token_ids, inputs.attention, indices,
+                                                            self.attention)
         last, token_hidden = LastHidden(normed.h[:num_seqs], normed.live_rows), normed.h[num_seqs:]
         # Rows sampled apart still pass through here as plain greedy rows; a step of nothing else skips it.
         out = jax.lax.cond(inputs.sample_in_step,
@@ -169,7 +176,8 @@ class ModelRunner:
                 lambda: no_samples(inputs.verify_indices.shape[0])))
             hidden = hidden.at[self.max_num_seqs:self.max_num_seqs + verify_hidden.shape[0]].set(verify_hidden)
         if hidden_pool is not None:  # padding writes the sink block's slots, which nothing reads
-            hidden_pool = hidden_pool.at[inputs.attention.slot_mapping].set(token_hidden.astype(hidden_pool.dtype))
+            kept = jnp.concatenate(list(aux), axis=-1) if self.aux_layers else token_hidden
+            hidden_pool = hidden_pool.at[inputs.attention.slot_mapping].set(kept.astype(hidden_pool.dtype))
         return kv_cache, out, self.no_tokens.at[:num_seqs].set(out.tokens), hidden, token_hidden, hidden_pool
 
     def _verify(self, params, hidden, inputs: StepInputs) -> SamplerOutput:

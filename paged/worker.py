@@ -20,7 +20,9 @@ from paged.config import KV_CACHE_DTYPES, EngineConfig
 from paged.logit_adjustments import build_adjustments
 from paged.models import get_attention_backend, load_model
 from paged.models.attention import resolve_backends
+from paged.models.layers import unrolled_layers
 from paged.models.config import ModelConfig
+from paged.models.eagle import eagle3_aux_layers
 from paged.lora import LoRAAdapter, LoRARequest, read_peft_adapter
 from paged.lora_weights import match_adapter, placement_of, with_lora_of, without_lora, write_slot
 from paged.models.loader import parameter_shapes, saved_layout, weight_bytes
@@ -68,7 +70,7 @@ class Worker:
         self.attention_name, self.linear_backend = resolve_backends(
             platform, config.attention_backend, config.linear_backend, sharded=self.mesh is not None)
         attention = get_attention_backend(self.attention_name, platform)
-        unroll = config.layer_loop == "unroll" or (config.layer_loop == "auto" and platform == "cpu")
+        unroll = unrolled_layers(config.layer_loop, platform)
         self.model_dir, self.model_config, self.model, params, self.dtype = load_model(
             model_dir, config.dtype, show_progress, stacked_layers=not unroll, linear_backend=self.linear_backend,
             mesh=self.mesh, quantization=config.quantization, device=self.device,
@@ -95,11 +97,13 @@ class Worker:
                                  hf_overrides=config.parsed_hf_overrides(), lora=self.lora)
         if (where := placement(self.mesh, self.device)) is not None:  # beside the weights, not copied per step
             precomputed = jax.device_put(precomputed, where)
+        method = self.speculative.method if self.speculative is not None else None
         self.runner = ModelRunner(self.model, {**params, **precomputed}, attention, self.num_blocks,
                                   config.block_size, self.kv_dtype, config.max_num_seqs, self.mesh, self.device,
                                   publish=channel.publish if channel is not None and channel.leader else None,
                                   pooling=pooling, max_verify_tokens=max_verify_tokens(self.speculative, config.max_num_seqs),
-                                  keep_hidden=self.speculative is not None and self.speculative.method == "eagle")
+                                  keep_hidden=method in ("eagle", "eagle3"), aux_layers=eagle3_aux_layers(
+                                      self.speculative.model, self.model_config.num_layers) if method == "eagle3" else ())
         block_bytes = kv_block_bytes(self.model_config, config.block_size, self.kv_dtype)
         self.kv_pool_bytes = self.num_blocks * block_bytes  # K and V over all layers, every device's share
         swap_blocks = int(config.swap_space * 2**30) // block_bytes if config.preemption_mode == "swap" else 0

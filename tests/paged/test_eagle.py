@@ -146,11 +146,6 @@ def test_a_head_of_another_width_is_refused(tiny_model_dir, tmp_path):
         LLM(tiny_model_dir, show_progress=False, speculative_config=_eagle(head))
 
 
-def test_eagle3_is_refused_by_name(tiny_model_dir, eagle_head):
-    with pytest.raises(NotImplementedError, match="'eagle3' is not implemented yet"):
-        LLM(tiny_model_dir, show_progress=False, speculative_config={**_eagle(eagle_head), "method": "eagle3"})
-
-
 def test_nothing_compiles_after_precompile(tiny_model_dir, eagle_head):
     llm = LLM(tiny_model_dir, show_progress=False, speculative_config=_eagle(eagle_head), max_num_batched_tokens=64,
               max_num_seqs=8)

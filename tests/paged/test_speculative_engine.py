@@ -243,9 +243,9 @@ def test_the_ngram_proposer_speeds_up_copying_without_changing_it(tiny_model_dir
 
 
 def test_methods_not_implemented_are_refused_by_name(tiny_model_dir):
-    with pytest.raises(NotImplementedError, match="'eagle3' is not implemented yet"):
+    with pytest.raises(ValueError, match="method 'mtp' is not supported; supported: ngram, draft_model, eagle, eagle3"):
         LLM(tiny_model_dir, show_progress=False,
-            speculative_config={"method": "eagle3", "model": tiny_model_dir, "num_speculative_tokens": 2})
+            speculative_config={"method": "mtp", "model": tiny_model_dir, "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="prompt_lookup_min=3 must be <= prompt_lookup_max=2"):
         LLM(tiny_model_dir, show_progress=False, speculative_config='{"method": "ngram", "num_speculative_tokens": 2, '
                                                                    '"prompt_lookup_min": 3, "prompt_lookup_max": 2}')
