@@ -35,31 +35,38 @@ from paged.sampler import first_argmax
 
 class _DraftSequence:
     """The draft pool's view of one target request: its pages (BlockManager reads page_row, block_ids and
-    num_registered_blocks) and the tokens its K/V were computed from."""
+    num_registered_blocks) and which tokens its K/V were computed from: the request's first `num_known`,
+    then `proposed`, the draft's own proposals not verified yet. Position p reads token p + shift (a draft
+    model: shift 0; an EAGLE head, which reads the next token beside the feature at p: 1)."""
 
     def __init__(self, shift: int):
         self.page_row: int | None = None
         self.block_ids: list[int] = []
         self.num_registered_blocks = 0
-        # The sequence's tokens that the pool's K/V depend on: position p reads token p + shift (a draft model:
-        # shift 0; an EAGLE head, which reads the next token beside the feature at p: 1).
-        self.token_ids: list[int] = []
-        self.num_known = 0  # how many of token_ids are the target's (the rest: proposals not yet verified)
+        self.num_known = 0
+        self.proposed: list[int] = []
         self.shift = shift
 
     @property
     def num_computed_tokens(self) -> int:
         """Positions whose K/V are in the pool."""
-        return max(len(self.token_ids) - self.shift, 0)
+        return max(self.num_known + len(self.proposed) - self.shift, 0)
 
     def keep_verified(self, target_tokens: list[int]) -> None:
-        """Drops held tokens from the first that differs from the target's sequence: only the draft's own
-        proposals (held past `num_known`) can, since a request's tokens never change once verified."""
-        held = self.token_ids
-        same = min(len(held), len(target_tokens))
-        mismatch = next((i for i in range(min(self.num_known, same), same) if held[i] != target_tokens[i]), same)
-        del held[mismatch:]
-        self.num_known = min(self.num_known, mismatch)
+        """Keeps the proposals the target's sequence now holds (their K/V stand) and drops the rest from the
+        first that differs: the request's own tokens never change once verified."""
+        agreed = 0
+        for token in self.proposed:
+            position = self.num_known + agreed
+            if position >= len(target_tokens) or target_tokens[position] != token:
+                break
+            agreed += 1
+        self.num_known += agreed
+        self.proposed = []
+
+    def forget(self) -> None:
+        self.num_known = 0
+        self.proposed = []
 
 
 @dataclasses.dataclass
@@ -144,8 +151,7 @@ class DraftModelProposer:
             # K/V for the positions caught up and then all but the last proposal.
             if not self.block_manager.allocate(sequence, sequence.num_computed_tokens + len(new) + max(count - 1, 0)):
                 self.block_manager.free(sequence)
-                sequence.token_ids.clear()
-                sequence.num_known = 0
+                sequence.forget()
                 continue
             rows.append(_Row(request, sequence, list(new), count))
             budget -= len(new)
@@ -166,11 +172,9 @@ class DraftModelProposer:
         proposals = np.asarray(proposals)
         for i, row in enumerate(rows):
             drafted = [int(t) for t in proposals[i, :row.num_proposals]]
-            held = row.sequence.token_ids
-            held.extend(row.request.token_ids[len(held):row.sequence.num_computed_tokens + len(row.new_tokens)
-                                              + self.shift])
-            row.sequence.num_known = len(held)
-            held.extend(drafted[:-1])  # the last proposal's K/V are not computed
+            sequence = row.sequence
+            sequence.num_known = sequence.num_computed_tokens + len(row.new_tokens) + self.shift
+            sequence.proposed = drafted[:-1]  # the last proposal's K/V are not computed
             if row.num_proposals:
                 self.proposals[id(row.request)] = drafted
 

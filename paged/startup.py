@@ -69,6 +69,18 @@ def summary(engine, seconds: float) -> str:
                f"prefix caching {'on' if cfg.enable_prefix_caching else 'off'}")
     if mc.encoder_only:
         kv_line = "no KV cache (an encoder: each prompt is computed whole in one step)"
+    spec = engine.speculative
+    spec_lines = []
+    if spec is not None:
+        spec_line = f"speculative decoding by {spec.method}, up to {spec.num_speculative_tokens} tokens a step" + (
+            f" while fewer than {spec.disable_by_batch_size} requests run" if spec.disable_by_batch_size else "")
+        if engine.draft is not None:  # the pools it adds beside the target's KV pool
+            draft = engine.draft
+            spec_line += (f"; {spec.model}: {draft.model_config.num_layers} layer(s), its KV pool "
+                          f"{_mib(draft.kv_pool_bytes)}")
+            if (hidden := engine.worker.runner.hidden_pool) is not None:
+                spec_line += f", the target's features kept beside its K/V {_mib(hidden.nbytes)}"
+        spec_lines.append(spec_line)
     lines = [
         f"model {model}" + (f" ({description})" if description else "")
         + f": {mc.architecture}, {mc.num_layers} layers, weights {_mib(engine.weight_bytes['total'])} "
@@ -79,6 +91,7 @@ def summary(engine, seconds: float) -> str:
            f"{'normalisation' if engine.pooling_task == 'embed' else 'activation'}"]
           if engine.pooler_config is not None else []),
         kv_line,
+        *spec_lines,
         f"max_model_len {cfg.max_model_len}, max_num_seqs {cfg.max_num_seqs}, max_num_batched_tokens "
         f"{cfg.max_num_batched_tokens}",
         f"{num_shapes} step shapes, each compiled on first use (precompile() compiles them up front); "

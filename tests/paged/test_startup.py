@@ -13,6 +13,7 @@ from pathlib import Path
 
 from paged import LLM
 from paged.batch import Buckets
+from paged.startup import summary
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -49,6 +50,19 @@ def test_summary_is_logged_once_with_the_engine_as_built(tiny_model_dir):
     assert f"{len(engine.buckets.all_shapes())} step shapes" in text
     assert f"model {tiny_model_dir} (random weights: its text is noise)" in text  # create_tiny_llama marks it
 
+
+
+def test_summary_names_the_speculative_pools(tiny_model_dir):
+    """A draft model's KV pool (its own shape, the target's block count) is reported beside the target's."""
+    llm = LLM(tiny_model_dir, block_size=8, max_num_seqs=4, max_num_batched_tokens=32, max_model_len=64,
+              num_kv_blocks=40, show_progress=False,
+              speculative_config={"method": "draft_model", "model": tiny_model_dir, "num_speculative_tokens": 3,
+                                  "disable_by_batch_size": 3})
+    text = summary(llm.engine, 1.0)
+    pool_mib = 40 * 2 * 2 * 2 * 8 * 16 * 4 / 2**20  # the draft is the tiny model itself: the same pool
+    assert (f"speculative decoding by draft_model, up to 3 tokens a step while fewer than 3 requests run; "
+            f"{tiny_model_dir}: 2 layer(s), its KV pool {pool_mib:,.1f} MiB") in text
+    assert "speculative" not in summary(LLM(tiny_model_dir, show_progress=False).engine, 1.0)
 
 _PRECOMPILE_TWICE = """
 import logging, sys
