@@ -12,6 +12,7 @@ import pytest
 from safetensors.numpy import save_file
 
 from paged import LLM, SamplingParams
+from tests.paged.proposals import first_proposals
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 PROMPTS = [[5, 17, 99, 23, 7, 55], [300, 12, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24], [42, 43]]
@@ -111,20 +112,7 @@ def test_proposals_equal_the_head_built_from_transformers_layers(tiny_model_dir,
             return proposals
 
     llm = LLM(tiny_model_dir, show_progress=False, dtype="float32", speculative_config=_eagle(eagle_head, k))
-    draft, seen = llm.engine.draft, {}
-    original = draft.begin_step
-
-    def recording(candidates, running):
-        original(candidates, running)
-        for request, _ in candidates:
-            if request.request_id not in seen and id(request) in draft.proposals:
-                seen[request.request_id] = (list(request.token_ids), draft.proposals[id(request)])
-    draft.begin_step = recording
-    llm.generate([{"prompt_token_ids": p} for p in PROMPTS], SamplingParams(temperature=0, max_tokens=8,
-                                                                            ignore_eos=True), use_tqdm=False)
-    assert len(seen) == len(PROMPTS)
-    for tokens, proposals in seen.values():
-        prompt, first = tokens[:-1], tokens[-1]  # the first proposals come with the first output token
+    for prompt, first, proposals in first_proposals(llm, PROMPTS):
         assert proposals == reference(prompt, first)
 
 
