@@ -113,7 +113,7 @@ def load_eagle_head(model: str, target_config: ModelConfig, dtype, linear_backen
     """(config, head, params) of the EAGLE checkpoint `model` (a directory or hub id) for the target whose
     config is `target_config`: its features are the target's hidden states, so the widths must agree."""
     model_dir = resolve_model_path(model)
-    config = load_model_config(model_dir)
+    config = head_config(model_dir, "eagle")
     if config.hidden_size != target_config.hidden_size:
         raise ValueError(f"speculative_config: the EAGLE head {model!r} has hidden size {config.hidden_size}, the "
                          f"target {target_config.hidden_size}; a head reads the target's hidden states")
@@ -284,16 +284,23 @@ def _read_optional(model_dir: str, names: tuple[str, ...]) -> np.ndarray | None:
     return None
 
 
+def head_config(model_dir: str, method: str) -> ModelConfig:
+    """The head's layer shape as a ModelConfig (method "eagle" or "eagle3"; an EAGLE-3 config read as the
+    Llama layer it describes)."""
+    if method == "eagle":
+        return load_model_config(model_dir)
+    raw = _eagle3_raw_config(model_dir)
+    overrides = {key: raw[key] for key in raw if key not in ("architectures", "transformer_layer_config")}
+    return load_model_config(model_dir, {**overrides, "architectures": ["LlamaForCausalLM"], "model_type": "llama"})
+
+
 def load_eagle3_head(model: str, target_config: ModelConfig, dtype, linear_backend: str,
                      show_progress: bool = False) -> tuple[ModelConfig, Eagle3Head, dict]:
     """(config, head, params) of the EAGLE-3 checkpoint `model` for the target whose config is
     `target_config`."""
     model_dir = resolve_model_path(model)
     spec = eagle3_spec(model_dir)
-    raw = _eagle3_raw_config(model_dir)
-    overrides = {key: raw[key] for key in raw if key not in ("architectures", "transformer_layer_config")}
-    config = load_model_config(model_dir, {**overrides, "architectures": ["LlamaForCausalLM"],
-                                           "model_type": "llama"})
+    config = head_config(model_dir, "eagle3")
     if spec.target_hidden_size != target_config.hidden_size:
         raise ValueError(f"speculative_config: the EAGLE-3 head {model!r} reads features of width "
                          f"{spec.target_hidden_size}, the target's hidden size is {target_config.hidden_size}")

@@ -28,9 +28,29 @@ from paged.models import get_attention_backend, load_model
 from paged.models.attention import AttentionMetadata
 from paged.models.layers import unrolled_layers
 from paged.models.builtin import builtin_model
+from paged.models.config import load_model_config
+from paged.models.loader import resolve_dtype, resolve_model_path
 from paged.request import PLACEHOLDER, Request
 from paged.runner import kv_block_bytes
 from paged.sampler import first_argmax
+
+
+def proposer_block_bytes(speculative, target_config, block_size: int, engine_dtype, target_dtype) -> int:
+    """Bytes a model-based proposer keeps for each block of the target's KV pool (its own pool has as many
+    blocks): a draft model's K/V in its dtype; an EAGLE head's K/V and the target's features it reads
+    (ModelRunner `keep_hidden`: H, or 3H for EAGLE-3, a token), both in the target's dtype. 0 for n-gram.
+    `engine_dtype`: the engine's dtype setting (a draft resolves "auto" to its own checkpoint's)."""
+    from paged.models.eagle import head_config  # paged.eagle imports this module
+    if speculative is None or speculative.method == "ngram":
+        return 0
+    builtin = builtin_model(speculative.model)
+    model_dir = resolve_model_path(builtin[0] if builtin else speculative.model)
+    if speculative.method == "draft_model":
+        config = load_model_config(model_dir)
+        return kv_block_bytes(config, block_size, resolve_dtype(engine_dtype, config))
+    features = (3 if speculative.method == "eagle3" else 1) * target_config.hidden_size
+    return kv_block_bytes(head_config(model_dir, speculative.method), block_size, target_dtype) + \
+        block_size * features * np.dtype(target_dtype).itemsize
 
 
 class _DraftSequence:

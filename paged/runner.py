@@ -112,7 +112,7 @@ class ModelRunner:
         self.aux_layers = tuple(aux_layers)
         if keep_hidden:
             width = cfg.hidden_size * max(len(aux_layers), 1)
-            self.hidden_pool = jnp.zeros((num_blocks * block_size, width), dtype)
+            self.hidden_pool = jnp.zeros((num_blocks * block_size, width), model.dtype)  # not an fp8 KV dtype
             if (where := placement(mesh, device)) is not None:
                 self.hidden_pool = jax.device_put(self.hidden_pool, where)
         self.kv_cache = None

@@ -17,6 +17,7 @@ from jax.experimental import multihost_utils
 from paged import multihost, startup
 from paged.batch import Buckets, StepInputs, padding_inputs, prompt_logprob_rows
 from paged.config import KV_CACHE_DTYPES, EngineConfig
+from paged.draft_model import proposer_block_bytes
 from paged.logit_adjustments import build_adjustments
 from paged.models import get_attention_backend, load_model
 from paged.models.attention import resolve_backends
@@ -119,6 +120,9 @@ class Worker:
             per_block = kv_block_bytes(self.model_config, config.block_size, self.kv_dtype)
             if self.mesh is not None and jax.default_backend() != "cpu":
                 per_block //= config.tensor_parallel_size  # each device holds its KV heads' share of a block
+            # A draft model or EAGLE head keeps its own pool of as many blocks (on one device).
+            per_block += proposer_block_bytes(self.speculative, self.model_config, config.block_size, config.dtype,
+                                              self.dtype)
             # The budget is read on one of this process's own devices (a multi-host mesh also holds others').
             local = next((d for d in self.devices if d.process_index == jax.process_index()), self.devices[0])
             budget, self.kv_budget_note = kv_budget(config.gpu_memory_utilization, config.kv_cache_memory_bytes,

@@ -189,3 +189,12 @@ def test_every_family_keeps_its_tokens_with_itself_as_draft(name, tmp_path_facto
     llm = LLM(model, show_progress=False, dtype="float32", speculative_config=_draft(model))
     assert _tokens(llm, prompts) == want
     assert llm.engine.spec_stats.acceptance_rate > 0.5
+
+
+def test_the_memory_budget_holds_the_drafts_pool_too(tiny_model_dir):
+    """A draft's pool has as many blocks as the target's: under one kv_cache_memory_bytes, a draft as large
+    as the target halves the blocks. (A tiny-model block: K and V x 2 layers x 2 KV heads x 8 tokens x 16
+    dims x 4 bytes = 4 KiB.)"""
+    options = dict(show_progress=False, block_size=8, max_model_len=64, kv_cache_memory_bytes=400 * 1024)
+    assert LLM(tiny_model_dir, **options).engine.worker.num_blocks == 100
+    assert LLM(tiny_model_dir, speculative_config=_draft(tiny_model_dir, k=2), **options).engine.worker.num_blocks == 50

@@ -163,3 +163,19 @@ def test_a_target_outside_the_llama_decoders_is_refused_by_name(tmp_path):
     head = write_eagle_head(str(tmp_path / "head"), str(shape))
     with pytest.raises(NotImplementedError, match="EAGLE head for GPT2LMHeadModel is not implemented"):
         LLM(model, show_progress=False, speculative_config=_eagle(head))
+
+
+def test_the_memory_budget_holds_the_heads_pools_too(tiny_model_dir, eagle_head):
+    """Per block of 8 tokens beside the target's 4 KiB of K/V (2 layers, float32): the head's one layer of
+    K/V (2 KiB) and the target's feature at each slot (8 x 64 x 4 B = 2 KiB)."""
+    options = dict(show_progress=False, block_size=8, max_model_len=64, kv_cache_memory_bytes=400 * 1024)
+    llm = LLM(tiny_model_dir, speculative_config=_eagle(eagle_head), **options)
+    assert llm.engine.worker.num_blocks == 400 * 1024 // (4096 + 2048 + 2048)
+
+
+def test_an_fp8_kv_cache_keeps_the_features_in_the_model_dtype(tiny_model_dir, eagle_head):
+    """The features are not K/V: with an fp8 pool they (and the head) stay in the model's dtype."""
+    want = _tokens(LLM(tiny_model_dir, show_progress=False, kv_cache_dtype="fp8"))
+    llm = LLM(tiny_model_dir, show_progress=False, kv_cache_dtype="fp8", speculative_config=_eagle(eagle_head))
+    assert llm.engine.worker.runner.hidden_pool.dtype == llm.engine.dtype
+    assert _tokens(llm) == want
