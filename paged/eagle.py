@@ -34,9 +34,6 @@ class EagleProposer(DraftModelProposer):
             raise NotImplementedError(f"speculative decoding by an EAGLE head for {target_config.architecture} is not "
                                       "implemented: heads read the Llama-family decoders' features (Llama, Mistral, "
                                       "Qwen2/3, Phi-3, GLM), whose embedding is not scaled")
-        if runner.mesh is not None:
-            raise NotImplementedError("speculative decoding by an EAGLE head with tensor_parallel_size > 1 is not "
-                                      "implemented yet")
         if runner.hidden_pool is None:
             raise ValueError("the target's runner keeps no hidden states (ModelRunner keep_hidden)")
         super().__init__(speculative, config, target_config, attention_name, linear_backend, num_blocks,

@@ -212,3 +212,43 @@ def test_a_head_for_another_width_is_refused(tiny_model_dir, tmp_path):
     head = write_eagle3_head(str(tmp_path / "head"), other, aux_layer_ids=[0, 1, 1])
     with pytest.raises(ValueError, match="features of width 96, the target's hidden size is 64"):
         LLM(tiny_model_dir, show_progress=False, speculative_config=_eagle3(head))
+
+
+TP_SCRIPT = """
+import json, sys
+from paged import LLM, SamplingParams
+from tests.paged.proposals import first_proposals
+model, heads, prompts = json.loads(sys.argv[1])
+results = {}
+for method, head in heads:
+    spec = {"method": method, "model": head, "num_speculative_tokens": 3}
+    llm = LLM(model, show_progress=False, dtype="float32", tensor_parallel_size=2, speculative_config=spec)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                           SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    results[method] = {"tokens": [list(o.outputs[0].token_ids) for o in outputs],
+                       "first_proposals": first_proposals(llm, prompts)}
+print("RESULT " + json.dumps(results))
+"""
+
+
+def test_tensor_parallel_targets_propose_and_keep_their_tokens(tiny_model_dir, tmp_path):
+    """A target split over two devices: each head (EAGLE-1 and EAGLE-3) proposes what it proposes beside the
+    same target on one device, and the target's tokens are its own."""
+    import subprocess
+    import sys
+    from tests.paged.test_eagle import write_eagle_head
+    heads = [("eagle", write_eagle_head(str(tmp_path / "eagle"), tiny_model_dir)),
+             ("eagle3", write_eagle3_head(str(tmp_path / "eagle3"), tiny_model_dir, aux_layer_ids=[1, 0, 1]))]
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run = subprocess.run([sys.executable, "-c", TP_SCRIPT, json.dumps([tiny_model_dir, heads, PROMPTS])],
+                         capture_output=True, text=True, env=env, timeout=600, cwd=repo)
+    lines = [line for line in run.stdout.splitlines() if line.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    sharded = json.loads(lines[0][len("RESULT "):])
+    want = _tokens(LLM(tiny_model_dir, show_progress=False, dtype="float32"))
+    for method, head in heads:
+        assert sharded[method]["tokens"] == want
+        one_device = LLM(tiny_model_dir, show_progress=False, dtype="float32",
+                         speculative_config={"method": method, "model": head, "num_speculative_tokens": 3})
+        assert [list(row) for row in first_proposals(one_device, PROMPTS)] == sharded[method]["first_proposals"]
