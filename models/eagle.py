@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
 
-from paged.models.attention import AttentionMetadata, ReferenceAttention
+from paged.models.attention import AttentionMetadata
 from paged.models.config import ModelConfig, load_model_config
 from paged.models.layers import Block, GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin, run_layers
 from paged.models.linear import LastHidden, Linear
@@ -220,15 +220,6 @@ class Eagle3Head(LlamaForCausalLM):
         h = self.config.hidden_size
         return {"fc": init(self.fc, 3 * self.spec.target_hidden_size), "norm": init(self.final_norm, h),
                 "lm_head": init(self.lm_head, h)}
-
-    def layer_params(self) -> dict:
-        cfg = self.config
-        h = jnp.zeros((1, cfg.hidden_size), self.dtype)
-        cos = jnp.zeros((1, cfg.head_dim), jnp.float32)
-        kv = jnp.zeros((1, cfg.num_kv_heads, 2, 1, cfg.head_dim), self.dtype)
-        shapes = jax.eval_shape(lambda: self.layer.init(jax.random.key(0), h, h, cos, cos, kv, kv, 0, 0,
-                                                        AttentionMetadata.placeholder(), ReferenceAttention()))
-        return shapes["params"]
 
     def checkpoint_target(self, name: str):
         """EAGLE-3's names (`midlayer.*`) and the speculators format's (`layers.0.*`); d2t, t2d and

@@ -134,17 +134,6 @@ def test_a_head_of_another_width_is_refused(tiny_model_dir, tmp_path):
         LLM(tiny_model_dir, show_progress=False, speculative_config=_eagle(head))
 
 
-def test_nothing_compiles_after_precompile(tiny_model_dir, eagle_head):
-    llm = LLM(tiny_model_dir, show_progress=False, speculative_config=_eagle(eagle_head), max_num_batched_tokens=64,
-              max_num_seqs=8)
-    llm.engine.precompile()
-    compiled = llm.engine.num_compilations
-    lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 17)]
-    _tokens(llm, PROMPTS, lengths)
-    _tokens(llm, [p * 5 for p in PROMPTS])
-    assert llm.engine.num_compilations == compiled
-
-
 @pytest.mark.torch
 def test_a_target_outside_the_llama_decoders_is_refused_by_name(tmp_path):
     """GPT-2 has no such features (and Gemma scales its embedding, which a head's fc does not expect)."""

@@ -188,10 +188,13 @@ def test_proposals_equal_the_head_built_from_transformers_modules(four_layer_tar
         assert proposals == reference(prompt, first)
 
 
-def test_nothing_compiles_after_precompile(tiny_model_dir, tmp_path):
-    head = write_eagle3_head(str(tmp_path / "head"), tiny_model_dir, aux_layer_ids=[1, 0, 1])
-    llm = LLM(tiny_model_dir, show_progress=False, speculative_config=_eagle3(head), max_num_batched_tokens=64,
-              max_num_seqs=8)
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_nothing_compiles_after_precompile(tiny_model_dir, tmp_path, method):
+    from tests.paged.test_eagle import write_eagle_head
+    head = write_eagle_head(str(tmp_path / "head"), tiny_model_dir) if method == "eagle" else \
+        write_eagle3_head(str(tmp_path / "head"), tiny_model_dir, aux_layer_ids=[1, 0, 1])
+    llm = LLM(tiny_model_dir, show_progress=False, max_num_batched_tokens=64, max_num_seqs=8,
+              speculative_config={"method": method, "model": head, "num_speculative_tokens": 3})
     llm.engine.precompile()
     compiled = llm.engine.num_compilations
     lengths = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 17)]
