@@ -224,7 +224,10 @@ def test_online_w8a8_matches_the_librarys_dynamic_activations_on_rounded_weights
     activations = QuantizationArgs(num_bits=8, type="int", strategy="token", dynamic=True, symmetric=True)
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": QuantizationScheme(
         targets=["Linear"], input_activations=activations)}, ignore=["lm_head"]))
-    want = model_greedy(model, PROMPTS, 12, eos_token_id=None)
+    # Each step recomputes the whole sequence (no KV cache): quantizing activations turns the last-bit
+    # differences between transformers' cached and uncached passes into different codes, which flipped a near
+    # tie (0.009 nats) on one host; the uncached pass is the computation itself.
+    want = model_greedy(model, PROMPTS, 12, eos_token_id=None, use_cache=False)
     tokens, engine = _greedy(float_dir, quantization="w8a8")
     assert tokens == want
     assert tokens != _greedy(float_dir, quantization="int8")[0]  # the activations' quantization shows
