@@ -26,13 +26,19 @@ from paged.batch import Buckets
 from paged.block_manager import SINK_BLOCK, BlockManager
 from paged.models import get_attention_backend, load_model
 from paged.models.attention import AttentionMetadata
-from paged.models.layers import unrolled_layers
 from paged.models.builtin import builtin_model
 from paged.models.config import load_model_config
+from paged.models.layers import unrolled_layers
 from paged.models.loader import resolve_dtype, resolve_model_path
 from paged.request import PLACEHOLDER, Request
 from paged.runner import kv_block_bytes
 from paged.sampler import first_argmax
+
+
+def _checkpoint(model: str) -> str:
+    """A built-in model's directory, else `model` as given (a directory or hub id)."""
+    builtin = builtin_model(model)
+    return builtin[0] if builtin else model
 
 
 def proposer_block_bytes(speculative, target_config, block_size: int, engine_dtype, target_dtype) -> int:
@@ -43,8 +49,7 @@ def proposer_block_bytes(speculative, target_config, block_size: int, engine_dty
     from paged.models.eagle import head_config  # paged.eagle imports this module
     if speculative is None or speculative.method == "ngram":
         return 0
-    builtin = builtin_model(speculative.model)
-    model_dir = resolve_model_path(builtin[0] if builtin else speculative.model)
+    model_dir = resolve_model_path(_checkpoint(speculative.model))
     if speculative.method == "draft_model":
         config = load_model_config(model_dir)
         return kv_block_bytes(config, block_size, resolve_dtype(engine_dtype, config))
@@ -133,8 +138,7 @@ class DraftModelProposer:
 
     def _load(self, speculative, config, target_config, linear_backend: str, show_progress: bool):
         """(config, model, params, dtype) of the draft checkpoint."""
-        builtin = builtin_model(speculative.model)
-        model_dir = builtin[0] if builtin else speculative.model
+        model_dir = _checkpoint(speculative.model)
         unroll = unrolled_layers(config.layer_loop, jax.default_backend())
         _, model_config, model, params, dtype = load_model(
             model_dir, config.dtype, show_progress, stacked_layers=not unroll, linear_backend=linear_backend)
