@@ -16,8 +16,9 @@ read once over the time make (the roof of a memory-bound decode-sized product). 
               counts the codes and scales they stream; their max_rel_diff is against XLA's dot on the
               dequantized weights.
   int8-f32x, int4-f32x  the same codes with x widened to float32 (the path without AVX-512 BF16)
-  w8a8        the int8 weights with x quantized per row too, through the integer matmul (AVX-512 VNNI), as a
-              W8A8 layer's prompt steps run on the "cpu" backend; against XLA's float32 dot on both sides'
+  w8a8        the int8 weights with x quantized per row too, as a W8A8 layer runs on the "cpu" backend: on
+              AMX-INT8 tiles with the codes packed beforehand and x quantized in the call, else through the
+              integer matmul (AVX-512 VNNI) as prompt steps run it; against XLA's float32 dot on both sides'
               dequantized codes
 
     paged bench matmul                                  # qwen2.5-0.5b's shapes, bfloat16, 8 to 2048 rows
@@ -115,14 +116,25 @@ def _quantized_implementations(dtype) -> dict:
     if cpu.int8_matmul_is_vectorized():
         w8a8 = WeightQuant(bits=8, group_size=-1, method="w8a8", activations="int8")
 
+        on_amx = cpu.w8a8_on_amx()
+
         def w8a8_product(x, p):  # as a W8A8 layer runs it: x quantized per row, then the integer matmul
+            if on_amx:  # the codes held packed for the tiles, x quantized in the call
+                return cpu.w8a8_matmul_packed_cpu(x, p["qweight"], p["scales"], p["zero_offsets"],
+                                                  out_dtype=jnp.float32)
             return low_precision_dot.w8a8_dot(x, p, w8a8, jnp.float32, native=True)
+
+        def w8a8_prepare(w):
+            params = prepare(8)(w)
+            return {**params, "qweight": cpu.pack_for_amx(params["qweight"])} if on_amx else params
 
         def w8a8_reference(x, p):
             codes, row_scale = activation_codes(x, "int8")
+            if on_amx:
+                p = {**p, "qweight": cpu.unpack_from_amx(p["qweight"], x.shape[1])}
             return dequantized(8)(codes.astype(jnp.float32) * row_scale, p)
 
-        impls["w8a8"] = (w8a8_product, prepare(8), w8a8_reference)
+        impls["w8a8"] = (w8a8_product, w8a8_prepare, w8a8_reference)
     if cpu.quant_matmul_takes_bfloat16(2, 1):
         impls.update({"int8-f32x": (float32_x, prepare(8), dequantized(8)),
                       "int4-f32x": (float32_x, prepare(4), dequantized(4))})

@@ -55,12 +55,23 @@ def packs_for_amx(backend: str, dtype: Any, out_features: int) -> bool:
             and cpu.matmul_on_amx())
 
 
+def packs_w8a8_for_amx(backend: str, quant: WeightQuant | None, out_features: int) -> bool:
+    """Whether a W8A8 layer's int8 codes are held in the AMX-INT8 layout (`cpu.pack_for_amx`) and multiplied
+    there with x quantized in the call (`cpu.w8a8_matmul_packed_cpu`), at every step size: the native backend,
+    int8 codes with one scale per output column and activations quantized per token, no act-order, whole
+    64-column panels, on a CPU (and OS) that offers AMX-INT8 tiles. Never under a mesh (as `packs_for_amx`)."""
+    return (backend == "cpu" and quant is not None and quant.activations == "int8" and quant.kind == "int"
+            and quant.bits == 8 and quant.group_size == -1 and not quant.act_order
+            and out_features % cpu.AMX_PANEL == 0 and cpu.w8a8_on_amx())
+
+
 def to_declared_layout(tensor, want: tuple[int, ...]):
     """A checkpoint kernel [in, out] (numpy) in the layout its module declared, `want` being the parameter's
-    shape: as it is, or packed for AMX when the declared shape is the packed one (other tensors unchanged)."""
+    shape: as it is, or packed for AMX when the declared shape is the packed one (bfloat16 kernels and W8A8
+    int8 codes; other tensors unchanged)."""
     if (tensor.ndim == 2 and len(want) == 3 and tensor.shape[1] % cpu.AMX_PANEL == 0
-            and tuple(want) == cpu.amx_packed_shape(*tensor.shape)):
-        return cpu.pack_for_amx(tensor)
+            and tuple(want) == cpu.amx_packed_shape(*tensor.shape, tensor.dtype)):
+        return cpu.pack_for_amx(tensor)  # int8 codes (W8A8) in the int8 layout, any float kernel in bfloat16's
     return tensor  # a shape that fits neither layout is the caller's to report
 
 
@@ -167,17 +178,23 @@ class Linear(nn.Module):
         """Whether the kernel is held packed for AMX (`packs_for_amx`, not quantized)."""
         return self.quant is None and packs_for_amx(self.backend, self.dtype, self.features)
 
+    @property
+    def holds_w8a8_packed(self) -> bool:
+        """Whether the layer's W8A8 codes are held packed for AMX-INT8 (`packs_w8a8_for_amx`)."""
+        return packs_w8a8_for_amx(self.backend, self.quant, self.features)
+
     @nn.compact
     def __call__(self, x: jax.Array, live_rows: jax.Array | None = None, *, packed_kernel: bool = False) -> jax.Array:
-        """x @ kernel (+ bias). packed_kernel: declare the kernel and return it, AMX-packed, instead (only where
-        `held_packed`, without a bias), for a fused call that reads two layers' kernels (`silu_gated`)."""
+        """x @ kernel (+ bias). packed_kernel: declare the kernel and return it as held for AMX instead (the
+        packed kernel where `held_packed`, the W8A8 codes' parameters where `holds_w8a8_packed`; without a bias),
+        for a fused call that reads two layers' kernels (`silu_gated`)."""
         axes = kernel_axes(self.parallel)
         if packed_kernel:
-            if not self.held_packed or self.use_bias:
+            if not (self.held_packed or self.holds_w8a8_packed) or self.use_bias:
                 raise ValueError(f"{self.name}: packed_kernel needs a kernel held packed for AMX and no bias")
-            return self._packed_param(x.shape[-1], axes)
-        if self.held_packed:
-            y = self._amx_packed(x, live_rows, axes)
+            return self._packed_param(x.shape[-1], axes) if self.held_packed else self._w8a8_params(x.shape[-1], axes)
+        if self.held_packed or self.holds_w8a8_packed:
+            y = self._amx_packed(x, live_rows, axes) if self.held_packed else self._w8a8_packed(x, live_rows, axes)
             return self._add_lora(x, y, axes) if self.lora_slots else y
         inputs = x  # what an adapter reads: the input as given, not as the quantized product reorders it
         if self.quant is None:
@@ -257,12 +274,42 @@ class Linear(nn.Module):
         return y.reshape(*lead, self.features)
 
 
+    def _w8a8_packed(self, x: jax.Array, live_rows: jax.Array | None, axes) -> jax.Array:
+        """A W8A8 layer held in the AMX-INT8 layout (`packs_w8a8_for_amx`): x quantized per row, the codes'
+        product, both scales, the zero points and the bias in one native call, rounded once to the output
+        dtype."""
+        in_features = x.shape[-1]
+        params = self._w8a8_params(in_features, axes)
+        bias = self._bias(axes) if self.use_bias else None
+        y = cpu.w8a8_matmul_packed_cpu(w8a8_rows(x, self.dtype), params["qweight"], params["scales"],
+                                       params["zero_offsets"], bias, live_rows, out_dtype=self.out_dtype or self.dtype)
+        return y.reshape(*x.shape[:-1], self.features)
+
+    def _w8a8_params(self, in_features: int, axes) -> dict[str, jax.Array]:
+        return _quantized_params(self, self.quant, in_features, axes,
+                                 qweight_shape=cpu.amx_packed_shape(in_features, self.features, jnp.int8))
+
+
+def w8a8_rows(x: jax.Array, dtype) -> jax.Array:
+    """x [..., K] as the W8A8 AMX calls take it: [rows, K] in the layer's dtype, which the XLA path quantizes
+    from, or float32 where that is neither float32 nor bfloat16 (exact: the codes are computed in float32)."""
+    x = x.reshape(math.prod(x.shape[:-1]), x.shape[-1]).astype(dtype)
+    return x if x.dtype in (jnp.float32, jnp.bfloat16) else x.astype(jnp.float32)
+
+
 def silu_gated(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | None = None) -> jax.Array:
     """silu(gate(x)) * up(x), in `gate`'s dtype. Where both kernels are held packed for AMX and neither layer
-    has a bias, one native call computes it (`paged.kernels.cpu.gated_matmul_packed_cpu`): the two float32
-    products and the activation pass never reach memory, and the result is rounded to bfloat16 once."""
-    if not (gate.held_packed and up.held_packed) or gate.use_bias or up.use_bias or gate.lora_slots or up.lora_slots:
+    has a bias, one native call computes it (`paged.kernels.cpu.gated_matmul_packed_cpu`, or for W8A8 layers
+    `w8a8_gated_matmul_packed_cpu`): the two float32 products and the activation pass never reach memory, and
+    the result is rounded once."""
+    fused = (gate.held_packed and up.held_packed) or (gate.holds_w8a8_packed and up.holds_w8a8_packed)
+    if not fused or gate.use_bias or up.use_bias or gate.lora_slots or up.lora_slots:
         return jax.nn.silu(gate(x, live_rows)) * up(x, live_rows)
+    if gate.holds_w8a8_packed:  # W8A8 codes on AMX-INT8: x quantized once for both
+        g, u = gate(x, packed_kernel=True), up(x, packed_kernel=True)
+        y = cpu.w8a8_gated_matmul_packed_cpu(w8a8_rows(x, gate.dtype), g["qweight"], g["scales"], g["zero_offsets"],
+                                             u["qweight"], u["scales"], u["zero_offsets"], live_rows, gate.dtype)
+        return y.reshape(*x.shape[:-1], gate.features)
     rows, in_features = math.prod(x.shape[:-1]), x.shape[-1]
     y = cpu.gated_matmul_packed_cpu(x.reshape(rows, in_features).astype(jnp.bfloat16), gate(x, packed_kernel=True),
                                     up(x, packed_kernel=True), live_rows)
@@ -270,13 +317,18 @@ def silu_gated(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | No
 
 
 def _quantized_params(module: nn.Module, quant: WeightQuant, in_features: int, axes,
-                      num_groups: int | None = None) -> dict[str, jax.Array]:
+                      num_groups: int | None = None, qweight_shape: tuple[int, ...] | None = None
+                      ) -> dict[str, jax.Array]:
     """Declares a quantized kernel's parameters (models/quantization.py) on `module`, with a leading axis of
-    `num_groups` experts when given; `axes` are the float kernel's mesh axes (perm is replicated)."""
+    `num_groups` experts when given; `axes` are the float kernel's mesh axes (perm is replicated).
+    qweight_shape: the codes held in another layout (the AMX one: [out / 64, steps, 4096], whose panels split
+    the output features)."""
     lead = () if num_groups is None else (num_groups,)
     params = {}
     for name, (shape, dtype) in quant.param_shapes(in_features, module.features).items():
         param_axes = (None,) * (len(lead) + 1) if name == "perm" else axes
+        if name == "qweight" and qweight_shape is not None:
+            shape, param_axes = qweight_shape, (axes[1], axes[0], None)
         params[name] = module.param(name, nn.with_partitioning(nn.initializers.zeros, param_axes), (*lead, *shape),
                                     module.dtype if dtype == "compute" else _dtype(dtype))
     return params

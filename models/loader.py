@@ -181,8 +181,7 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
                     offer(name, read)
         for prefix, tensors in quantized_layers.items():
             key = quantized_key(prefix)
-            packed_rows, out_features = expected[key][-2:]  # [layers, (experts,) rows, out]
-            in_features = packed_rows * (2 if scheme.bits == 4 else 1)  # int4: two rows a byte
+            in_features, out_features = _quantized_layer_shape(expected, key, tensors, scheme)
             for part, array in convert(prefix, tensors, scheme, in_features, out_features, dtype).items():
                 offer(f"{prefix}.paged_{part}", lambda array=array: array)
     for key, (shape, dtype) in expected_with_dtypes.items():
@@ -193,6 +192,20 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
     if missing:
         raise ValueError(f"checkpoint in {model_dir!r} lacks tensors for: {', '.join(missing)}")
     return params
+
+
+def _quantized_layer_shape(expected: dict, key: tuple[str, ...], tensors: dict[str, np.ndarray],
+                           scheme) -> tuple[int, int]:
+    """(in, out) of a quantized layer: from its declared codes, [layers, (experts,) rows, out] (int4: two rows a
+    byte), or, where the module holds them packed for AMX-INT8 (models/linear.py: packs_w8a8_for_amx; [layers,
+    out / 64, ceil(in / 64), 4096]), from the checkpoint's [out, in] weight codes that fit that shape."""
+    declared = expected[key]
+    weight = tensors.get("weight")
+    if scheme.activations == "int8" and weight is not None and weight.ndim == 2:
+        out_features, in_features = weight.shape
+        if declared[-3:] == (out_features // 64, -(-in_features // 64), 4096) and declared[-2] != in_features:
+            return in_features, out_features
+    return declared[-2] * (2 if scheme.bits == 4 else 1), declared[-1]
 
 
 def _tensor_sources(model_dir: str, files: list[str]):

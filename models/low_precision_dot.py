@@ -1,10 +1,11 @@
 """W8A8 products as the hardware's own low-precision dot, where the platform has one.
 
 A W8A8 layer (compressed-tensors int-quantized or float-quantized with dynamic per-token input activations)
-multiplies activation codes by weight codes. On a CPU with AVX-512 VNNI and the "cpu" linear backend, int8
-codes of prompt-sized steps go to the native integer matmul (`paged.kernels.cpu.int8_matmul_cpu`); otherwise
-on CPU the engine quantizes the activations and back and runs the weight-only path (`quantize_activations`,
-models/linear.py). On a GPU or a TPU,
+multiplies activation codes by weight codes. On a CPU with AMX-INT8 and the "cpu" linear backend, int8 layers
+with one scale per column hold their codes packed for the tiles and never come here (models/linear.py:
+packs_w8a8_for_amx). With AVX-512 VNNI instead, int8 codes of prompt-sized steps go to the native integer
+matmul (`paged.kernels.cpu.int8_matmul_cpu`); otherwise on CPU the engine quantizes the activations and back
+and runs the weight-only path (`quantize_activations`, models/linear.py). On a GPU or a TPU,
 XLA's dot takes the codes themselves:
     int8  x int8  -> int32    (TPUs; NVIDIA GPUs from Turing on, through cuBLASLt)
     e4m3  x e4m3  -> float32  (NVIDIA GPUs of compute capability 8.9 and up: Ada, Hopper)

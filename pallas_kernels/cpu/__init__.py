@@ -35,7 +35,8 @@ from paged.kernels.reference import to_pool_dtype
 _SOURCE_DIR = Path(__file__).parent
 _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc",
             _SOURCE_DIR / "amx.cc", _SOURCE_DIR / "amx_attention.cc", _SOURCE_DIR / "argmax.cc",
-            _SOURCE_DIR / "norm.cc", _SOURCE_DIR / "transposed.cc", _SOURCE_DIR / "int8_matmul.cc")
+            _SOURCE_DIR / "norm.cc", _SOURCE_DIR / "transposed.cc", _SOURCE_DIR / "int8_matmul.cc",
+            _SOURCE_DIR / "amx_int8.cc")
 _HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h", _SOURCE_DIR / "amx_tiles.h",
             _SOURCE_DIR / "vector_math.h", _SOURCE_DIR / "transposed.h",
             _SOURCE_DIR / "lane_argmax.h", _SOURCE_DIR / "panels.h")
@@ -43,6 +44,8 @@ _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
 _INT8_MATMUL_TARGET = "int8_matmul_cpu"
+_W8A8_PACKED_TARGET = "w8a8_matmul_packed_cpu"
+_W8A8_GATED_TARGET = "w8a8_gated_matmul_packed_cpu"
 _MATMUL_TRANSPOSED_TARGET = "matmul_transposed_cpu"
 _MATMUL_TRANSPOSED_ARGMAX_TARGET = "matmul_transposed_argmax_cpu"
 _MATMUL_PACKED_TARGET = "matmul_packed_cpu"
@@ -57,6 +60,7 @@ _SCATTER_BLOCKS_TARGET = "scatter_blocks_cpu"
 _VECTORIZED_MATMUL: dict[str, bool] = {}
 _MATMUL_ON_AMX: list[bool] = []  # filled by _load(): whether the default build's bfloat16 products run on AMX
 _PROMPTS_ON_AMX: list[bool] = []  # filled by _load(): whether its bfloat16 prompt attention runs on AMX
+_W8A8_ON_AMX: list[bool] = []  # filled by _load(): whether its W8A8 layers run on AMX-INT8 tiles
 _TRANSPOSED_NATIVE: list[bool] = []  # filled by _load(): whether the tied LM head's transposed calls have a kernel
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
@@ -131,6 +135,8 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                              (_SCATTER_BLOCKS_TARGET, library.ScatterBlocksCpu),
                              (_QUANT_MATMUL_TARGET, library.QuantMatmulCpu),
                              (_INT8_MATMUL_TARGET, library.Int8MatmulCpu),
+                             (_W8A8_PACKED_TARGET, library.W8A8MatmulPackedCpu),
+                             (_W8A8_GATED_TARGET, library.W8A8GatedMatmulPackedCpu),
                              (_MATMUL_TRANSPOSED_TARGET, library.MatmulTransposedCpu),
                              (_MATMUL_TRANSPOSED_ARGMAX_TARGET, library.MatmulTransposedArgmaxCpu),
                              (_MATMUL_PACKED_TARGET, library.MatmulPackedCpu),
@@ -148,6 +154,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
             _MATMUL_ON_AMX[:] = [bool(library.MatmulCpuBf16UsesAmx())]
             _PROMPTS_ON_AMX[:] = [bool(library.PromptAttentionUsesAmx())]
             _TRANSPOSED_NATIVE[:] = [bool(library.MatmulTransposedIsAvailable())]
+            _W8A8_ON_AMX[:] = [bool(library.W8A8MatmulPackedIsAvailable())]
     except Exception as error:  # noqa: BLE001 - any failure means "use the XLA path", reported by available()
         return f"{type(error).__name__}: {error}"
     return None
@@ -346,36 +353,46 @@ def _check_transposed(name: str, x: jax.Array, w: jax.Array, live_rows, target: 
 # The AMX layout of a bfloat16 kernel [K, N] (amx.h: MatmulPacked): 64-column panels, each a run of 32-row
 # steps of four 1 KB B tiles (16 row pairs x 16 columns x 2). Packed once at load, a decode step streams each
 # thread's panels as one contiguous run instead of re-packing every weight it reads.
-AMX_PANEL, AMX_STEP, AMX_PANEL_STEP_WORDS = 64, 32, 2048
+AMX_PANEL, AMX_STEP, AMX_PANEL_STEP_WORDS = 64, 32, 2048  # bfloat16; int8 tiles take twice the k a step
 
 
-def amx_packed_shape(in_features: int, out_features: int) -> tuple[int, int, int]:
-    """The packed shape of a [K, N] kernel: [N / 64, ceil(K / 32), 2048] (N must be a multiple of 64)."""
+def _k_per_lane(dtype) -> int:
+    """Consecutive k a B tile row holds per column: 4 for int8 (quads), else 2 (bfloat16 pairs)."""
+    return 4 if jnp.dtype(dtype) == jnp.int8 else 2
+
+
+def amx_packed_shape(in_features: int, out_features: int, dtype=jnp.bfloat16) -> tuple[int, int, int]:
+    """The packed shape of a [K, N] kernel (N must be a multiple of 64): for bfloat16 tiles [N / 64, ceil(K / 32),
+    2048], for int8 [N / 64, ceil(K / 64), 4096]."""
     if out_features % AMX_PANEL:
         raise ValueError(f"the AMX layout needs out_features a multiple of {AMX_PANEL}; got {out_features}")
-    return out_features // AMX_PANEL, -(-in_features // AMX_STEP), AMX_PANEL_STEP_WORDS
+    per_lane = _k_per_lane(dtype)
+    return out_features // AMX_PANEL, -(-in_features // (16 * per_lane)), 1024 * per_lane
 
 
 def pack_for_amx(w):
-    """w [..., K, N] (numpy or jax) -> [..., N / 64, ceil(K / 32), 2048] in the AMX layout, rows past K zeros:
-    word (p, s, t, i, c, e) of a panel step is w[32 s + 2 i + e, 64 p + 16 t + c]."""
+    """w [..., K, N] (numpy or jax; int8 codes, or a kernel for bfloat16 tiles) -> [..., N / 64, S, E] in the AMX
+    layout (`amx_packed_shape`), rows past K zeros. With E the k a lane holds (2 for bfloat16, 4 for int8), element (p, s, t, i, c, e) of a
+    panel step is w[16 E s + E i + e, 64 p + 16 t + c]: tile t of step s holds 16 rows of E k for 16 columns."""
     *lead, k, n = w.shape
-    panels, steps, _ = amx_packed_shape(k, n)
-    pad = [(0, 0)] * len(lead) + [(0, steps * AMX_STEP - k), (0, 0)]
+    per_lane = _k_per_lane(w.dtype)
+    panels, steps, step_size = amx_packed_shape(k, n, w.dtype)
+    pad = [(0, 0)] * len(lead) + [(0, steps * 16 * per_lane - k), (0, 0)]
     w = (jnp.pad if isinstance(w, jax.Array) else np.pad)(w, pad)
-    w = w.reshape(*lead, steps, 16, 2, panels, 4, 16)  # [s, i, e, p, t, c]
+    w = w.reshape(*lead, steps, 16, per_lane, panels, 4, 16)  # [s, i, e, p, t, c]
     d = len(lead)
     w = w.transpose(*range(d), d + 3, d, d + 4, d + 1, d + 5, d + 2)  # [p, s, t, i, c, e]
-    return w.reshape(*lead, panels, steps, AMX_PANEL_STEP_WORDS)
+    return w.reshape(*lead, panels, steps, step_size)
 
 
 def unpack_from_amx(packed, in_features: int):
-    """The inverse of `pack_for_amx`: [..., N / 64, S, 2048] -> [..., K, N] (K = `in_features`)."""
+    """The inverse of `pack_for_amx`: [..., N / 64, S, E] -> [..., K, N] (K = `in_features`)."""
     *lead, panels, steps, _ = packed.shape
+    per_lane = _k_per_lane(packed.dtype)
     d = len(lead)
-    w = packed.reshape(*lead, panels, steps, 4, 16, 16, 2)  # [p, s, t, i, c, e]
+    w = packed.reshape(*lead, panels, steps, 4, 16, 16, per_lane)  # [p, s, t, i, c, e]
     w = w.transpose(*range(d), d + 1, d + 3, d + 5, d, d + 2, d + 4)  # [s, i, e, p, t, c]
-    return w.reshape(*lead, steps * AMX_STEP, panels * AMX_PANEL)[..., :in_features, :]
+    return w.reshape(*lead, steps * 16 * per_lane, panels * AMX_PANEL)[..., :in_features, :]
 
 
 def matmul_packed_cpu(x: jax.Array, packed: jax.Array, live_rows: jax.Array | int | None = None) -> jax.Array:
@@ -516,6 +533,66 @@ def int8_matmul_cpu(x: jax.Array, x_scale: jax.Array, w: jax.Array, w_scale: jax
     call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
     return call(x, x_scale.reshape(-1).astype(jnp.float32), w, w_scale.reshape(-1).astype(jnp.float32),
                 live.astype(jnp.int32))
+
+
+def w8a8_matmul_packed_cpu(x: jax.Array, packed: jax.Array, w_scale: jax.Array, zero_offsets: jax.Array | None = None,
+                           bias: jax.Array | None = None, live_rows: jax.Array | int | None = None,
+                           out_dtype=None) -> jax.Array:
+    """A W8A8 layer on AMX-INT8 tiles, x quantized per row in the call as `activation_codes(x, "int8")` does:
+    y = (codes @ w) * x_scale[m] * w_scale[n] - (sum_k codes[m, k] * x_scale[m]) * zero_offsets[n] + bias[n],
+    exact int32 sums, in `out_dtype` (default x's; a bfloat16 result is rounded once).
+
+    x: float32 or bfloat16 [M, K]. packed: int8 weight codes [K, N] packed by `pack_for_amx` ([N / 64,
+    ceil(K / 64), 4096]). w_scale: [N] or [1, N] (one scale per output column). zero_offsets, bias: [N] or
+    [1, N], or None. Only where `w8a8_on_amx()`. live_rows: as for `matmul_cpu`.
+    """
+    vectors, live = _check_w8a8("w8a8_matmul_packed_cpu", x, live_rows, (packed, {"w_scale": w_scale,
+                                "zero_offsets": zero_offsets, "bias": bias}))
+    call = jax.ffi.ffi_call(_W8A8_PACKED_TARGET, jax.ShapeDtypeStruct((x.shape[0], packed.shape[0] * AMX_PANEL),
+                                                                      jnp.dtype(out_dtype or x.dtype)))
+    return call(x, packed, *vectors, live)
+
+
+def w8a8_gated_matmul_packed_cpu(x: jax.Array, gate: jax.Array, gate_scale: jax.Array, gate_offsets: jax.Array | None,
+                                 up: jax.Array, up_scale: jax.Array, up_offsets: jax.Array | None,
+                                 live_rows: jax.Array | int | None = None, out_dtype=None) -> jax.Array:
+    """silu(x @ gate) * (x @ up) for two W8A8 layers (each as `w8a8_matmul_packed_cpu` computes it, without
+    bias) in one call: x quantized once, both products summed on the tiles and the activation applied before
+    anything reaches memory, rounded once to `out_dtype` (default x's). gate, up: packed int8 codes of one
+    [K, N]; their scales [N] and zero offsets [N] or None."""
+    vectors, live = _check_w8a8("w8a8_gated_matmul_packed_cpu", x, live_rows,
+                                (gate, {"gate_scale": gate_scale, "gate_offsets": gate_offsets}),
+                                (up, {"up_scale": up_scale, "up_offsets": up_offsets}))
+    call = jax.ffi.ffi_call(_W8A8_GATED_TARGET, jax.ShapeDtypeStruct((x.shape[0], gate.shape[0] * AMX_PANEL),
+                                                                     jnp.dtype(out_dtype or x.dtype)))
+    return call(x, gate, *vectors[:2], up, *vectors[2:], live)
+
+
+def _check_w8a8(name: str, x: jax.Array, live_rows, *weights: tuple[jax.Array, dict]):
+    """Refuses what the W8A8 AMX calls cannot take; returns each weight's vectors as float32 [N] ([0] for
+    None), in order, and the live row count as an int32 array."""
+    _require_kernels()
+    n = weights[0][0].shape[0] * AMX_PANEL if weights[0][0].ndim == 3 else 0
+    if x.ndim != 2 or x.dtype not in (jnp.float32, jnp.bfloat16) or any(
+            w.dtype != jnp.int8 or w.shape != amx_packed_shape(x.shape[1], n, jnp.int8) for w, _ in weights):
+        raise ValueError(f"{name}: expected float32 or bfloat16 x [M, K] and int8 weights packed [N / 64, "
+                         f"ceil(K / 64), 4096] of one N; got {x.dtype}{list(x.shape)} and "
+                         f"{[f'{w.dtype}{list(w.shape)}' for w, _ in weights]}")
+    flat = []
+    for _, vectors in weights:
+        for vector_name, v in vectors.items():
+            if v is not None and v.size != n:
+                raise ValueError(f"{name}: expected {vector_name} of {n} values; got {list(v.shape)}")
+            flat.append(jnp.zeros((0,), jnp.float32) if v is None else v.reshape(-1).astype(jnp.float32))
+    if not w8a8_on_amx():
+        raise ValueError(f"{name} runs on AMX-INT8 tiles, and this CPU (or OS) offers none")
+    return flat, jnp.asarray(x.shape[0] if live_rows is None else live_rows).astype(jnp.int32)
+
+
+def w8a8_on_amx() -> bool:
+    """Whether the default build runs W8A8 layers on AMX-INT8 tiles (`w8a8_matmul_packed_cpu`): the CPU has
+    them, the compiler targets them and the OS granted this process the tile state."""
+    return available()[0] and bool(_W8A8_ON_AMX and _W8A8_ON_AMX[0])
 
 
 # The fewest rows for which W8A8's integer matmul beats the layer's other CPU path (the weight-only quantized

@@ -35,6 +35,28 @@ bool MatmulPackedRounded(xla::ffi::ThreadPool& pool, const uint16_t* x, const ui
 bool GatedMatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* gate, const uint16_t* up,
                        uint16_t* y, int64_t M, int64_t K, int64_t N);
 
+// W8A8 with x quantized per row in the call (amx_int8.cc): y[M, N] = (codes(x) @ w) * x_scale[m] * w_scale[n]
+// - (sum_k codes(x)[m, k] * x_scale[m]) * zero_offsets[n] + bias[n], exact int32 sums on AMX-INT8 tiles; or,
+// with `up`, silu(that for `w`) * (that for `up`): the gated MLP's first half.
+struct W8A8Weights {
+  const int8_t* packed;        // w [K, N] packed at load: [N / 64][ceil(K / 64)][4][16][16][4] (amx_int8.cc)
+  const float* w_scale;        // [N]
+  const float* zero_offsets;   // [N], or null for none (symmetric weights)
+  const float* bias;           // [N], or null
+};
+struct W8A8Call {
+  const void* x;               // [M, K], float32 or (x_bf16) bfloat16
+  bool x_bf16;
+  W8A8Weights w;
+  const W8A8Weights* up;       // null, or the up projection of a gated call
+  void* y;                     // [M, N] (rows past M untouched), float32 or (y_bf16) bfloat16, rounded once
+  bool y_bf16;
+  int64_t M, K, N;             // N a multiple of 64
+};
+
+// False (y untouched): no AMX-INT8 in this build or process, or x's codes could not be allocated.
+bool W8A8MatmulPacked(xla::ffi::ThreadPool& pool, const W8A8Call& call);
+
 // y[M, N] = x[M, K] @ w[N, K]^T, w row-major as stored (the tied LM head's embedding table), y float32, every
 // element written. False (y untouched): K is not a multiple of 32, or no AMX.
 bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M,

@@ -21,15 +21,20 @@
 //   y        [M, N]  float32
 // Without AVX-512 VNNI a plain loop keeps the call correct, and Int8MatmulCpuIsVectorized() tells the model to
 // keep its float path.
+//
+// On a CPU with AMX-INT8, W8A8 layers take W8A8MatmulPackedCpu and W8A8GatedMatmulPackedCpu instead (bound
+// here, computed in amx_int8.cc): weights packed at load, x quantized in the call.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 #if defined(__AVX512VNNI__)
 #include <immintrin.h>
 #endif
 
+#include "amx.h"
 #include "panels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -172,7 +177,83 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
   return ffi::Error::Success();
 }
 
+// W8A8 on AMX-INT8 with x quantized in the call (amx.h: W8A8MatmulPacked): x float32 or bfloat16 [M, K], w int8
+// packed at load [N / 64, ceil(K / 64), 4096], w_scale float32 [N], zero_offsets and bias float32 [N] or [0]
+// for none, y float32 or bfloat16 [M, N]; rows [live, M) of y zeros. Gated: silu(x @ gate) * (x @ up), each
+// with its own scales and zero points, no bias.
+using F32 = ffi::Buffer<ffi::F32>;
+
+ffi::Error check_w8a8(const char* name, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, F32 w_scale, F32 offsets, F32 bias,
+                      ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer>& y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  auto invalid = [&](const char* what) { return ffi::Error::InvalidArgument(std::string(name) + ": " + what); };
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != (xd[1] + 63) / 64 || wd[2] != 4096)
+    return invalid("expected x [M, K] and w [N / 64, ceil(K / 64), 4096]");
+  const auto x_type = x.element_type(), y_type = y->element_type();
+  if ((x_type != ffi::DataType::F32 && x_type != ffi::DataType::BF16) ||
+      (y_type != ffi::DataType::F32 && y_type != ffi::DataType::BF16))
+    return invalid("x and y must be float32 or bfloat16");
+  const int64_t N = wd[0] * kPanel;
+  auto none_or_n = [&](const F32& b) { return b.element_count() == 0 || b.element_count() == N; };
+  if (w_scale.element_count() != N || !none_or_n(offsets) || !none_or_n(bias) || live.element_count() != 1 ||
+      y->dimensions().size() != 2 || y->dimensions()[0] != xd[0] || y->dimensions()[1] != N)
+    return invalid("expected w_scale [N], zero_offsets and bias [N] or [0], a scalar live and y [M, N]");
+  return ffi::Error::Success();
+}
+
+paged::amx::W8A8Weights w8a8_weights(ffi::Buffer<ffi::S8> w, F32 w_scale, F32 offsets, F32 bias) {
+  return {w.typed_data(), w_scale.typed_data(), offsets.element_count() ? offsets.typed_data() : nullptr,
+          bias.element_count() ? bias.typed_data() : nullptr};
+}
+
+ffi::Error run_w8a8(const char* name, ffi::ThreadPool& pool, ffi::AnyBuffer x, paged::amx::W8A8Weights w,
+                    const paged::amx::W8A8Weights* up, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer>& y) {
+  const auto xd = x.dimensions();
+  const int64_t N = y->dimensions()[1];
+  const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
+  const int64_t M = y_bf16 ? paged::zero_rows_past_live(live, xd[0], N, static_cast<uint16_t*>(y->untyped_data()))
+                           : paged::zero_rows_past_live(live, xd[0], N, static_cast<float*>(y->untyped_data()));
+  if (M == 0) return ffi::Error::Success();
+  const paged::amx::W8A8Call call{x.untyped_data(), x.element_type() == ffi::DataType::BF16, w, up, y->untyped_data(),
+                                  y_bf16, M, xd[1], N};
+  if (!paged::amx::W8A8MatmulPacked(pool, call))
+    return ffi::Error::Internal(std::string(name) + ": no AMX-INT8 tiles, or x's codes could not be allocated");
+  return ffi::Error::Success();
+}
+
+ffi::Error W8A8MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, F32 w_scale,
+                                F32 offsets, F32 bias, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> y) {
+  constexpr const char* kName = "w8a8_matmul_packed_cpu";
+  if (auto error = check_w8a8(kName, x, w, w_scale, offsets, bias, live, y); error.failure()) return error;
+  return run_w8a8(kName, pool, x, w8a8_weights(w, w_scale, offsets, bias), nullptr, live, y);
+}
+
+ffi::Error W8A8GatedMatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> gate,
+                                     F32 gate_scale, F32 gate_offsets, ffi::Buffer<ffi::S8> up, F32 up_scale,
+                                     F32 up_offsets, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> y) {
+  constexpr const char* kName = "w8a8_gated_matmul_packed_cpu";
+  // (No bias: the offsets stand in for it in the checks, which only read sizes.)
+  if (auto error = check_w8a8(kName, x, gate, gate_scale, gate_offsets, gate_offsets, live, y); error.failure())
+    return error;
+  if (auto error = check_w8a8(kName, x, up, up_scale, up_offsets, up_offsets, live, y); error.failure()) return error;
+  paged::amx::W8A8Weights gate_weights = w8a8_weights(gate, gate_scale, gate_offsets, gate_offsets);
+  paged::amx::W8A8Weights up_weights = w8a8_weights(up, up_scale, up_offsets, up_offsets);
+  gate_weights.bias = up_weights.bias = nullptr;
+  return run_w8a8(kName, pool, x, gate_weights, &up_weights, live, y);
+}
+
 }  // namespace
+
+// Whether W8A8 layers run on AMX-INT8 tiles (W8A8MatmulPackedCpu): the build targets them and the OS granted the
+// tile state.
+extern "C" int W8A8MatmulPackedIsAvailable() {
+#if defined(__AMX_INT8__)
+  return paged::amx::Available();
+#else
+  return 0;
+#endif
+}
 
 // Whether this build multiplies the codes with AVX-512 VNNI (else a plain loop: the model keeps its float path).
 extern "C" int Int8MatmulCpuIsVectorized() {
@@ -192,3 +273,27 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8MatmulCpu, Int8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulPackedCpu, W8A8MatmulPackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8GatedMatmulPackedCpu, W8A8GatedMatmulPackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());

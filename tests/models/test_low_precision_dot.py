@@ -80,11 +80,13 @@ def test_w8a8_dot_matches_float64_of_the_same_codes(kind, zero_points, per_tenso
 
 @pytest.mark.parametrize("zero_points", [False, True])
 def test_the_cpus_int8_kernel_computes_w8a8_as_float64_does(monkeypatch, zero_points):
-    """With the "cpu" linear backend and AVX-512 VNNI, a W8A8 int8 Linear of prompt-sized steps routes to the
-    native integer matmul, and its output is float64's product of the same codes."""
+    """With the "cpu" linear backend and AVX-512 VNNI (a CPU without AMX-INT8; on one with it, as if it had
+    none), a W8A8 int8 Linear of prompt-sized steps routes to the native integer matmul, and its output is
+    float64's product of the same codes."""
     from paged.kernels import cpu
     if not cpu.int8_matmul_is_vectorized():
         pytest.skip("no AVX-512 VNNI here: W8A8 keeps the float path on this CPU")
+    monkeypatch.setattr(cpu, "w8a8_on_amx", lambda: False)
     calls = []
     real = cpu.int8_matmul_cpu
     monkeypatch.setattr(cpu, "int8_matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -99,6 +101,77 @@ def test_the_cpus_int8_kernel_computes_w8a8_as_float64_does(monkeypatch, zero_po
     assert calls
     want = _float64_of_codes(x, params, quant)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_w8a8_layers_on_amx_int8_compute_float64_of_the_same_codes(monkeypatch, dtype, zero_points):
+    """On a CPU with AMX-INT8 the "cpu" backend holds a W8A8 layer's codes packed for the tiles and runs every
+    step size through one call that quantizes x itself: decode-sized and prompt-sized steps, a zero row (scale
+    eps, codes 0), zero points and a bias, padding rows past live_rows zeros. The codes are activation_codes'
+    (a code off by one would move a value by a whole weight), so float32 results match float64 of them to
+    rounding; bfloat16 ones to one rounding."""
+    from paged.kernels import cpu
+    from paged.models.linear import packs_w8a8_for_amx
+    if not cpu.w8a8_on_amx():
+        pytest.skip("no AMX-INT8 tiles here")
+    calls = []
+    real = cpu.w8a8_matmul_packed_cpu
+    monkeypatch.setattr(cpu, "w8a8_matmul_packed_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    quant, params = _w8a8("int8", 96, 128, seed=6, zero_points=zero_points)
+    assert packs_w8a8_for_amx("cpu", quant, 128) and not packs_w8a8_for_amx("xla", quant, 128)
+    assert not packs_w8a8_for_amx("cpu", quant, 96)  # not whole panels: the other paths
+    layer = Linear(128, dtype, use_bias=True, backend="cpu", quant=quant)
+    declared = nn.unbox(layer.init(jax.random.key(0), jnp.ones((2, 96), dtype))["params"])
+    assert declared["qweight"].shape == cpu.amx_packed_shape(96, 128, jnp.int8) == (2, 2, 4096)
+    rng = np.random.default_rng(7)
+    bias = rng.normal(size=128)
+    held = {**{k: v.astype(declared[k].dtype) for k, v in params.items()},
+            "qweight": cpu.pack_for_amx(params["qweight"]), "bias": jnp.asarray(bias, dtype)}
+    for rows in (3, 133):  # one A tile; 32-row blocks and a short last one
+        x = rng.normal(size=(rows, 96)) * rng.choice([1.0, 30.0, 1e-3], size=(rows, 1))
+        x[1] = 0.0
+        x = jnp.asarray(x, dtype)
+        got = np.asarray(jax.jit(lambda p, x: layer.apply({"params": p}, x))(held, x), np.float64)
+        as_held = {**params, **{k: held[k].astype(jnp.float32) for k in ("scales", "zero_offsets")}}
+        want = _float64_of_codes(x, as_held, quant) + np.asarray(held["bias"], np.float64)
+        tolerance = 1e-5 if dtype == jnp.float32 else 8e-3
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * np.abs(want).max())
+        live = jax.jit(lambda p, x: layer.apply({"params": p}, x, jnp.int32(rows - 2)))(held, x)
+        np.testing.assert_array_equal(np.asarray(live[:-2], np.float64), got[:-2])
+        assert not np.any(np.asarray(live[-2:]))
+    assert calls
+
+
+def test_a_gated_mlp_of_w8a8_layers_on_amx_int8_is_one_call(monkeypatch):
+    """silu_gated over two W8A8 layers held for AMX-INT8 makes one native call (x quantized once, the activation
+    applied to the float32 sums) whose result matches the two layers' own outputs through XLA's silu, to the
+    rounding of those float32 outputs."""
+    from paged.kernels import cpu
+    from paged.models.linear import silu_gated
+    if not cpu.w8a8_on_amx():
+        pytest.skip("no AMX-INT8 tiles here")
+    quant = _w8a8("int8", 96, 128, seed=8, zero_points=True)[0]
+
+    class Gated(nn.Module):
+        fused: bool
+
+        @nn.compact
+        def __call__(self, x):
+            gate, up = (Linear(128, jnp.float32, backend="cpu", quant=quant, name=n) for n in ("gate", "up"))
+            return silu_gated(x, gate, up) if self.fused else jax.nn.silu(gate(x)) * up(x)
+
+    calls = []
+    real = cpu.w8a8_gated_matmul_packed_cpu
+    monkeypatch.setattr(cpu, "w8a8_gated_matmul_packed_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    params = {name: {**p, "qweight": cpu.pack_for_amx(p["qweight"])}
+              for name, p in (("gate", _w8a8("int8", 96, 128, seed=9, zero_points=True)[1]),
+                              ("up", _w8a8("int8", 96, 128, seed=10, zero_points=True)[1]))}
+    x = jnp.asarray(np.random.default_rng(11).normal(size=(2, 5, 96)), jnp.float32)
+    fused = np.asarray(Gated(True).apply({"params": params}, x), np.float64)
+    assert calls == [1] and fused.shape == (2, 5, 128)
+    separate = np.asarray(Gated(False).apply({"params": params}, x), np.float64)
+    np.testing.assert_allclose(fused, separate, rtol=1e-5, atol=1e-5 * np.abs(separate).max())
 
 
 def test_only_layers_whose_scales_factor_out_take_it():

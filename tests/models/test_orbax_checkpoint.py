@@ -51,8 +51,9 @@ def _leaves(llm) -> dict:
     ("float", {"dtype": "float32"}),
     ("float", {"dtype": "bfloat16", "layer_loop": "scan"}),  # layers stacked in memory as on disk
     ("float", {"dtype": "bfloat16", "quantization": "int8"}),
+    ("float", {"dtype": "bfloat16", "quantization": "w8a8"}),  # on AMX-INT8: the codes held packed for the tiles
     ("gptq", {"dtype": "bfloat16"}),
-], ids=["float32", "bfloat16-scan", "int8", "gptq4"])
+], ids=["float32", "bfloat16-scan", "int8", "w8a8", "gptq4"])
 def test_a_saved_model_restores_to_the_same_weights_and_tokens(model_dir, gptq_dir, tmp_path, source, options):
     original = LLM(gptq_dir if source == "gptq" else model_dir, **SMALL, **options)
     tokens, leaves = _tokens(original), _leaves(original)

@@ -208,7 +208,8 @@ def test_online_w8a8_matches_the_librarys_dynamic_activations_on_rounded_weights
     reference: transformers on the round-tripped weights, with compressed-tensors' own dynamic per-token int8
     quantization of every projection's input (its forward wrapper); without it the tokens must differ. Both
     CPU routes: these small steps take the weight-only path, and every step the integer matmul when its row
-    threshold is lowered to 1 (where the build has AVX-512 VNNI)."""
+    threshold is lowered to 1 (where the build has AVX-512 VNNI); on a CPU with AMX-INT8, the layers held for
+    its tiles, every step through them."""
     pytest.importorskip("compressed_tensors", reason="compressed-tensors needs torch (Python 3.11 here)")
     import torch
     import transformers
@@ -228,10 +229,15 @@ def test_online_w8a8_matches_the_librarys_dynamic_activations_on_rounded_weights
     # differences between transformers' cached and uncached passes into different codes, which flipped a near
     # tie (0.009 nats) on one host; the uncached pass is the computation itself.
     want = model_greedy(model, PROMPTS, 12, eos_token_id=None, use_cache=False)
+    from paged.kernels import cpu
+    amx_calls = []
+    real_amx = cpu.w8a8_matmul_packed_cpu
+    monkeypatch.setattr(cpu, "w8a8_matmul_packed_cpu", lambda *a, **k: amx_calls.append(1) or real_amx(*a, **k))
     tokens, engine = _greedy(float_dir, quantization="w8a8")
     assert tokens == want
+    assert bool(amx_calls) == cpu.w8a8_on_amx()  # with AMX-INT8, the layers were held for its tiles
     assert tokens != _greedy(float_dir, quantization="int8")[0]  # the activations' quantization shows
-    from paged.kernels import cpu
+    monkeypatch.setattr(cpu, "w8a8_on_amx", lambda: False)  # the routes of a CPU without it
     if cpu.int8_matmul_is_vectorized():
         calls = []
         real = cpu.int8_matmul_cpu

@@ -919,6 +919,125 @@ def test_int8_matmul_refuses_what_it_cannot_do():
         int8_matmul_cpu(jnp.zeros((2, 64), jnp.int8), jnp.ones((3,)), w, jnp.ones((64,)))
 
 
+def test_pack_for_amx_places_each_int8_code_where_the_tiles_read_it():
+    """int8 codes in quads: (p, s, t, i, c, e) holds w[64 s + 4 i + e, 64 p + 16 t + c]; rows past K (100 of
+    128) zeros; unpacking inverts."""
+    from paged.kernels import cpu as cpu_kernel
+    k, n = 100, 128
+    w = (np.arange(k * n).reshape(k, n) % 251 - 125).astype(np.int8)
+    w[w == 0] = 1  # nonzero, so padding shows
+    packed = cpu_kernel.pack_for_amx(w)
+    assert packed.dtype == np.int8 and packed.shape == (2, 2, 4096) == cpu_kernel.amx_packed_shape(k, n, np.int8)
+    codes = packed.reshape(2, 2, 4, 16, 16, 4)
+    for p, s, t, i, c, e in np.ndindex(codes.shape):
+        row, col = 64 * s + 4 * i + e, 64 * p + 16 * t + c
+        assert codes[p, s, t, i, c, e] == (w[row, col] if row < k else 0)
+    np.testing.assert_array_equal(np.asarray(cpu_kernel.pack_for_amx(jnp.asarray(w))), packed)
+    np.testing.assert_array_equal(cpu_kernel.unpack_from_amx(packed, k), w)
+
+
+def _needs_amx_int8():
+    from paged.kernels import cpu as cpu_kernel
+    if not cpu_kernel.w8a8_on_amx():
+        pytest.skip("no AMX-INT8 on this CPU: W8A8 runs on AVX-512 VNNI (tests above)")
+
+
+def _w8a8_float64(x, w, w_scale, offsets, bias):
+    """float64 of what a W8A8 layer computes from activation_codes' codes of x (the library's quantization)."""
+    from paged.models.quantization import activation_codes
+    codes, row_scale = activation_codes(x, "int8")
+    codes, row_scale = np.asarray(codes, np.float64), np.asarray(row_scale, np.float64)
+    return (codes @ w.astype(np.float64)) * row_scale * w_scale - codes.sum(-1, keepdims=True) * row_scale * offsets \
+        + bias
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 33, 100])
+@pytest.mark.parametrize("inner, cols", [(64, 64), (60, 128), (516, 192), (1028, 320)])
+def test_w8a8_on_amx_int8_matches_float64_of_the_codes(rows, inner, cols):
+    """x (float32 and bfloat16) quantized per row in the call exactly as activation_codes does (a code off by one
+    would move a row by a whole weight's share: far outside float32 rounding), the codes' exact int32 sums, both
+    scales, zero points and a bias; one row of zeros (scale eps, codes 0). 60 and 516 inner: a short last tile
+    step; 17-100 rows: 32-row blocks and a short one; 1-16: one A tile. A bfloat16 result is the float32 one
+    rounded once."""
+    _needs_amx_int8()
+    from paged.kernels import cpu as cpu_kernel
+    rng = np.random.default_rng(rows + inner + cols)
+    w = rng.integers(-128, 128, (inner, cols)).astype(np.int8)
+    w_scale, offsets = rng.uniform(0.001, 0.1, cols), rng.uniform(-0.05, 0.05, cols)
+    bias = rng.normal(size=cols)
+    packed = cpu_kernel.pack_for_amx(jnp.asarray(w))
+    vectors = [jnp.asarray(v, jnp.float32) for v in (w_scale, offsets, bias)]
+    for dtype in (jnp.float32, jnp.bfloat16):
+        x = rng.normal(size=(rows, inner)) * rng.choice([1.0, 50.0, 1e-3], size=(rows, 1))
+        x[rows // 2] = 0.0
+        x = jnp.asarray(x, dtype)
+        want = _w8a8_float64(x, w, *(np.asarray(v, np.float64) for v in vectors))
+        got = np.asarray(cpu_kernel.w8a8_matmul_packed_cpu(x, packed, *vectors, out_dtype=jnp.float32), np.float64)
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=2e-6 * np.abs(want).max())
+        rounded = cpu_kernel.w8a8_matmul_packed_cpu(x, packed, *vectors, out_dtype=jnp.bfloat16)
+        np.testing.assert_array_equal(np.asarray(rounded), np.asarray(jnp.asarray(got, jnp.float32).astype(jnp.bfloat16)))
+
+
+@pytest.mark.parametrize("rows", [3, 40])
+def test_w8a8_gated_on_amx_int8_matches_float64(rows):
+    """silu(x @ gate) * (x @ up) of two W8A8 layers with their own scales and zero points, from one quantization
+    of x; float32 sums and activation, against float64 of the same codes; rows past live_rows zeros."""
+    _needs_amx_int8()
+    from paged.kernels import cpu as cpu_kernel
+    rng = np.random.default_rng(rows)
+    k, n = 200, 192
+    layers = []
+    for _ in "gu":
+        w = rng.integers(-128, 128, (k, n)).astype(np.int8)
+        layers.append((w, rng.uniform(0.0005, 0.002, n), rng.uniform(-0.01, 0.01, n)))
+    x = jnp.asarray(rng.normal(size=(rows, k)), jnp.float32)
+    (g, u) = (_w8a8_float64(x, w, scale, offsets, 0.0) for w, scale, offsets in layers)
+    want = g / (1 + np.exp(-g)) * u
+    args = [a for w, scale, offsets in layers
+            for a in (cpu_kernel.pack_for_amx(jnp.asarray(w)), jnp.asarray(scale, jnp.float32),
+                      jnp.asarray(offsets, jnp.float32))]
+    got = np.asarray(jax.jit(cpu_kernel.w8a8_gated_matmul_packed_cpu)(x, *args, jnp.int32(rows - 1)), np.float64)
+    np.testing.assert_allclose(got[:-1], want[:-1], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert not np.any(got[-1])
+
+
+def test_w8a8_on_amx_int8_live_rows_extremes_and_defaults():
+    """Rows past live_rows come back zeros (and are not read); codes of -128 and 127 at every position (x's
+    largest magnitude sits at +-127.5 scale units: 127.5 rounds half to even to 128 and is clipped, -127.5 to
+    -128); no offsets or bias, and the result in x's dtype by default."""
+    _needs_amx_int8()
+    from paged.kernels import cpu as cpu_kernel
+    rng = np.random.default_rng(0)
+    w = np.where(np.arange(128 * 64).reshape(128, 64) % 5, 127, -128).astype(np.int8)
+    x = np.where(np.arange(40 * 128).reshape(40, 128) % 3, -1.0, 1.0) * rng.choice([1.0, 3.0], size=(40, 1))
+    x = jnp.asarray(x, jnp.float32)
+    w_scale = jnp.asarray(rng.uniform(0.5, 2.0, 64), jnp.float32)
+    packed = cpu_kernel.pack_for_amx(jnp.asarray(w))
+    want = _w8a8_float64(x, w, np.asarray(w_scale, np.float64), 0.0, 0.0)
+    got = jax.jit(lambda x, p, s, live: cpu_kernel.w8a8_matmul_packed_cpu(x, p, s, live_rows=live))(
+        x, packed, w_scale, jnp.int32(37))
+    assert got.dtype == jnp.float32 and not np.any(np.asarray(got[37:]))
+    np.testing.assert_allclose(np.asarray(got[:37], np.float64), want[:37], rtol=1e-6)
+    assert cpu_kernel.w8a8_matmul_packed_cpu(x.astype(jnp.bfloat16), packed, w_scale).dtype == jnp.bfloat16
+
+
+def test_w8a8_on_amx_int8_refuses_what_it_cannot_do():
+    _needs_amx_int8()
+    from paged.kernels import cpu as cpu_kernel
+    packed = cpu_kernel.pack_for_amx(jnp.zeros((64, 128), jnp.int8))
+    ones = jnp.ones((128,))
+    with pytest.raises(ValueError, match="packed"):
+        cpu_kernel.w8a8_matmul_packed_cpu(jnp.zeros((4, 130)), packed, ones)  # packed for K up to 64
+    with pytest.raises(ValueError, match="packed"):
+        cpu_kernel.w8a8_matmul_packed_cpu(jnp.zeros((4, 64)), cpu_kernel.pack_for_amx(jnp.zeros((64, 128), jnp.bfloat16)), ones)
+    with pytest.raises(ValueError, match="float32 or bfloat16 x"):
+        cpu_kernel.w8a8_matmul_packed_cpu(jnp.zeros((4, 64), jnp.int8), packed, ones)
+    with pytest.raises(ValueError, match="w_scale of 128"):
+        cpu_kernel.w8a8_matmul_packed_cpu(jnp.zeros((4, 64)), packed, jnp.ones((64,)))
+    with pytest.raises(ValueError, match="bias of 128"):
+        cpu_kernel.w8a8_matmul_packed_cpu(jnp.zeros((4, 64)), packed, ones, bias=jnp.ones((3,)))
+
+
 def test_quant_matmul_refuses_what_it_cannot_do():
     x = jnp.zeros((4, 96))
     with pytest.raises(ValueError, match="do not fit"):  # 96 / 4 = 24-row groups

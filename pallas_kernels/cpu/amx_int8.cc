@@ -1,0 +1,250 @@
+// W8A8 on Intel AMX tiles: y[M, N] = (xq @ wq) * x_scale[m] * w_scale[n] (- zero points) (+ bias), with x
+// quantized per row inside the call, int8 codes on both sides and exact int32 sums (amx.h: W8A8MatmulPacked;
+// int8_matmul.cc binds it as XLA FFI calls); gated, silu of that times the up projection's, so that neither
+// product reaches memory in float32 and no separate pass applies the activation (XLA's bfloat16 silu * up
+// over [2048, 4864] took 27 ms, about what the two products take on the tiles).
+//
+// Why: TDPBSSD multiplies a 16 x 64 int8 tile by a 64 x 16 one into 16 x 16 int32 sums in the time TDPBF16PS
+// takes for half the depth: twice the multiply-adds of the bfloat16 tiles (amx.cc) for the same bytes moved,
+// and the weights are half bfloat16's bytes, which is what a decode step waits for. Quantizing x here
+// instead of in XLA matters as much: XLA's per-row quantization (models/quantization.py: activation_codes,
+// whose true divisions it must not fold) makes several passes over a float32 copy of x, which at prompt sizes
+// cost about what the product itself does.
+//
+// x's codes are exactly activation_codes': scale = max|x| / 127.5 (float32 machine epsilon where x is all
+// zeros), code = clip(round_half_even(x / scale), -128, 127), with true float32 divisions. They go straight
+// into the A tiles' order, [M / 32][32 rows][K / 64 steps][64], zero-padded; the weights come packed at load
+// (pallas_kernels/cpu: pack_int8_for_amx), [N / 64][K / 64][4 tiles][16 quads][16 n][4]: byte (p, s, t, r, c, e)
+// is w[64 s + 4 r + e, 64 p + 16 t + c], so each step of a panel is 4 KB contiguous and the C tiles' columns
+// come out in order.
+//
+// Walk: each thread takes a contiguous run of 64-column panels. Up to 16 rows, one A tile meets each panel's
+// four B tiles as they stream from memory. Larger steps take a pass of panels whose whole K fits kPassBytes
+// (L2), then every 32-row block against each panel of it: the panels stream from memory for the first block
+// and come from L2 after, and a 32 x 64 block of y is summed in the tiles from the first step to the last (no
+// partial sums in memory; the tile stores, which stall the tile loads after them, come once per block).
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+#include <cstring>
+
+#include "amx.h"
+#include "amx_tiles.h"
+#include "bf16.h"
+#include "parallel.h"
+#include "vector_math.h"
+
+namespace paged::amx {
+
+#if defined(PAGED_AMX) && defined(__AMX_INT8__)
+namespace {
+
+constexpr int64_t kRows = 32;             // x rows per block: two A tiles
+constexpr int64_t kDepth = 64;            // k per tile step
+constexpr int64_t kPanel = 64;            // y columns per panel: four B tiles
+constexpr int64_t kStepBytes = 4 * 1024;  // a panel's four B tiles for one step
+constexpr int64_t kPassBytes = 1 << 20;   // the weights of a pass of panels for steps over 16 rows: L2
+
+// Row m of x (K values, float32 or bfloat16) into `codes` (padded to steps * 64 with zeros); returns
+// the row's scale and sets `code_sum` to the sum of its codes.
+template <typename T>
+float quantize_row(const T* x, int64_t K, int64_t padded, int8_t* codes, int32_t& code_sum) {
+  auto load = [&](int64_t k, __mmask16 lanes) -> __m512 {
+    if constexpr (sizeof(T) == 4) {
+      return _mm512_maskz_loadu_ps(lanes, x + k);
+    } else {
+      const __m256i raw = _mm256_maskz_loadu_epi16(lanes, x + k);
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+    }
+  };
+  auto lanes_at = [&](int64_t k) -> __mmask16 {
+    return K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
+  };
+  __m512 peak = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) peak = _mm512_max_ps(peak, _mm512_abs_ps(load(k, lanes_at(k))));
+  float scale = _mm512_reduce_max_ps(peak) / 127.5f;
+  if (scale == 0.0f) scale = FLT_EPSILON;
+  const __m512 divisor = _mm512_set1_ps(scale);
+  const __m512 low = _mm512_set1_ps(-128.0f), high = _mm512_set1_ps(127.0f);
+  __m512i sums = _mm512_setzero_si512();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 lanes = lanes_at(k);
+    const __m512 q = _mm512_min_ps(
+        high, _mm512_max_ps(low, _mm512_roundscale_ps(_mm512_div_ps(load(k, lanes), divisor),
+                                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+    const __m512i q32 = _mm512_maskz_cvtps_epi32(lanes, q);
+    sums = _mm512_add_epi32(sums, q32);
+    _mm_mask_storeu_epi8(codes + k, lanes, _mm512_cvtsepi32_epi8(q32));
+  }
+  std::memset(codes + K, 0, padded - K);
+  code_sum = _mm512_reduce_add_epi32(sums);
+  return scale;
+}
+
+// Streaming the weights, the L2 hardware prefetcher stops at each 4 KB page (amx.cc: start_page_stream):
+// four lines of the page at or after p, into L2.
+inline void start_page_stream(const void* p) {
+  const char* page = reinterpret_cast<const char*>((reinterpret_cast<uintptr_t>(p) + 4095) & ~uintptr_t(4095));
+  for (int line = 0; line < 4; ++line) _mm_prefetch(page + 64 * line, _MM_HINT_T1);
+}
+
+// sums[32][64] (row stride 64 int32), columns [0, 32) from 32 rows of a (two A tiles, rows lda bytes apart)
+// against b's two column tiles over `steps` (b: a panel's [steps][4][16][64], offset to the first of the two).
+inline void tile_32x32(const int8_t* a, int64_t lda, const int8_t* b, int64_t steps, int32_t* sums) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a + s * kDepth, lda);
+    _tile_loadd(5, a + 16 * lda + s * kDepth, lda);
+    _tile_loadd(6, b + s * kStepBytes, 64);
+    _tile_loadd(7, b + s * kStepBytes + 1024, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  }
+  _tile_stored(0, sums, 256); _tile_stored(1, sums + 16, 256);
+  _tile_stored(2, sums + 16 * 64, 256); _tile_stored(3, sums + 16 * 64 + 16, 256);
+}
+
+// sums[16][64] from 16 rows of a against the panel's four column tiles; `stream`: the panel comes from memory,
+// and the page two steps ahead is started.
+inline void tile_16x64(const int8_t* a, int64_t lda, const int8_t* b, int64_t steps, int32_t* sums, bool stream) {
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    if (stream) start_page_stream(b + (s + 2) * kStepBytes);
+    _tile_loadd(4, a + s * kDepth, lda);
+    _tile_loadd(6, b + s * kStepBytes, 64);
+    _tile_loadd(7, b + s * kStepBytes + 1024, 64);
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_loadd(6, b + s * kStepBytes + 2048, 64);
+    _tile_loadd(7, b + s * kStepBytes + 3072, 64);
+    _tile_dpbssd(2, 4, 6);
+    _tile_dpbssd(3, 4, 7);
+  }
+  _tile_stored(0, sums, 256); _tile_stored(1, sums + 16, 256);
+  _tile_stored(2, sums + 32, 256); _tile_stored(3, sums + 48, 256);
+}
+
+// The float32 values of a block's row r, 16 columns v: sums * x_scale * w_scale - the zero points' share + bias.
+struct BlockScales {
+  __m512 w_scale[4], offset[4], bias[4];
+  BlockScales(const W8A8Weights& w, int64_t n0) {
+    for (int v = 0; v < 4; ++v) {
+      w_scale[v] = _mm512_loadu_ps(w.w_scale + n0 + 16 * v);
+      offset[v] = w.zero_offsets ? _mm512_loadu_ps(w.zero_offsets + n0 + 16 * v) : _mm512_setzero_ps();
+      bias[v] = w.bias ? _mm512_loadu_ps(w.bias + n0 + 16 * v) : _mm512_setzero_ps();
+    }
+  }
+  // Zero points: W = q * scale - offset, so x W = the codes' product less (x's dequantized sum) * offset.
+  __m512 value(const int32_t* sums, int64_t r, int v, __m512 row_scale, __m512 row_sum) const {
+    const __m512 product = _mm512_mul_ps(
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + r * 64 + 16 * v)), row_scale), w_scale[v]);
+    return _mm512_add_ps(_mm512_fnmadd_ps(row_sum, offset[v], product), bias[v]);
+  }
+};
+
+// y's rows [m0, m0 + rows) x the 64 columns from n0, from a block's int32 sums (and, gated, up's: silu(w's
+// values) * up's).
+void finish_block(const W8A8Call& call, const int32_t* sums, const int32_t* up_sums, int64_t m0, int64_t rows,
+                  int64_t n0, const float* x_scale, const int32_t* code_sums) {
+  const BlockScales w(call.w, n0);
+  const BlockScales up = call.up ? BlockScales(*call.up, n0) : w;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    const __m512 row_scale = _mm512_set1_ps(x_scale[m]);
+    const __m512 row_sum = _mm512_set1_ps(static_cast<float>(code_sums[m]) * x_scale[m]);
+    for (int v = 0; v < 4; ++v) {
+      __m512 out = w.value(sums, r, v, row_scale, row_sum);
+      if (call.up) {
+        const __m512 sigmoid = _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                             _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), out))));
+        out = _mm512_mul_ps(_mm512_mul_ps(out, sigmoid), up.value(up_sums, r, v, row_scale, row_sum));
+      }
+      if (call.y_bf16) {
+        store_bf16x16(static_cast<uint16_t*>(call.y) + m * call.N + n0 + 16 * v, out);
+      } else {
+        _mm512_storeu_ps(static_cast<float*>(call.y) + m * call.N + n0 + 16 * v, out);
+      }
+    }
+  }
+}
+
+// sums[32 or 16][64] of a block of `rows` rows of a against a panel's weights b.
+inline void block_sums(const int8_t* a, int64_t lda, const int8_t* b, int64_t steps, int64_t rows, bool stream,
+                       int32_t* sums) {
+  if (rows <= 16) {
+    tile_16x64(a, lda, b, steps, sums, stream);
+  } else {
+    tile_32x32(a, lda, b, steps, sums);
+    tile_32x32(a, lda, b + 2048, steps, sums + 32);
+  }
+}
+
+// Panels [p_begin, p_end) of y against x's codes (`codes`: [row blocks][32][steps * 64]). Each block is finished
+// as soon as its sums are in. (Running the previous block's epilogue between this block's tile calls instead,
+// in the stall after their tile stores as amx.cc's gated call does, was slower here: the 0.5B shape's MLP at
+// 2,048 rows, alternating processes, 40-42 against 47.6-48.9 ms.)
+void w8a8_panels(const W8A8Call& call, const int8_t* codes, const float* x_scale, const int32_t* code_sums,
+                 int64_t p_begin, int64_t p_end) {
+  alignas(64) int32_t sums[kRows * kPanel], up_sums[kRows * kPanel];
+  configure_tiles();
+  const int64_t steps = (call.K + kDepth - 1) / kDepth, lda = steps * kDepth, panel_bytes = steps * kStepBytes;
+  const int64_t row_blocks = (call.M + kRows - 1) / kRows, weights = call.up ? 2 : 1;
+  const int64_t panels_per_pass = call.M <= 16 ? 1 : std::max<int64_t>(1, kPassBytes / (weights * panel_bytes));
+  for (int64_t p0 = p_begin; p0 < p_end; p0 += panels_per_pass) {
+    const int64_t np = std::min(panels_per_pass, p_end - p0);
+    for (int64_t mb = 0; mb < row_blocks; ++mb) {
+      const int64_t m0 = mb * kRows, rows = std::min(kRows, call.M - m0);
+      const int8_t* a = codes + m0 * lda;
+      for (int64_t p = p0; p < p0 + np; ++p) {
+        block_sums(a, lda, call.w.packed + p * panel_bytes, steps, rows, mb == 0, sums);
+        if (call.up) block_sums(a, lda, call.up->packed + p * panel_bytes, steps, rows, mb == 0, up_sums);
+        finish_block(call, sums, up_sums, m0, rows, p * kPanel, x_scale, code_sums);
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+bool W8A8MatmulPacked(xla::ffi::ThreadPool& pool, const W8A8Call& call) {
+  if (!Available()) return false;
+  const int64_t steps = (call.K + kDepth - 1) / kDepth, lda = steps * kDepth;
+  const int64_t padded_rows = (call.M + kRows - 1) / kRows * kRows;
+  // x's codes and scales, kept from call to call (amx.cc's x tiles: fresh pages for every prompt step cost
+  // more than filling them).
+  thread_local TileVector<int8_t> codes;
+  thread_local TileVector<float> x_scale;
+  thread_local TileVector<int32_t> code_sums;
+  try {
+    if (codes.size() < static_cast<size_t>(padded_rows * lda)) codes.resize(padded_rows * lda);
+    if (x_scale.size() < static_cast<size_t>(call.M)) x_scale.resize(call.M), code_sums.resize(call.M);
+  } catch (const std::bad_alloc&) {
+    return false;
+  }
+  int8_t* cp = codes.data();
+  float* sp = x_scale.data();
+  int32_t* sum_p = code_sums.data();
+  std::memset(cp + call.M * lda, 0, (padded_rows - call.M) * lda);
+  run_parallel(&pool, call.M, 8, call.M / 8, [&](int64_t m) {
+    sp[m] = call.x_bf16
+                ? quantize_row(static_cast<const uint16_t*>(call.x) + m * call.K, call.K, lda, cp + m * lda, sum_p[m])
+                : quantize_row(static_cast<const float*>(call.x) + m * call.K, call.K, lda, cp + m * lda, sum_p[m]);
+  });
+  const int64_t num_panels = call.N / kPanel, parts = std::min(num_panels, std::max<int64_t>(1, pool.num_threads()));
+  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
+    w8a8_panels(call, cp, sp, sum_p, part * num_panels / parts, (part + 1) * num_panels / parts);
+  });
+  return true;
+}
+
+#else
+
+bool W8A8MatmulPacked(xla::ffi::ThreadPool&, const W8A8Call&) { return false; }
+
+#endif
+
+}  // namespace paged::amx
