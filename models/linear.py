@@ -65,6 +65,16 @@ def packs_w8a8_for_amx(backend: str, quant: WeightQuant | None, out_features: in
             and out_features % cpu.AMX_PANEL == 0 and cpu.w8a8_on_amx())
 
 
+def packs_int8_weights_for_amx(backend: str, quant: WeightQuant | None, dtype: Any, out_features: int) -> bool:
+    """Whether a weight-only int8 layer of a bfloat16 model holds its codes in the AMX-INT8 layout, as W8A8's,
+    and runs on AMX tiles with the codes widened to bfloat16 a panel at a time
+    (`cpu.int8_weights_matmul_packed_cpu`), at every step size: the native backend, int8 codes with one scale
+    per output column, no act-order, whole 64-column panels, on a CPU that offers AMX. Never under a mesh."""
+    return (backend == "cpu" and quant is not None and quant.activations is None and quant.kind == "int"
+            and quant.bits == 8 and quant.group_size == -1 and not quant.act_order
+            and jnp.dtype(dtype) == jnp.bfloat16 and out_features % cpu.AMX_PANEL == 0 and cpu.int8_weights_on_amx())
+
+
 def to_declared_layout(tensor, want: tuple[int, ...]):
     """A checkpoint kernel [in, out] (numpy) in the layout its module declared, `want` being the parameter's
     shape: as it is, or packed for AMX when the declared shape is the packed one (bfloat16 kernels and W8A8
@@ -183,18 +193,25 @@ class Linear(nn.Module):
         """Whether the layer's W8A8 codes are held packed for AMX-INT8 (`packs_w8a8_for_amx`)."""
         return packs_w8a8_for_amx(self.backend, self.quant, self.features)
 
+    @property
+    def holds_int8_packed(self) -> bool:
+        """Whether the layer's int8 codes are held packed for AMX tiles: W8A8 (`holds_w8a8_packed`) or weight-only
+        (`packs_int8_weights_for_amx`)."""
+        return self.holds_w8a8_packed or packs_int8_weights_for_amx(self.backend, self.quant, self.dtype,
+                                                                     self.features)
+
     @nn.compact
     def __call__(self, x: jax.Array, live_rows: jax.Array | None = None, *, packed_kernel: bool = False) -> jax.Array:
         """x @ kernel (+ bias). packed_kernel: declare the kernel and return it as held for AMX instead (the
-        packed kernel where `held_packed`, the W8A8 codes' parameters where `holds_w8a8_packed`; without a bias),
+        packed kernel where `held_packed`, the int8 codes' parameters where `holds_int8_packed`; without a bias),
         for a fused call that reads two layers' kernels (`silu_gated`)."""
         axes = kernel_axes(self.parallel)
         if packed_kernel:
-            if not (self.held_packed or self.holds_w8a8_packed) or self.use_bias:
+            if not (self.held_packed or self.holds_int8_packed) or self.use_bias:
                 raise ValueError(f"{self.name}: packed_kernel needs a kernel held packed for AMX and no bias")
             return self._packed_param(x.shape[-1], axes) if self.held_packed else self._w8a8_params(x.shape[-1], axes)
-        if self.held_packed or self.holds_w8a8_packed:
-            y = self._amx_packed(x, live_rows, axes) if self.held_packed else self._w8a8_packed(x, live_rows, axes)
+        if self.held_packed or self.holds_int8_packed:
+            y = self._amx_packed(x, live_rows, axes) if self.held_packed else self._int8_packed(x, live_rows, axes)
             return self._add_lora(x, y, axes) if self.lora_slots else y
         inputs = x  # what an adapter reads: the input as given, not as the quantized product reorders it
         if self.quant is None:
@@ -274,15 +291,16 @@ class Linear(nn.Module):
         return y.reshape(*lead, self.features)
 
 
-    def _w8a8_packed(self, x: jax.Array, live_rows: jax.Array | None, axes) -> jax.Array:
-        """A W8A8 layer held in the AMX-INT8 layout (`packs_w8a8_for_amx`): x quantized per row, the codes'
-        product, both scales, the zero points and the bias in one native call, rounded once to the output
-        dtype."""
+    def _int8_packed(self, x: jax.Array, live_rows: jax.Array | None, axes) -> jax.Array:
+        """A layer whose int8 codes are held in the AMX-INT8 layout (`holds_int8_packed`), in one native call with
+        the scales, zero points and bias, rounded once to the output dtype: W8A8 with x quantized per row in the
+        call, or weight-only with x as it is."""
         in_features = x.shape[-1]
         params = self._w8a8_params(in_features, axes)
         bias = self._bias(axes) if self.use_bias else None
-        y = cpu.w8a8_matmul_packed_cpu(w8a8_rows(x, self.dtype), params["qweight"], params["scales"],
-                                       params["zero_offsets"], bias, live_rows, out_dtype=self.out_dtype or self.dtype)
+        product = cpu.w8a8_matmul_packed_cpu if self.holds_w8a8_packed else cpu.int8_weights_matmul_packed_cpu
+        y = product(w8a8_rows(x, self.dtype), params["qweight"], params["scales"], params["zero_offsets"], bias,
+                    live_rows, out_dtype=self.out_dtype or self.dtype)
         return y.reshape(*x.shape[:-1], self.features)
 
     def _w8a8_params(self, in_features: int, axes) -> dict[str, jax.Array]:
@@ -302,13 +320,15 @@ def silu_gated(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | No
     has a bias, one native call computes it (`paged.kernels.cpu.gated_matmul_packed_cpu`, or for W8A8 layers
     `w8a8_gated_matmul_packed_cpu`): the two float32 products and the activation pass never reach memory, and
     the result is rounded once."""
-    fused = (gate.held_packed and up.held_packed) or (gate.holds_w8a8_packed and up.holds_w8a8_packed)
+    fused = (gate.held_packed and up.held_packed) or (gate.holds_int8_packed and up.holds_int8_packed
+                                                      and gate.holds_w8a8_packed == up.holds_w8a8_packed)
     if not fused or gate.use_bias or up.use_bias or gate.lora_slots or up.lora_slots:
         return jax.nn.silu(gate(x, live_rows)) * up(x, live_rows)
-    if gate.holds_w8a8_packed:  # W8A8 codes on AMX-INT8: x quantized once for both
+    if gate.holds_int8_packed:  # int8 codes on AMX: W8A8 (x quantized once for both) or weight-only
         g, u = gate(x, packed_kernel=True), up(x, packed_kernel=True)
         y = cpu.w8a8_gated_matmul_packed_cpu(w8a8_rows(x, gate.dtype), g["qweight"], g["scales"], g["zero_offsets"],
-                                             u["qweight"], u["scales"], u["zero_offsets"], live_rows, gate.dtype)
+                                             u["qweight"], u["scales"], u["zero_offsets"], live_rows, gate.dtype,
+                                             weight_only=not gate.holds_w8a8_packed)
         return y.reshape(*x.shape[:-1], gate.features)
     rows, in_features = math.prod(x.shape[:-1]), x.shape[-1]
     y = cpu.gated_matmul_packed_cpu(x.reshape(rows, in_features).astype(jnp.bfloat16), gate(x, packed_kernel=True),

@@ -197,12 +197,16 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
 def _quantized_layer_shape(expected: dict, key: tuple[str, ...], tensors: dict[str, np.ndarray],
                            scheme) -> tuple[int, int]:
     """(in, out) of a quantized layer: from its declared codes, [layers, (experts,) rows, out] (int4: two rows a
-    byte), or, where the module holds them packed for AMX-INT8 (models/linear.py: packs_w8a8_for_amx; [layers,
-    out / 64, ceil(in / 64), 4096]), from the checkpoint's [out, in] weight codes that fit that shape."""
+    byte), or, where the module holds int8 codes packed for AMX (models/linear.py: `Linear.holds_int8_packed`;
+    [layers, out / 64, ceil(in / 64), 4096]), from the checkpoint's tensors that fit that shape."""
     declared = expected[key]
-    weight = tensors.get("weight")
-    if scheme.activations == "int8" and weight is not None and weight.ndim == 2:
-        out_features, in_features = weight.shape
+    shape = None
+    if "weight" in tensors and tensors["weight"].ndim == 2:  # compressed-tensors int-quantized: [out, in]
+        shape = tensors["weight"].shape[::-1]
+    elif scheme.method == "gptq" and "qweight" in tensors and "scales" in tensors:  # [in * bits / 32, out]
+        shape = (tensors["qweight"].shape[0] * 32 // scheme.bits, tensors["scales"].shape[-1])
+    if shape is not None and scheme.bits == 8:
+        in_features, out_features = shape
         if declared[-3:] == (out_features // 64, -(-in_features // 64), 4096) and declared[-2] != in_features:
             return in_features, out_features
     return declared[-2] * (2 if scheme.bits == 4 else 1), declared[-1]

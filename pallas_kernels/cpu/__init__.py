@@ -46,6 +46,8 @@ _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
 _INT8_MATMUL_TARGET = "int8_matmul_cpu"
 _W8A8_PACKED_TARGET = "w8a8_matmul_packed_cpu"
 _W8A8_GATED_TARGET = "w8a8_gated_matmul_packed_cpu"
+_INT8_WEIGHTS_TARGET = "int8_weights_matmul_packed_cpu"
+_INT8_WEIGHTS_GATED_TARGET = "int8_weights_gated_matmul_packed_cpu"
 _MATMUL_TRANSPOSED_TARGET = "matmul_transposed_cpu"
 _MATMUL_TRANSPOSED_ARGMAX_TARGET = "matmul_transposed_argmax_cpu"
 _MATMUL_PACKED_TARGET = "matmul_packed_cpu"
@@ -61,6 +63,7 @@ _VECTORIZED_MATMUL: dict[str, bool] = {}
 _MATMUL_ON_AMX: list[bool] = []  # filled by _load(): whether the default build's bfloat16 products run on AMX
 _PROMPTS_ON_AMX: list[bool] = []  # filled by _load(): whether its bfloat16 prompt attention runs on AMX
 _W8A8_ON_AMX: list[bool] = []  # filled by _load(): whether its W8A8 layers run on AMX-INT8 tiles
+_INT8_WEIGHTS_ON_AMX: list[bool] = []  # filled by _load(): whether weight-only int8 layers run on AMX
 _TRANSPOSED_NATIVE: list[bool] = []  # filled by _load(): whether the tied LM head's transposed calls have a kernel
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
@@ -137,6 +140,8 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                              (_INT8_MATMUL_TARGET, library.Int8MatmulCpu),
                              (_W8A8_PACKED_TARGET, library.W8A8MatmulPackedCpu),
                              (_W8A8_GATED_TARGET, library.W8A8GatedMatmulPackedCpu),
+                             (_INT8_WEIGHTS_TARGET, library.Int8WeightsMatmulPackedCpu),
+                             (_INT8_WEIGHTS_GATED_TARGET, library.Int8WeightsGatedMatmulPackedCpu),
                              (_MATMUL_TRANSPOSED_TARGET, library.MatmulTransposedCpu),
                              (_MATMUL_TRANSPOSED_ARGMAX_TARGET, library.MatmulTransposedArgmaxCpu),
                              (_MATMUL_PACKED_TARGET, library.MatmulPackedCpu),
@@ -155,6 +160,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
             _PROMPTS_ON_AMX[:] = [bool(library.PromptAttentionUsesAmx())]
             _TRANSPOSED_NATIVE[:] = [bool(library.MatmulTransposedIsAvailable())]
             _W8A8_ON_AMX[:] = [bool(library.W8A8MatmulPackedIsAvailable())]
+            _INT8_WEIGHTS_ON_AMX[:] = [bool(library.Int8WeightsMatmulPackedIsAvailable())]
     except Exception as error:  # noqa: BLE001 - any failure means "use the XLA path", reported by available()
         return f"{type(error).__name__}: {error}"
     return None
@@ -555,17 +561,45 @@ def w8a8_matmul_packed_cpu(x: jax.Array, packed: jax.Array, w_scale: jax.Array, 
 
 def w8a8_gated_matmul_packed_cpu(x: jax.Array, gate: jax.Array, gate_scale: jax.Array, gate_offsets: jax.Array | None,
                                  up: jax.Array, up_scale: jax.Array, up_offsets: jax.Array | None,
-                                 live_rows: jax.Array | int | None = None, out_dtype=None) -> jax.Array:
+                                 live_rows: jax.Array | int | None = None, out_dtype=None, *,
+                                 weight_only: bool = False) -> jax.Array:
     """silu(x @ gate) * (x @ up) for two W8A8 layers (each as `w8a8_matmul_packed_cpu` computes it, without
     bias) in one call: x quantized once, both products summed on the tiles and the activation applied before
     anything reaches memory, rounded once to `out_dtype` (default x's). gate, up: packed int8 codes of one
-    [K, N]; their scales [N] and zero offsets [N] or None."""
-    vectors, live = _check_w8a8("w8a8_gated_matmul_packed_cpu", x, live_rows,
-                                (gate, {"gate_scale": gate_scale, "gate_offsets": gate_offsets}),
+    [K, N]; their scales [N] and zero offsets [N] or None. weight_only: two weight-only int8 layers instead,
+    as `int8_weights_matmul_packed_cpu` computes each (bfloat16 x as it is)."""
+    name = "int8_weights_gated_matmul_packed_cpu" if weight_only else "w8a8_gated_matmul_packed_cpu"
+    if weight_only and (x.dtype != jnp.bfloat16 or not int8_weights_on_amx()):
+        raise ValueError(f"{name} takes bfloat16 x on a CPU with AMX; got {x.dtype}")
+    vectors, live = _check_w8a8(name, x, live_rows, (gate, {"gate_scale": gate_scale, "gate_offsets": gate_offsets}),
                                 (up, {"up_scale": up_scale, "up_offsets": up_offsets}))
-    call = jax.ffi.ffi_call(_W8A8_GATED_TARGET, jax.ShapeDtypeStruct((x.shape[0], gate.shape[0] * AMX_PANEL),
-                                                                     jnp.dtype(out_dtype or x.dtype)))
+    call = jax.ffi.ffi_call(_INT8_WEIGHTS_GATED_TARGET if weight_only else _W8A8_GATED_TARGET,
+                            jax.ShapeDtypeStruct((x.shape[0], gate.shape[0] * AMX_PANEL), jnp.dtype(out_dtype or x.dtype)))
     return call(x, gate, *vectors[:2], up, *vectors[2:], live)
+
+
+def int8_weights_matmul_packed_cpu(x: jax.Array, packed: jax.Array, w_scale: jax.Array,
+                                   zero_offsets: jax.Array | None = None, bias: jax.Array | None = None,
+                                   live_rows: jax.Array | int | None = None, out_dtype=None) -> jax.Array:
+    """A weight-only int8 layer of a bfloat16 model on AMX tiles: y = (x @ codes) * w_scale[n] - (sum_k x[m, k]) *
+    zero_offsets[n] + bias[n], the codes widened to exact bfloat16 a panel at a time, float32 sums, in
+    `out_dtype` (default bfloat16, rounded once). x: bfloat16 [M, K]; packed, w_scale, zero_offsets, bias as
+    for `w8a8_matmul_packed_cpu` (one scale per output column). Only where `int8_weights_on_amx()`."""
+    if x.dtype != jnp.bfloat16:
+        raise ValueError(f"int8_weights_matmul_packed_cpu takes bfloat16 x; got {x.dtype}")
+    if not int8_weights_on_amx():
+        raise ValueError("int8_weights_matmul_packed_cpu runs on AMX tiles, and this CPU (or OS) offers none")
+    vectors, live = _check_w8a8("int8_weights_matmul_packed_cpu", x, live_rows, (packed, {
+        "w_scale": w_scale, "zero_offsets": zero_offsets, "bias": bias}))
+    call = jax.ffi.ffi_call(_INT8_WEIGHTS_TARGET, jax.ShapeDtypeStruct((x.shape[0], packed.shape[0] * AMX_PANEL),
+                                                                       jnp.dtype(out_dtype or x.dtype)))
+    return call(x, packed, *vectors, live)
+
+
+def int8_weights_on_amx() -> bool:
+    """Whether the default build runs weight-only int8 layers of bfloat16 models on AMX tiles
+    (`int8_weights_matmul_packed_cpu`)."""
+    return available()[0] and bool(_INT8_WEIGHTS_ON_AMX and _INT8_WEIGHTS_ON_AMX[0])
 
 
 def _check_w8a8(name: str, x: jax.Array, live_rows, *weights: tuple[jax.Array, dict]):

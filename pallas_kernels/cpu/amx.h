@@ -57,6 +57,21 @@ struct W8A8Call {
 // False (y untouched): no AMX-INT8 in this build or process, or x's codes could not be allocated.
 bool W8A8MatmulPacked(xla::ffi::ThreadPool& pool, const W8A8Call& call);
 
+// Weight-only int8 (amx_int8.cc): y[M, N] = (x @ codes) * w_scale[n] - (sum_k x[m, k]) * zero_offsets[n] +
+// bias[n], x bfloat16 [M, K] as it is, the codes (packed as W8A8's) widened to exact bfloat16 a panel at a time,
+// float32 sums on AMX-BF16 tiles. w.packed, w_scale, zero_offsets, bias, y, M, K, N as in W8A8Call.
+struct Int8WeightsCall {
+  const uint16_t* x;
+  W8A8Weights w;
+  const W8A8Weights* up;  // null, or the up projection of a gated call: silu(x @ w) * (x @ up)
+  void* y;
+  bool y_bf16;
+  int64_t M, K, N;
+};
+
+// False (y untouched): no AMX (or no AVX-512 BF16) in this build or process, or x's copy could not be allocated.
+bool Int8WeightsMatmulPacked(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call);
+
 // y[M, N] = x[M, K] @ w[N, K]^T, w row-major as stored (the tied LM head's embedding table), y float32, every
 // element written. False (y untouched): K is not a multiple of 32, or no AMX.
 bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M,

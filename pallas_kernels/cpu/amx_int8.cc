@@ -89,42 +89,58 @@ inline void start_page_stream(const void* p) {
   for (int line = 0; line < 4; ++line) _mm_prefetch(page + 64 * line, _MM_HINT_T1);
 }
 
-// sums[32][64] (row stride 64 int32), columns [0, 32) from 32 rows of a (two A tiles, rows lda bytes apart)
-// against b's two column tiles over `steps` (b: a panel's [steps][4][16][64], offset to the first of the two).
-inline void tile_32x32(const int8_t* a, int64_t lda, const int8_t* b, int64_t steps, int32_t* sums) {
+// The tile product: int8 x int8 -> int32 (W8A8), or bfloat16 pairs -> float32 (int8 weights widened, x as it
+// is). Both read 64-byte tile rows and 4 KB panel steps, so one walk serves both.
+enum class Product { kInt8, kBf16 };
+
+#define PAGED_TILE_PRODUCT(P, c, a, b) \
+  if constexpr (P == Product::kInt8) _tile_dpbssd(c, a, b); else _tile_dpbf16ps(c, a, b)
+
+// sums[32][64] (row stride 64 lanes of 4 bytes), columns [0, 32) from 32 rows of a (two A tiles, rows lda
+// bytes apart) against b's two column tiles over `steps` (b: a panel's [steps][4][16][64 bytes], offset to
+// the first of the two).
+template <Product P>
+inline void tile_32x32(const void* a_, int64_t lda, const void* b_, int64_t steps, void* sums_) {
+  const char* a = static_cast<const char*>(a_);
+  const char* b = static_cast<const char*>(b_);
+  char* sums = static_cast<char*>(sums_);
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   for (int64_t s = 0; s < steps; ++s) {
     _tile_loadd(4, a + s * kDepth, lda);
     _tile_loadd(5, a + 16 * lda + s * kDepth, lda);
     _tile_loadd(6, b + s * kStepBytes, 64);
     _tile_loadd(7, b + s * kStepBytes + 1024, 64);
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 4, 7);
-    _tile_dpbssd(2, 5, 6);
-    _tile_dpbssd(3, 5, 7);
+    PAGED_TILE_PRODUCT(P, 0, 4, 6);
+    PAGED_TILE_PRODUCT(P, 1, 4, 7);
+    PAGED_TILE_PRODUCT(P, 2, 5, 6);
+    PAGED_TILE_PRODUCT(P, 3, 5, 7);
   }
-  _tile_stored(0, sums, 256); _tile_stored(1, sums + 16, 256);
-  _tile_stored(2, sums + 16 * 64, 256); _tile_stored(3, sums + 16 * 64 + 16, 256);
+  _tile_stored(0, sums, 256); _tile_stored(1, sums + 64, 256);
+  _tile_stored(2, sums + 16 * 256, 256); _tile_stored(3, sums + 16 * 256 + 64, 256);
 }
 
 // sums[16][64] from 16 rows of a against the panel's four column tiles; `stream`: the panel comes from memory,
 // and the page two steps ahead is started.
-inline void tile_16x64(const int8_t* a, int64_t lda, const int8_t* b, int64_t steps, int32_t* sums, bool stream) {
+template <Product P>
+inline void tile_16x64(const void* a_, int64_t lda, const void* b_, int64_t steps, void* sums_, bool stream) {
+  const char* a = static_cast<const char*>(a_);
+  const char* b = static_cast<const char*>(b_);
+  char* sums = static_cast<char*>(sums_);
   _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
   for (int64_t s = 0; s < steps; ++s) {
     if (stream) start_page_stream(b + (s + 2) * kStepBytes);
     _tile_loadd(4, a + s * kDepth, lda);
     _tile_loadd(6, b + s * kStepBytes, 64);
     _tile_loadd(7, b + s * kStepBytes + 1024, 64);
-    _tile_dpbssd(0, 4, 6);
-    _tile_dpbssd(1, 4, 7);
+    PAGED_TILE_PRODUCT(P, 0, 4, 6);
+    PAGED_TILE_PRODUCT(P, 1, 4, 7);
     _tile_loadd(6, b + s * kStepBytes + 2048, 64);
     _tile_loadd(7, b + s * kStepBytes + 3072, 64);
-    _tile_dpbssd(2, 4, 6);
-    _tile_dpbssd(3, 4, 7);
+    PAGED_TILE_PRODUCT(P, 2, 4, 6);
+    PAGED_TILE_PRODUCT(P, 3, 4, 7);
   }
-  _tile_stored(0, sums, 256); _tile_stored(1, sums + 16, 256);
-  _tile_stored(2, sums + 32, 256); _tile_stored(3, sums + 48, 256);
+  _tile_stored(0, sums, 256); _tile_stored(1, sums + 64, 256);
+  _tile_stored(2, sums + 128, 256); _tile_stored(3, sums + 192, 256);
 }
 
 // The float32 values of a block's row r, 16 columns v: sums * x_scale * w_scale - the zero points' share + bias.
@@ -145,6 +161,11 @@ struct BlockScales {
   }
 };
 
+inline __m512 silu(__m512 g) {
+  return _mm512_mul_ps(g, _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                        _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+}
+
 // y's rows [m0, m0 + rows) x the 64 columns from n0, from a block's int32 sums (and, gated, up's: silu(w's
 // values) * up's).
 void finish_block(const W8A8Call& call, const int32_t* sums, const int32_t* up_sums, int64_t m0, int64_t rows,
@@ -157,11 +178,7 @@ void finish_block(const W8A8Call& call, const int32_t* sums, const int32_t* up_s
     const __m512 row_sum = _mm512_set1_ps(static_cast<float>(code_sums[m]) * x_scale[m]);
     for (int v = 0; v < 4; ++v) {
       __m512 out = w.value(sums, r, v, row_scale, row_sum);
-      if (call.up) {
-        const __m512 sigmoid = _mm512_div_ps(_mm512_set1_ps(1.0f),
-                                             _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), out))));
-        out = _mm512_mul_ps(_mm512_mul_ps(out, sigmoid), up.value(up_sums, r, v, row_scale, row_sum));
-      }
+      if (call.up) out = _mm512_mul_ps(silu(out), up.value(up_sums, r, v, row_scale, row_sum));
       if (call.y_bf16) {
         store_bf16x16(static_cast<uint16_t*>(call.y) + m * call.N + n0 + 16 * v, out);
       } else {
@@ -172,13 +189,14 @@ void finish_block(const W8A8Call& call, const int32_t* sums, const int32_t* up_s
 }
 
 // sums[32 or 16][64] of a block of `rows` rows of a against a panel's weights b.
-inline void block_sums(const int8_t* a, int64_t lda, const int8_t* b, int64_t steps, int64_t rows, bool stream,
-                       int32_t* sums) {
+template <Product P = Product::kInt8>
+inline void block_sums(const void* a, int64_t lda, const void* b, int64_t steps, int64_t rows, bool stream,
+                       void* sums) {
   if (rows <= 16) {
-    tile_16x64(a, lda, b, steps, sums, stream);
+    tile_16x64<P>(a, lda, b, steps, sums, stream);
   } else {
-    tile_32x32(a, lda, b, steps, sums);
-    tile_32x32(a, lda, b + 2048, steps, sums + 32);
+    tile_32x32<P>(a, lda, b, steps, sums);
+    tile_32x32<P>(a, lda, static_cast<const char*>(b) + 2048, steps, static_cast<char*>(sums) + 128);
   }
 }
 
@@ -208,7 +226,172 @@ void w8a8_panels(const W8A8Call& call, const int8_t* codes, const float* x_scale
   _tile_release();
 }
 
+#if defined(__AVX512BF16__)
+// ---- weight-only int8: bfloat16 x against the codes widened to bfloat16 ------------------------------------
+//
+// Codes are small integers, exact in bfloat16. A panel's whole K is widened once into bf16 tiles (L2) and then
+// every row block of x runs the bfloat16 tile product against it, as amx.cc's packed weights: the codes stream
+// from memory at half bf16's bytes, and the widening is paid once per call, not once per row block.
+
+// Int8 step s of a panel's tile t, quad row j (16 columns x k 4j .. 4j + 3) into the bf16 tiles' pair rows:
+// even words (k 4j, 4j + 1) are pair row 2j of the step's first (j < 8) or second half, odd words pair row
+// 2j + 1.
+alignas(64) inline constexpr uint16_t kEvenThenOddWords[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
+                                                                 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
+
+// 32 int8 codes as 32 exact bfloat16 values.
+inline __m512i widen_codes(__m256i codes) {
+  const __m512 low = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
+  const __m512 high = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+}
+
+// Int8 step s of a panel (4 tiles of 16 quad rows, 4 KB) into its two bf16 steps at `out` ([2][4][16][32] words).
+inline void widen_step(const int8_t* step, uint16_t* out) {
+  const __m512i order = _mm512_load_si512(kEvenThenOddWords);
+  for (int t = 0; t < 4; ++t) {
+    for (int j = 0; j < 16; ++j) {
+      const __m512i split = _mm512_permutexvar_epi16(order, _mm512_load_si512(step + t * 1024 + 64 * j));
+      uint16_t* rows = out + ((j / 8) * 4 + t) * 512 + (2 * (j % 8)) * 32;
+      _mm512_store_si512(rows, widen_codes(_mm512_castsi512_si256(split)));
+      _mm512_store_si512(rows + 32, widen_codes(_mm512_extracti64x4_epi64(split, 1)));
+    }
+  }
+}
+
+// A panel's codes ([steps][4][16][64] bytes) into bf16 tiles ([2 steps][4][16][32] words), `next` (the panel
+// after, or null) requested into L2 as this one is read.
+void widen_panel(const int8_t* codes, int64_t steps, uint16_t* out, const int8_t* next) {
+  for (int64_t s = 0; s < steps; ++s) {
+    if (next)
+      for (int line = 0; line < 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + s * kStepBytes) + 64 * line, _MM_HINT_T1);
+    widen_step(codes + s * kStepBytes, out + 2 * s * 4 * 512);
+  }
+}
+
+// sums[16][64] of up to 16 rows of x (rows lda bytes apart) against a panel streamed from memory, each step's
+// codes widened into an L1 buffer just before its tile products (decode steps: the widening overlaps the
+// stream, and the widened tiles never leave L1).
+void stream_panel_16x64(const char* a, int64_t lda, const int8_t* codes, int64_t steps, float* sums) {
+  alignas(64) uint16_t step_tiles[2 * 4 * 512];
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    start_page_stream(codes + (s + 2) * kStepBytes);
+    widen_step(codes + s * kStepBytes, step_tiles);
+    for (int half = 0; half < 2; ++half) {
+      const uint16_t* b = step_tiles + half * 4 * 512;
+      _tile_loadd(4, a + s * 128 + half * 64, lda);
+      _tile_loadd(6, b, 64);
+      _tile_loadd(7, b + 512, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(6, b + 1024, 64);
+      _tile_loadd(7, b + 1536, 64);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+  }
+  _tile_stored(0, sums, 256); _tile_stored(1, sums + 16, 256);
+  _tile_stored(2, sums + 32, 256); _tile_stored(3, sums + 48, 256);
+}
+
+// y's rows [m0, m0 + rows) x 64 columns from n0 from float32 sums: sums * w_scale - x's row sum * offset + bias
+// (gated: silu of that times up's).
+void finish_weights_block(const Int8WeightsCall& call, const float* sums, const float* up_sums, int64_t m0,
+                          int64_t rows, int64_t n0, const float* x_sums) {
+  const BlockScales w(call.w, n0);
+  const BlockScales up = call.up ? BlockScales(*call.up, n0) : w;
+  auto value = [](const BlockScales& b, const float* block, int64_t r, int v, __m512 row_sum) {
+    const __m512 product = _mm512_mul_ps(_mm512_load_ps(block + r * 64 + 16 * v), b.w_scale[v]);
+    return _mm512_add_ps(_mm512_fnmadd_ps(row_sum, b.offset[v], product), b.bias[v]);
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    const __m512 row_sum = _mm512_set1_ps(x_sums[m]);
+    for (int v = 0; v < 4; ++v) {
+      __m512 out = value(w, sums, r, v, row_sum);
+      if (call.up) out = _mm512_mul_ps(silu(out), value(up, up_sums, r, v, row_sum));
+      if (call.y_bf16) {
+        store_bf16x16(static_cast<uint16_t*>(call.y) + m * call.N + n0 + 16 * v, out);
+      } else {
+        _mm512_storeu_ps(static_cast<float*>(call.y) + m * call.N + n0 + 16 * v, out);
+      }
+    }
+  }
+}
+
+void int8_weight_panels(const Int8WeightsCall& call, const uint16_t* x, const float* x_sums, int64_t p_begin,
+                        int64_t p_end) {
+  alignas(64) float sums[kRows * kPanel], up_sums[kRows * kPanel];
+  const int64_t steps = (call.K + kDepth - 1) / kDepth, panel_bytes = steps * kStepBytes;
+  const int64_t lda = steps * kDepth * sizeof(uint16_t);  // x's rows, padded to whole steps
+  const char* a = reinterpret_cast<const char*>(x);
+  thread_local TileVector<uint16_t> widened, widened_up;
+  if (call.M > 16) widened.resize(2 * steps * 4 * 512), widened_up.resize(call.up ? widened.size() : 0);
+  configure_tiles();
+  const int64_t row_blocks = (call.M + kRows - 1) / kRows;
+  for (int64_t p = p_begin; p < p_end; ++p) {
+    const int8_t* codes = call.w.packed + p * panel_bytes;
+    const int8_t* up_codes = call.up ? call.up->packed + p * panel_bytes : nullptr;
+    if (call.M <= 16) {  // one row block: widen each step as it streams in
+      stream_panel_16x64(a, lda, codes, steps, sums);
+      if (call.up) stream_panel_16x64(a, lda, up_codes, steps, up_sums);
+      finish_weights_block(call, sums, up_sums, 0, call.M, p * kPanel, x_sums);
+      continue;
+    }
+    widen_panel(codes, steps, widened.data(), p + 1 < p_end ? codes + panel_bytes : nullptr);
+    if (call.up) widen_panel(up_codes, steps, widened_up.data(), p + 1 < p_end ? up_codes + panel_bytes : nullptr);
+    for (int64_t mb = 0; mb < row_blocks; ++mb) {
+      const int64_t m0 = mb * kRows, rows = std::min(kRows, call.M - m0);
+      block_sums<Product::kBf16>(a + m0 * lda, lda, widened.data(), 2 * steps, rows, false, sums);
+      if (call.up) block_sums<Product::kBf16>(a + m0 * lda, lda, widened_up.data(), 2 * steps, rows, false, up_sums);
+      finish_weights_block(call, sums, up_sums, m0, rows, p * kPanel, x_sums);
+    }
+  }
+  _tile_release();
+}
+#endif
+
 }  // namespace
+
+bool Int8WeightsMatmulPacked(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call) {
+#if defined(__AVX512BF16__)
+  if (!Available()) return false;
+  const int64_t padded_k = (call.K + kDepth - 1) / kDepth * kDepth;
+  const int64_t padded_rows = (call.M + kRows - 1) / kRows * kRows;
+  thread_local TileVector<uint16_t> x;  // x padded to whole steps and row blocks
+  thread_local TileVector<float> x_sums;
+  try {
+    if (x.size() < static_cast<size_t>(padded_rows * padded_k)) x.resize(padded_rows * padded_k);
+    if (x_sums.size() < static_cast<size_t>(call.M)) x_sums.resize(call.M);
+  } catch (const std::bad_alloc&) {
+    return false;
+  }
+  uint16_t* xp = x.data();
+  float* sp = x_sums.data();
+  std::memset(xp + call.M * padded_k, 0, (padded_rows - call.M) * padded_k * sizeof(uint16_t));
+  run_parallel(&pool, call.M, 8, call.M / 8, [&](int64_t m) {
+    const uint16_t* row = call.x + m * call.K;
+    std::memcpy(xp + m * padded_k, row, call.K * sizeof(uint16_t));
+    std::memset(xp + m * padded_k + call.K, 0, (padded_k - call.K) * sizeof(uint16_t));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t k = 0; k < call.K; k += 16) {
+      const __mmask16 lanes = call.K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (call.K - k)) - 1);
+      sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                   _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, row + k)), 16)));
+    }
+    sp[m] = _mm512_reduce_add_ps(sum);
+  });
+  const int64_t num_panels = call.N / kPanel, parts = std::min(num_panels, std::max<int64_t>(1, pool.num_threads()));
+  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
+    int8_weight_panels(call, xp, sp, part * num_panels / parts, (part + 1) * num_panels / parts);
+  });
+  return true;
+#else
+  (void)pool, (void)call;
+  return false;
+#endif
+}
 
 bool W8A8MatmulPacked(xla::ffi::ThreadPool& pool, const W8A8Call& call) {
   if (!Available()) return false;
@@ -244,6 +427,8 @@ bool W8A8MatmulPacked(xla::ffi::ThreadPool& pool, const W8A8Call& call) {
 #else
 
 bool W8A8MatmulPacked(xla::ffi::ThreadPool&, const W8A8Call&) { return false; }
+
+bool Int8WeightsMatmulPacked(xla::ffi::ThreadPool&, const Int8WeightsCall&) { return false; }
 
 #endif
 

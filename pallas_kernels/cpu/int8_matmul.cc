@@ -243,7 +243,63 @@ ffi::Error W8A8GatedMatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi
   return run_w8a8(kName, pool, x, gate_weights, &up_weights, live, y);
 }
 
+// Weight-only int8 on AMX (amx.h: Int8WeightsMatmulPacked): x bfloat16 [M, K], the codes packed as W8A8's, w_scale
+// float32 [N], zero_offsets and bias float32 [N] or [0], y float32 or bfloat16 [M, N]; rows [live, M) zeros.
+ffi::Error Int8WeightsMatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, F32 w_scale,
+                                       F32 offsets, F32 bias, ffi::Buffer<ffi::S32> live,
+                                       ffi::Result<ffi::AnyBuffer> y) {
+  constexpr const char* kName = "int8_weights_matmul_packed_cpu";
+  if (auto error = check_w8a8(kName, x, w, w_scale, offsets, bias, live, y); error.failure()) return error;
+  if (x.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument(std::string(kName) + ": x must be bfloat16");
+  const int64_t N = y->dimensions()[1];
+  const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
+  const int64_t M = y_bf16 ? paged::zero_rows_past_live(live, x.dimensions()[0], N, static_cast<uint16_t*>(y->untyped_data()))
+                           : paged::zero_rows_past_live(live, x.dimensions()[0], N, static_cast<float*>(y->untyped_data()));
+  if (M == 0) return ffi::Error::Success();
+  const paged::amx::Int8WeightsCall call{static_cast<const uint16_t*>(x.untyped_data()),
+                                         w8a8_weights(w, w_scale, offsets, bias), nullptr, y->untyped_data(), y_bf16,
+                                         M, x.dimensions()[1], N};
+  if (!paged::amx::Int8WeightsMatmulPacked(pool, call))
+    return ffi::Error::Internal(std::string(kName) + ": no AMX tiles, or x's copy could not be allocated");
+  return ffi::Error::Success();
+}
+
+// silu(x @ gate) * (x @ up) for two weight-only int8 layers, as Int8WeightsMatmulPackedImpl's, without bias.
+ffi::Error Int8WeightsGatedMatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> gate,
+                                            F32 gate_scale, F32 gate_offsets, ffi::Buffer<ffi::S8> up, F32 up_scale,
+                                            F32 up_offsets, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> y) {
+  constexpr const char* kName = "int8_weights_gated_matmul_packed_cpu";
+  if (auto error = check_w8a8(kName, x, gate, gate_scale, gate_offsets, gate_offsets, live, y); error.failure())
+    return error;
+  if (auto error = check_w8a8(kName, x, up, up_scale, up_offsets, up_offsets, live, y); error.failure()) return error;
+  if (x.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument(std::string(kName) + ": x must be bfloat16");
+  const int64_t N = y->dimensions()[1];
+  const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
+  const int64_t M = y_bf16 ? paged::zero_rows_past_live(live, x.dimensions()[0], N, static_cast<uint16_t*>(y->untyped_data()))
+                           : paged::zero_rows_past_live(live, x.dimensions()[0], N, static_cast<float*>(y->untyped_data()));
+  if (M == 0) return ffi::Error::Success();
+  paged::amx::W8A8Weights gate_weights = w8a8_weights(gate, gate_scale, gate_offsets, gate_offsets);
+  paged::amx::W8A8Weights up_weights = w8a8_weights(up, up_scale, up_offsets, up_offsets);
+  gate_weights.bias = up_weights.bias = nullptr;
+  const paged::amx::Int8WeightsCall call{static_cast<const uint16_t*>(x.untyped_data()), gate_weights, &up_weights,
+                                         y->untyped_data(), y_bf16, M, x.dimensions()[1], N};
+  if (!paged::amx::Int8WeightsMatmulPacked(pool, call))
+    return ffi::Error::Internal(std::string(kName) + ": no AMX tiles, or x's copy could not be allocated");
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+// Whether weight-only int8 layers of bfloat16 models run on AMX tiles (Int8WeightsMatmulPackedCpu).
+extern "C" int Int8WeightsMatmulPackedIsAvailable() {
+#if defined(__AMX_INT8__) && defined(__AVX512BF16__)
+  return paged::amx::Available();
+#else
+  return 0;
+#endif
+}
 
 // Whether W8A8 layers run on AMX-INT8 tiles (W8A8MatmulPackedCpu): the build targets them and the OS granted the
 // tile state.
@@ -286,6 +342,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulPackedCpu, W8A8MatmulPackedImpl,
                                   .Ret<ffi::AnyBuffer>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8GatedMatmulPackedCpu, W8A8GatedMatmulPackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsMatmulPackedCpu, Int8WeightsMatmulPackedImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsGatedMatmulPackedCpu, Int8WeightsGatedMatmulPackedImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()

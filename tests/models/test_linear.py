@@ -184,8 +184,11 @@ def test_native_matmul_routes_and_matches_xla(monkeypatch, lhs_shape, rhs_shape,
 ])
 def test_quantized_linear_matches_float64_of_the_decoded_weights(monkeypatch, bits, group_size, rows, dtype,
                                                                    native):
-    """Against float64 numpy of W = q * scale - zero_offset, decoded here from the layout's description."""
+    """Against float64 numpy of W = q * scale - zero_offset, decoded here from the layout's description. (On a
+    CPU with AMX, per-channel int8 layers of bfloat16 models take the AMX path, tested in test_low_precision_dot;
+    here, as on a CPU without it.)"""
     from paged.models.quantization import WeightQuant
+    monkeypatch.setattr(cpu_kernel, "int8_weights_on_amx", lambda: False)
     calls = []
     real = cpu_kernel.quant_matmul_cpu
     monkeypatch.setattr(cpu_kernel, "quant_matmul_cpu", lambda *a, **k: calls.append(a[0].dtype) or real(*a, **k))

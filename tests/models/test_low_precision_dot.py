@@ -143,35 +143,72 @@ def test_w8a8_layers_on_amx_int8_compute_float64_of_the_same_codes(monkeypatch, 
     assert calls
 
 
-def test_a_gated_mlp_of_w8a8_layers_on_amx_int8_is_one_call(monkeypatch):
-    """silu_gated over two W8A8 layers held for AMX-INT8 makes one native call (x quantized once, the activation
-    applied to the float32 sums) whose result matches the two layers' own outputs through XLA's silu, to the
-    rounding of those float32 outputs."""
+@pytest.mark.parametrize("zero_points", [False, True])
+def test_weight_only_int8_layers_of_bfloat16_models_on_amx(monkeypatch, zero_points):
+    """A weight-only int8 layer (one scale per column) of a bfloat16 model holds its codes packed as W8A8's and
+    runs on AMX tiles with x as it is: float64 of x @ (codes * scales - offsets) + bias, to one bfloat16
+    rounding, for decode-sized and prompt-sized steps; a float32 model keeps the other path."""
+    from paged.kernels import cpu
+    from paged.models.linear import packs_int8_weights_for_amx
+    if not cpu.int8_weights_on_amx():
+        pytest.skip("no AMX tiles here")
+    calls = []
+    real = cpu.int8_weights_matmul_packed_cpu
+    monkeypatch.setattr(cpu, "int8_weights_matmul_packed_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    _, params = _w8a8("int8", 96, 128, seed=12, zero_points=zero_points)
+    quant = WeightQuant(bits=8, group_size=-1)
+    assert packs_int8_weights_for_amx("cpu", quant, jnp.bfloat16, 128)
+    assert not packs_int8_weights_for_amx("cpu", quant, jnp.float32, 128)
+    layer = Linear(128, jnp.bfloat16, use_bias=True, backend="cpu", quant=quant)
+    declared = nn.unbox(layer.init(jax.random.key(0), jnp.ones((2, 96), jnp.bfloat16))["params"])
+    assert declared["qweight"].shape == (2, 2, 4096)
+    rng = np.random.default_rng(13)
+    held = {**{k: v.astype(declared[k].dtype) for k, v in params.items()},
+            "qweight": cpu.pack_for_amx(params["qweight"]), "bias": jnp.asarray(rng.normal(size=128), jnp.bfloat16)}
+    w = (np.asarray(params["qweight"], np.float64) * np.asarray(held["scales"], np.float64)
+         - np.asarray(held["zero_offsets"], np.float64))
+    for rows in (3, 133):
+        x = jnp.asarray(rng.normal(size=(rows, 96)), jnp.bfloat16)
+        got = np.asarray(jax.jit(lambda p, x: layer.apply({"params": p}, x))(held, x), np.float64)
+        want = np.asarray(x, np.float64) @ w + np.asarray(held["bias"], np.float64)
+        np.testing.assert_allclose(got, want, rtol=8e-3, atol=8e-3 * np.abs(want).max())
+    assert calls
+
+
+@pytest.mark.parametrize("weight_only", [False, True], ids=["w8a8", "weight-only-int8"])
+def test_a_gated_mlp_of_int8_layers_on_amx_is_one_call(monkeypatch, weight_only):
+    """silu_gated over two int8 layers held for AMX makes one native call (W8A8: x quantized once; weight-only
+    int8 of a bfloat16 model: x as it is), the activation applied to the float32 sums, matching the two layers'
+    own outputs through XLA's silu to the rounding of those outputs (float32 for W8A8, bfloat16 for the
+    weight-only layers)."""
     from paged.kernels import cpu
     from paged.models.linear import silu_gated
-    if not cpu.w8a8_on_amx():
-        pytest.skip("no AMX-INT8 tiles here")
-    quant = _w8a8("int8", 96, 128, seed=8, zero_points=True)[0]
+    if not (cpu.int8_weights_on_amx() if weight_only else cpu.w8a8_on_amx()):
+        pytest.skip("no AMX tiles here")
+    quant = WeightQuant(bits=8, group_size=-1) if weight_only else _w8a8("int8", 96, 128, seed=8)[0]
+    dtype = jnp.bfloat16 if weight_only else jnp.float32
 
     class Gated(nn.Module):
         fused: bool
 
         @nn.compact
         def __call__(self, x):
-            gate, up = (Linear(128, jnp.float32, backend="cpu", quant=quant, name=n) for n in ("gate", "up"))
+            gate, up = (Linear(128, dtype, backend="cpu", quant=quant, name=n) for n in ("gate", "up"))
             return silu_gated(x, gate, up) if self.fused else jax.nn.silu(gate(x)) * up(x)
 
     calls = []
     real = cpu.w8a8_gated_matmul_packed_cpu
-    monkeypatch.setattr(cpu, "w8a8_gated_matmul_packed_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
-    params = {name: {**p, "qweight": cpu.pack_for_amx(p["qweight"])}
+    monkeypatch.setattr(cpu, "w8a8_gated_matmul_packed_cpu", lambda *a, **k: calls.append(k) or real(*a, **k))
+    params = {name: {**{k: v.astype(dtype) for k, v in p.items() if k != "qweight"},
+                     "qweight": cpu.pack_for_amx(p["qweight"])}
               for name, p in (("gate", _w8a8("int8", 96, 128, seed=9, zero_points=True)[1]),
                               ("up", _w8a8("int8", 96, 128, seed=10, zero_points=True)[1]))}
-    x = jnp.asarray(np.random.default_rng(11).normal(size=(2, 5, 96)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(11).normal(size=(2, 5, 96)), dtype)
     fused = np.asarray(Gated(True).apply({"params": params}, x), np.float64)
-    assert calls == [1] and fused.shape == (2, 5, 128)
+    assert len(calls) == 1 and calls[0]["weight_only"] == weight_only and fused.shape == (2, 5, 128)
     separate = np.asarray(Gated(False).apply({"params": params}, x), np.float64)
-    np.testing.assert_allclose(fused, separate, rtol=1e-5, atol=1e-5 * np.abs(separate).max())
+    tolerance = 2e-2 if weight_only else 1e-5
+    np.testing.assert_allclose(fused, separate, rtol=tolerance, atol=tolerance * np.abs(separate).max())
 
 
 def test_only_layers_whose_scales_factor_out_take_it():
