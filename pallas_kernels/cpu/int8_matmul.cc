@@ -207,87 +207,50 @@ paged::amx::W8A8Weights w8a8_weights(ffi::Buffer<ffi::S8> w, F32 w_scale, F32 of
           bias.element_count() ? bias.typed_data() : nullptr};
 }
 
-ffi::Error run_w8a8(const char* name, ffi::ThreadPool& pool, ffi::AnyBuffer x, paged::amx::W8A8Weights w,
-                    const paged::amx::W8A8Weights* up, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer>& y) {
+// The call on AMX after its checks: W8A8 (x quantized in the call), or with `weight_only` bfloat16 x against
+// widened int8 codes; `up`: the gated call's up projection, or null.
+ffi::Error run_int8(const char* name, ffi::ThreadPool& pool, ffi::AnyBuffer x, paged::amx::W8A8Weights w,
+                    const paged::amx::W8A8Weights* up, bool weight_only, ffi::Buffer<ffi::S32> live,
+                    ffi::Result<ffi::AnyBuffer>& y) {
   const auto xd = x.dimensions();
+  const bool x_bf16 = x.element_type() == ffi::DataType::BF16;
+  if (weight_only && !x_bf16) return ffi::Error::InvalidArgument(std::string(name) + ": x must be bfloat16");
   const int64_t N = y->dimensions()[1];
   const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
   const int64_t M = y_bf16 ? paged::zero_rows_past_live(live, xd[0], N, static_cast<uint16_t*>(y->untyped_data()))
                            : paged::zero_rows_past_live(live, xd[0], N, static_cast<float*>(y->untyped_data()));
   if (M == 0) return ffi::Error::Success();
-  const paged::amx::W8A8Call call{x.untyped_data(), x.element_type() == ffi::DataType::BF16, w, up, y->untyped_data(),
-                                  y_bf16, M, xd[1], N};
-  if (!paged::amx::W8A8MatmulPacked(pool, call))
-    return ffi::Error::Internal(std::string(name) + ": no AMX-INT8 tiles, or x's codes could not be allocated");
+  const bool done =
+      weight_only
+          ? paged::amx::Int8WeightsMatmulPacked(pool, {static_cast<const uint16_t*>(x.untyped_data()), w, up,
+                                                       y->untyped_data(), y_bf16, M, xd[1], N})
+          : paged::amx::W8A8MatmulPacked(pool, {x.untyped_data(), x_bf16, w, up, y->untyped_data(), y_bf16, M, xd[1], N});
+  if (!done) return ffi::Error::Internal(std::string(name) + ": no AMX tiles, or x's copy could not be allocated");
   return ffi::Error::Success();
 }
 
-ffi::Error W8A8MatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, F32 w_scale,
-                                F32 offsets, F32 bias, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> y) {
-  constexpr const char* kName = "w8a8_matmul_packed_cpu";
-  if (auto error = check_w8a8(kName, x, w, w_scale, offsets, bias, live, y); error.failure()) return error;
-  return run_w8a8(kName, pool, x, w8a8_weights(w, w_scale, offsets, bias), nullptr, live, y);
+template <bool WeightOnly>
+ffi::Error Int8PackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, F32 w_scale, F32 offsets,
+                          F32 bias, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> y) {
+  const char* name = WeightOnly ? "int8_weights_matmul_packed_cpu" : "w8a8_matmul_packed_cpu";
+  if (auto error = check_w8a8(name, x, w, w_scale, offsets, bias, live, y); error.failure()) return error;
+  return run_int8(name, pool, x, w8a8_weights(w, w_scale, offsets, bias), nullptr, WeightOnly, live, y);
 }
 
-ffi::Error W8A8GatedMatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> gate,
-                                     F32 gate_scale, F32 gate_offsets, ffi::Buffer<ffi::S8> up, F32 up_scale,
-                                     F32 up_offsets, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> y) {
-  constexpr const char* kName = "w8a8_gated_matmul_packed_cpu";
+// silu(x @ gate) * (x @ up) for two int8 layers held for AMX (each as Int8PackedImpl's, without bias).
+template <bool WeightOnly>
+ffi::Error Int8GatedPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> gate, F32 gate_scale,
+                               F32 gate_offsets, ffi::Buffer<ffi::S8> up, F32 up_scale, F32 up_offsets,
+                               ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> y) {
+  const char* name = WeightOnly ? "int8_weights_gated_matmul_packed_cpu" : "w8a8_gated_matmul_packed_cpu";
   // (No bias: the offsets stand in for it in the checks, which only read sizes.)
-  if (auto error = check_w8a8(kName, x, gate, gate_scale, gate_offsets, gate_offsets, live, y); error.failure())
+  if (auto error = check_w8a8(name, x, gate, gate_scale, gate_offsets, gate_offsets, live, y); error.failure())
     return error;
-  if (auto error = check_w8a8(kName, x, up, up_scale, up_offsets, up_offsets, live, y); error.failure()) return error;
+  if (auto error = check_w8a8(name, x, up, up_scale, up_offsets, up_offsets, live, y); error.failure()) return error;
   paged::amx::W8A8Weights gate_weights = w8a8_weights(gate, gate_scale, gate_offsets, gate_offsets);
   paged::amx::W8A8Weights up_weights = w8a8_weights(up, up_scale, up_offsets, up_offsets);
   gate_weights.bias = up_weights.bias = nullptr;
-  return run_w8a8(kName, pool, x, gate_weights, &up_weights, live, y);
-}
-
-// Weight-only int8 on AMX (amx.h: Int8WeightsMatmulPacked): x bfloat16 [M, K], the codes packed as W8A8's, w_scale
-// float32 [N], zero_offsets and bias float32 [N] or [0], y float32 or bfloat16 [M, N]; rows [live, M) zeros.
-ffi::Error Int8WeightsMatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, F32 w_scale,
-                                       F32 offsets, F32 bias, ffi::Buffer<ffi::S32> live,
-                                       ffi::Result<ffi::AnyBuffer> y) {
-  constexpr const char* kName = "int8_weights_matmul_packed_cpu";
-  if (auto error = check_w8a8(kName, x, w, w_scale, offsets, bias, live, y); error.failure()) return error;
-  if (x.element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument(std::string(kName) + ": x must be bfloat16");
-  const int64_t N = y->dimensions()[1];
-  const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
-  const int64_t M = y_bf16 ? paged::zero_rows_past_live(live, x.dimensions()[0], N, static_cast<uint16_t*>(y->untyped_data()))
-                           : paged::zero_rows_past_live(live, x.dimensions()[0], N, static_cast<float*>(y->untyped_data()));
-  if (M == 0) return ffi::Error::Success();
-  const paged::amx::Int8WeightsCall call{static_cast<const uint16_t*>(x.untyped_data()),
-                                         w8a8_weights(w, w_scale, offsets, bias), nullptr, y->untyped_data(), y_bf16,
-                                         M, x.dimensions()[1], N};
-  if (!paged::amx::Int8WeightsMatmulPacked(pool, call))
-    return ffi::Error::Internal(std::string(kName) + ": no AMX tiles, or x's copy could not be allocated");
-  return ffi::Error::Success();
-}
-
-// silu(x @ gate) * (x @ up) for two weight-only int8 layers, as Int8WeightsMatmulPackedImpl's, without bias.
-ffi::Error Int8WeightsGatedMatmulPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> gate,
-                                            F32 gate_scale, F32 gate_offsets, ffi::Buffer<ffi::S8> up, F32 up_scale,
-                                            F32 up_offsets, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> y) {
-  constexpr const char* kName = "int8_weights_gated_matmul_packed_cpu";
-  if (auto error = check_w8a8(kName, x, gate, gate_scale, gate_offsets, gate_offsets, live, y); error.failure())
-    return error;
-  if (auto error = check_w8a8(kName, x, up, up_scale, up_offsets, up_offsets, live, y); error.failure()) return error;
-  if (x.element_type() != ffi::DataType::BF16)
-    return ffi::Error::InvalidArgument(std::string(kName) + ": x must be bfloat16");
-  const int64_t N = y->dimensions()[1];
-  const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
-  const int64_t M = y_bf16 ? paged::zero_rows_past_live(live, x.dimensions()[0], N, static_cast<uint16_t*>(y->untyped_data()))
-                           : paged::zero_rows_past_live(live, x.dimensions()[0], N, static_cast<float*>(y->untyped_data()));
-  if (M == 0) return ffi::Error::Success();
-  paged::amx::W8A8Weights gate_weights = w8a8_weights(gate, gate_scale, gate_offsets, gate_offsets);
-  paged::amx::W8A8Weights up_weights = w8a8_weights(up, up_scale, up_offsets, up_offsets);
-  gate_weights.bias = up_weights.bias = nullptr;
-  const paged::amx::Int8WeightsCall call{static_cast<const uint16_t*>(x.untyped_data()), gate_weights, &up_weights,
-                                         y->untyped_data(), y_bf16, M, x.dimensions()[1], N};
-  if (!paged::amx::Int8WeightsMatmulPacked(pool, call))
-    return ffi::Error::Internal(std::string(kName) + ": no AMX tiles, or x's copy could not be allocated");
-  return ffi::Error::Success();
+  return run_int8(name, pool, x, gate_weights, &up_weights, WeightOnly, live, y);
 }
 
 }  // namespace
@@ -330,7 +293,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8MatmulCpu, Int8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulPackedCpu, W8A8MatmulPackedImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulPackedCpu, Int8PackedImpl<false>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
@@ -341,7 +304,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulPackedCpu, W8A8MatmulPackedImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8GatedMatmulPackedCpu, W8A8GatedMatmulPackedImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8GatedMatmulPackedCpu, Int8GatedPackedImpl<false>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
@@ -354,7 +317,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8GatedMatmulPackedCpu, W8A8GatedMatmulPackedImp
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsMatmulPackedCpu, Int8WeightsMatmulPackedImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsMatmulPackedCpu, Int8PackedImpl<true>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
@@ -365,7 +328,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsMatmulPackedCpu, Int8WeightsMatmulPacke
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsGatedMatmulPackedCpu, Int8WeightsGatedMatmulPackedImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsGatedMatmulPackedCpu, Int8GatedPackedImpl<true>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
