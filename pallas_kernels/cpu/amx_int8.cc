@@ -14,7 +14,7 @@
 // x's codes are exactly activation_codes': scale = max|x| / 127.5 (float32 machine epsilon where x is all
 // zeros), code = clip(round_half_even(x / scale), -128, 127), with true float32 divisions. They go straight
 // into the A tiles' order, [M / 32][32 rows][K / 64 steps][64], zero-padded; the weights come packed at load
-// (pallas_kernels/cpu: pack_int8_for_amx), [N / 64][K / 64][4 tiles][16 quads][16 n][4]: byte (p, s, t, r, c, e)
+// (pallas_kernels/cpu: pack_for_amx of int8 codes), [N / 64][K / 64][4 tiles][16 quads][16 n][4]: byte (p, s, t, r, c, e)
 // is w[64 s + 4 r + e, 64 p + 16 t + c], so each step of a panel is 4 KB contiguous and the C tiles' columns
 // come out in order.
 //
@@ -41,7 +41,7 @@ namespace paged::amx {
 namespace {
 
 constexpr int64_t kRows = 32;             // x rows per block: two A tiles
-constexpr int64_t kDepth = 64;            // k per tile step
+constexpr int64_t kDepth = 64;            // bytes of k per tile step: 64 int8 k (or 32 bfloat16)
 constexpr int64_t kPanel = 64;            // y columns per panel: four B tiles
 constexpr int64_t kStepBytes = 4 * 1024;  // a panel's four B tiles for one step
 constexpr int64_t kPassBytes = 1 << 20;   // the weights of a pass of panels for steps over 16 rows: L2
@@ -229,13 +229,14 @@ void w8a8_panels(const W8A8Call& call, const int8_t* codes, const float* x_scale
 #if defined(__AVX512BF16__)
 // ---- weight-only int8: bfloat16 x against the codes widened to bfloat16 ------------------------------------
 //
-// Codes are small integers, exact in bfloat16. A panel's whole K is widened once into bf16 tiles (L2) and then
-// every row block of x runs the bfloat16 tile product against it, as amx.cc's packed weights: the codes stream
-// from memory at half bf16's bytes, and the widening is paid once per call, not once per row block.
+// Codes are small integers, exact in bfloat16. For prompt-sized steps a panel's whole K is widened once into
+// bf16 tiles (L2) and every row block of x runs the bfloat16 tile product against it, as amx.cc's packed
+// weights: the codes stream from memory at half bf16's bytes, and the widening is paid once per call, not once
+// per row block. Decode steps (up to 16 rows, one row block) widen each step as it streams in instead.
 
-// Int8 step s of a panel's tile t, quad row j (16 columns x k 4j .. 4j + 3) into the bf16 tiles' pair rows:
-// even words (k 4j, 4j + 1) are pair row 2j of the step's first (j < 8) or second half, odd words pair row
-// 2j + 1.
+// Quad row j of an int8 tile (16 columns x 4 consecutive k) into the bf16 tiles' pair rows: its even words
+// (the first two k) are pair row 2 (j mod 8), its odd words pair row 2 (j mod 8) + 1, of the step's first
+// bf16 half (j < 8) or second.
 alignas(64) inline constexpr uint16_t kEvenThenOddWords[32] = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30,
                                                                  1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31};
 
