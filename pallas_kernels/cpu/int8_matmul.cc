@@ -293,50 +293,37 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8MatmulCpu, Int8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulPackedCpu, Int8PackedImpl<false>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+// The AMX int8 calls' arguments: x, then each weight's codes and vectors (scale, zero offsets, and for the plain
+// calls the bias), then live; y.
+namespace {
+auto plain_int8_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S8>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::AnyBuffer>();
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8GatedMatmulPackedCpu, Int8GatedPackedImpl<false>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+auto gated_int8_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S8>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S8>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::AnyBuffer>();
+}
+}  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsMatmulPackedCpu, Int8PackedImpl<true>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsGatedMatmulPackedCpu, Int8GatedPackedImpl<true>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulPackedCpu, Int8PackedImpl<false>, plain_int8_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsMatmulPackedCpu, Int8PackedImpl<true>, plain_int8_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8GatedMatmulPackedCpu, Int8GatedPackedImpl<false>, gated_int8_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsGatedMatmulPackedCpu, Int8GatedPackedImpl<true>, gated_int8_binding());
