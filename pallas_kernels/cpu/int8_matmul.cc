@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <utility>
 
 #if defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -296,30 +297,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8MatmulCpu, Int8MatmulImpl,
 // The AMX int8 calls' arguments: x, then each weight's codes and vectors (scale, zero offsets, and for the plain
 // calls the bias), then live; y.
 namespace {
+// One weight's arguments after `binding`'s: its packed codes, scales and zero offsets.
+template <typename Binding>
+auto with_weight(Binding binding) {
+  return std::move(binding)
+      .template Arg<ffi::Buffer<ffi::S8>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>();
+}
+
+auto x_binding() { return ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>(); }
+
 auto plain_int8_binding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S8>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Ret<ffi::AnyBuffer>();
+  return with_weight(x_binding()).Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>();
 }
 
 auto gated_int8_binding() {
-  return ffi::Ffi::Bind()
-      .Ctx<ffi::ThreadPool>()
-      .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S8>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::S8>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Ret<ffi::AnyBuffer>();
+  return with_weight(with_weight(x_binding())).Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>();
 }
 }  // namespace
 
