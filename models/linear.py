@@ -55,24 +55,27 @@ def packs_for_amx(backend: str, dtype: Any, out_features: int) -> bool:
             and cpu.matmul_on_amx())
 
 
+def _int8_codes_fit_amx(backend: str, quant: WeightQuant | None, out_features: int) -> bool:
+    """What both int8 layouts for AMX need: the native backend, int8 codes with one scale per output column, no
+    act-order, whole 64-column panels. Never under a mesh (as `packs_for_amx`)."""
+    return (backend == "cpu" and quant is not None and quant.kind == "int" and quant.bits == 8
+            and quant.group_size == -1 and not quant.act_order and out_features % cpu.AMX_PANEL == 0)
+
+
 def packs_w8a8_for_amx(backend: str, quant: WeightQuant | None, out_features: int) -> bool:
     """Whether a W8A8 layer's int8 codes are held in the AMX-INT8 layout (`cpu.pack_for_amx`) and multiplied
-    there with x quantized in the call (`cpu.w8a8_matmul_packed_cpu`), at every step size: the native backend,
-    int8 codes with one scale per output column and activations quantized per token, no act-order, whole
-    64-column panels, on a CPU (and OS) that offers AMX-INT8 tiles. Never under a mesh (as `packs_for_amx`)."""
-    return (backend == "cpu" and quant is not None and quant.activations == "int8" and quant.kind == "int"
-            and quant.bits == 8 and quant.group_size == -1 and not quant.act_order
-            and out_features % cpu.AMX_PANEL == 0 and cpu.w8a8_on_amx())
+    there with x quantized in the call (`cpu.w8a8_matmul_packed_cpu`), at every step size: codes that fit
+    (`_int8_codes_fit_amx`), activations quantized per token, on a CPU (and OS) that offers AMX-INT8 tiles."""
+    return (_int8_codes_fit_amx(backend, quant, out_features) and quant.activations == "int8"
+            and cpu.w8a8_on_amx())
 
 
 def packs_int8_weights_for_amx(backend: str, quant: WeightQuant | None, dtype: Any, out_features: int) -> bool:
     """Whether a weight-only int8 layer of a bfloat16 model holds its codes in the AMX-INT8 layout, as W8A8's,
-    and runs on AMX tiles with the codes widened to bfloat16 a panel at a time
-    (`cpu.int8_weights_matmul_packed_cpu`), at every step size: the native backend, int8 codes with one scale
-    per output column, no act-order, whole 64-column panels, on a CPU that offers AMX. Never under a mesh."""
-    return (backend == "cpu" and quant is not None and quant.activations is None and quant.kind == "int"
-            and quant.bits == 8 and quant.group_size == -1 and not quant.act_order
-            and jnp.dtype(dtype) == jnp.bfloat16 and out_features % cpu.AMX_PANEL == 0 and cpu.int8_weights_on_amx())
+    and runs on AMX tiles with the codes widened to bfloat16 (`cpu.int8_weights_matmul_packed_cpu`), at every
+    step size: codes that fit (`_int8_codes_fit_amx`), on a CPU that offers AMX."""
+    return (_int8_codes_fit_amx(backend, quant, out_features) and quant.activations is None
+            and jnp.dtype(dtype) == jnp.bfloat16 and cpu.int8_weights_on_amx())
 
 
 def to_declared_layout(tensor, want: tuple[int, ...]):
