@@ -72,8 +72,8 @@ def packs_w8a8_for_amx(backend: str, quant: WeightQuant | None, out_features: in
 
 def packs_int8_weights_for_amx(backend: str, quant: WeightQuant | None, dtype: Any, out_features: int) -> bool:
     """Whether a weight-only int8 layer of a bfloat16 model holds its codes in the AMX-INT8 layout, as W8A8's,
-    and runs on AMX tiles with the codes widened to bfloat16 (`cpu.int8_weights_matmul_packed_cpu`), at every
-    step size: codes that fit (`_int8_codes_fit_amx`), on a CPU that offers AMX."""
+    and runs on AMX tiles (`cpu.int8_weights_matmul_packed_cpu`: x as int8 digits at decode sizes, the codes
+    widened to bfloat16 for prompts), at every step size: codes that fit (`_int8_codes_fit_amx`), on a CPU that offers AMX."""
     return (_int8_codes_fit_amx(backend, quant, out_features) and quant.activations is None
             and jnp.dtype(dtype) == jnp.bfloat16 and cpu.int8_weights_on_amx())
 

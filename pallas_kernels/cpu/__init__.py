@@ -582,8 +582,9 @@ def int8_weights_matmul_packed_cpu(x: jax.Array, packed: jax.Array, w_scale: jax
                                    zero_offsets: jax.Array | None = None, bias: jax.Array | None = None,
                                    live_rows: jax.Array | int | None = None, out_dtype=None) -> jax.Array:
     """A weight-only int8 layer of a bfloat16 model on AMX tiles: y = (x @ codes) * w_scale[n] - (sum_k x[m, k]) *
-    zero_offsets[n] + bias[n], the codes widened to exact bfloat16 a panel at a time, float32 sums, in
-    `out_dtype` (default bfloat16, rounded once). x: bfloat16 [M, K]; packed, w_scale, zero_offsets, bias as
+    zero_offsets[n] + bias[n] in `out_dtype` (default bfloat16, rounded once). Up to 16 rows (decode) x is
+    written as four int8 digits per element and multiplies the codes as they are on the int8 tiles, to float32
+    accuracy; larger steps widen the codes to exact bfloat16 a panel at a time, float32 sums. x: bfloat16 [M, K]; packed, w_scale, zero_offsets, bias as
     for `w8a8_matmul_packed_cpu` (one scale per output column). Only where `int8_weights_on_amx()`."""
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"int8_weights_matmul_packed_cpu takes bfloat16 x; got {x.dtype}")

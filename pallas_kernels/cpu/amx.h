@@ -58,8 +58,9 @@ struct W8A8Call {
 bool W8A8MatmulPacked(xla::ffi::ThreadPool& pool, const W8A8Call& call);
 
 // Weight-only int8 (amx_int8.cc): y[M, N] = (x @ codes) * w_scale[n] - (sum_k x[m, k]) * zero_offsets[n] +
-// bias[n], x bfloat16 [M, K] as it is, the codes (packed as W8A8's) widened to exact bfloat16 a panel at a time,
-// float32 sums on AMX-BF16 tiles. w.packed, w_scale, zero_offsets, bias, y, M, K, N as in W8A8Call.
+// bias[n], x bfloat16 [M, K], the codes packed as W8A8's. Up to 16 rows, x as four int8 digits per element
+// against the codes on AMX-INT8 tiles (float32 accuracy); beyond, the codes widened to exact bfloat16 a panel at
+// a time, float32 sums on AMX-BF16 tiles. w.packed, w_scale, zero_offsets, bias, y, M, K, N as in W8A8Call.
 struct Int8WeightsCall {
   const uint16_t* x;
   W8A8Weights w;

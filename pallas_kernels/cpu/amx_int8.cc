@@ -200,39 +200,50 @@ inline void block_sums(const void* a, int64_t lda, const void* b, int64_t steps,
   }
 }
 
-// Panels [p_begin, p_end) of y against x's codes (`codes`: [row blocks][32][steps * 64]). Each block is finished
-// as soon as its sums are in. (Running the previous block's epilogue between this block's tile calls instead,
-// in the stall after their tile stores as amx.cc's gated call does, was slower here: the 0.5B shape's MLP at
-// 2,048 rows, alternating processes, 40-42 against 47.6-48.9 ms.)
-void w8a8_panels(const W8A8Call& call, const int8_t* codes, const float* x_scale, const int32_t* code_sums,
-                 int64_t p_begin, int64_t p_end) {
+// Panels [p_begin, p_end) of `rows` rows of int8 codes (`codes`: [row blocks][32][steps * 64]) against w's
+// packed codes (and up's, or null), K deep. Each block's int32 sums go to finish(sums, up_sums, r0, rows, n0) as
+// soon as they are in. (Running the previous block's epilogue between this block's tile calls instead, in the
+// stall after their tile stores as amx.cc's gated call does, was slower here: the 0.5B shape's MLP at 2,048
+// rows, alternating processes, 40-42 against 47.6-48.9 ms.)
+template <class Finish>
+void int8_panels(const int8_t* w, const int8_t* up, int64_t rows, int64_t K, const int8_t* codes, int64_t p_begin,
+                 int64_t p_end, const Finish& finish) {
   alignas(64) int32_t sums[kRows * kPanel], up_sums[kRows * kPanel];
   configure_tiles();
-  const int64_t steps = (call.K + kDepth - 1) / kDepth, lda = steps * kDepth, panel_bytes = steps * kStepBytes;
-  const int64_t row_blocks = (call.M + kRows - 1) / kRows, weights = call.up ? 2 : 1;
-  const int64_t panels_per_pass = call.M <= 16 ? 1 : std::max<int64_t>(1, kPassBytes / (weights * panel_bytes));
+  const int64_t steps = (K + kDepth - 1) / kDepth, lda = steps * kDepth, panel_bytes = steps * kStepBytes;
+  const int64_t row_blocks = (rows + kRows - 1) / kRows, weights = up ? 2 : 1;
+  const int64_t panels_per_pass = rows <= 16 ? 1 : std::max<int64_t>(1, kPassBytes / (weights * panel_bytes));
   for (int64_t p0 = p_begin; p0 < p_end; p0 += panels_per_pass) {
     const int64_t np = std::min(panels_per_pass, p_end - p0);
     for (int64_t mb = 0; mb < row_blocks; ++mb) {
-      const int64_t m0 = mb * kRows, rows = std::min(kRows, call.M - m0);
-      const int8_t* a = codes + m0 * lda;
+      const int64_t r0 = mb * kRows, block_rows = std::min(kRows, rows - r0);
+      const int8_t* a = codes + r0 * lda;
       for (int64_t p = p0; p < p0 + np; ++p) {
-        block_sums(a, lda, call.w.packed + p * panel_bytes, steps, rows, mb == 0, sums);
-        if (call.up) block_sums(a, lda, call.up->packed + p * panel_bytes, steps, rows, mb == 0, up_sums);
-        finish_block(call, sums, up_sums, m0, rows, p * kPanel, x_scale, code_sums);
+        block_sums(a, lda, w + p * panel_bytes, steps, block_rows, mb == 0, sums);
+        if (up) block_sums(a, lda, up + p * panel_bytes, steps, block_rows, mb == 0, up_sums);
+        finish(sums, up_sums, r0, block_rows, p * kPanel);
       }
     }
   }
   _tile_release();
 }
 
+// Panels [p_begin, p_end) of a W8A8 call, x's codes one row per row of x.
+void w8a8_panels(const W8A8Call& call, const int8_t* codes, const float* x_scale, const int32_t* code_sums,
+                 int64_t p_begin, int64_t p_end) {
+  int8_panels(call.w.packed, call.up ? call.up->packed : nullptr, call.M, call.K, codes, p_begin, p_end,
+              [&](const int32_t* sums, const int32_t* up_sums, int64_t m0, int64_t rows, int64_t n0) {
+                finish_block(call, sums, up_sums, m0, rows, n0, x_scale, code_sums);
+              });
+}
+
 #if defined(__AVX512BF16__)
 // ---- weight-only int8: bfloat16 x against the codes widened to bfloat16 ------------------------------------
 //
-// Codes are small integers, exact in bfloat16. For prompt-sized steps a panel's whole K is widened once into
-// bf16 tiles (L2) and every row block of x runs the bfloat16 tile product against it, as amx.cc's packed
-// weights: the codes stream from memory at half bf16's bytes, and the widening is paid once per call, not once
-// per row block. Decode steps (up to 16 rows, one row block) widen each step as it streams in instead.
+// Codes are small integers, exact in bfloat16. For prompt-sized steps (over kDigitRows rows; decode-sized ones
+// take the digits below) a panel's whole K is widened once into bf16 tiles (L2) and every row block of x runs
+// the bfloat16 tile product against it, as amx.cc's packed weights: the codes stream from memory at half bf16's
+// bytes, and the widening is paid once per call, not once per row block.
 
 // Quad row j of an int8 tile (16 columns x 4 consecutive k) into the bf16 tiles' pair rows: its even words
 // (the first two k) are pair row 2 (j mod 8), its odd words pair row 2 (j mod 8) + 1, of the step's first
@@ -270,32 +281,6 @@ void widen_panel(const int8_t* codes, int64_t steps, uint16_t* out, const int8_t
   }
 }
 
-// sums[16][64] of up to 16 rows of x (rows lda bytes apart) against a panel streamed from memory, each step's
-// codes widened into an L1 buffer just before its tile products (decode steps: the widening overlaps the
-// stream, and the widened tiles never leave L1).
-void stream_panel_16x64(const char* a, int64_t lda, const int8_t* codes, int64_t steps, float* sums) {
-  alignas(64) uint16_t step_tiles[2 * 4 * 512];
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-  for (int64_t s = 0; s < steps; ++s) {
-    start_page_stream(codes + (s + 2) * kStepBytes);
-    widen_step(codes + s * kStepBytes, step_tiles);
-    for (int half = 0; half < 2; ++half) {
-      const uint16_t* b = step_tiles + half * 4 * 512;
-      _tile_loadd(4, a + s * 128 + half * 64, lda);
-      _tile_loadd(6, b, 64);
-      _tile_loadd(7, b + 512, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(6, b + 1024, 64);
-      _tile_loadd(7, b + 1536, 64);
-      _tile_dpbf16ps(2, 4, 6);
-      _tile_dpbf16ps(3, 4, 7);
-    }
-  }
-  _tile_stored(0, sums, 256); _tile_stored(1, sums + 16, 256);
-  _tile_stored(2, sums + 32, 256); _tile_stored(3, sums + 48, 256);
-}
-
 // y's rows [m0, m0 + rows) x 64 columns from n0 from float32 sums: sums * w_scale - x's row sum * offset + bias
 // (gated: silu of that times up's).
 void finish_weights_block(const Int8WeightsCall& call, const float* sums, const float* up_sums, int64_t m0,
@@ -321,6 +306,105 @@ void finish_weights_block(const Int8WeightsCall& call, const float* sums, const 
   }
 }
 
+// ---- weight-only int8 at decode sizes: x as int8 digits against the codes as they are ---------------------
+//
+// Widening the codes to bfloat16 costs about what their halved bytes save. Up to kDigitRows rows, each row of x
+// is written instead as kDigits rows of int8 digits, x ~ sum_d digit_d * scale_d with scale_{d+1} = scale_d / 254
+// (what digit d leaves is at most half of scale_d, so the next digit stays within +-127), which multiply the
+// weights' codes on the int8 tiles as W8A8's codes do; the epilogue sums the digits' int32 sums times their
+// scales in float32. Four digits put x on a grid of max|x| / (127 * 254^3), about 2^-31 of the row's largest
+// value: finer than float32's rounding of the sums, so the result is the float product's to float32 accuracy.
+// Four digit rows per row of x fill a 16-row A tile with four rows of x, and a 32-row block with eight. The tile
+// work grows fourfold with it: up to 4 rows of x it is W8A8's one A tile; at 16, 64 digit rows, the int8 tiles
+// take about as long as bf16's (paged bench matmul, docs/kernels.md), still ahead of widening the codes.
+constexpr int64_t kDigits = 4;
+constexpr int64_t kDigitRows = 16;
+
+// Row x (K bfloat16) as kDigits rows of codes at `codes` (lda bytes apart, zeros from K on) and their scales;
+// x_sum: its float32 sum. Digits whose scale would leave float32's normal range stay zero.
+void digit_row(const uint16_t* x, int64_t K, int64_t lda, int8_t* codes, float* scales, float& x_sum) {
+  auto lanes_at = [&](int64_t k) -> __mmask16 {
+    return K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
+  };
+  auto load = [&](int64_t k, __mmask16 lanes) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x + k)), 16));
+  };
+  __m512 peak = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 v = load(k, lanes_at(k));
+    peak = _mm512_max_ps(peak, _mm512_abs_ps(v));
+    sum = _mm512_add_ps(sum, v);
+  }
+  x_sum = _mm512_reduce_add_ps(sum);
+  std::memset(codes, 0, kDigits * lda);
+  int digits = 0;
+  for (float scale = _mm512_reduce_max_ps(peak) / 127.0f; digits < kDigits && scale >= FLT_MIN; scale /= 254.0f)
+    scales[digits++] = scale;
+  for (int d = digits; d < kDigits; ++d) scales[d] = 0.0f;
+  const __m512 low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 lanes = lanes_at(k);
+    __m512 rest = load(k, lanes);
+    for (int d = 0; d < digits; ++d) {
+      const __m512 scale = _mm512_set1_ps(scales[d]);
+      const __m512 q = _mm512_min_ps(
+          high, _mm512_max_ps(low, _mm512_roundscale_ps(_mm512_div_ps(rest, scale),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+      _mm_mask_storeu_epi8(codes + d * lda + k, lanes, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
+      rest = _mm512_fnmadd_ps(q, scale, rest);
+    }
+  }
+}
+
+// A block's rows [r0, r0 + rows) of digit sums (kDigits per row of x) into y's rows from r0 / kDigits.
+void finish_digit_block(const Int8WeightsCall& call, const int32_t* sums, const int32_t* up_sums, int64_t r0,
+                        int64_t rows, int64_t n0, const float* scales, const float* x_sums) {
+  alignas(64) float values[kRows / kDigits * kPanel], up_values[kRows / kDigits * kPanel];
+  const int64_t m0 = r0 / kDigits, count = rows / kDigits;
+  auto combine = [&](const int32_t* block, float* out) {
+    for (int64_t i = 0; i < count; ++i) {
+      for (int v = 0; v < 4; ++v) {
+        __m512 value = _mm512_setzero_ps();
+        for (int64_t d = kDigits - 1; d >= 0; --d)  // smallest first
+          value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(block + (i * kDigits + d) * 64 + 16 * v)),
+                                  _mm512_set1_ps(scales[(m0 + i) * kDigits + d]), value);
+        _mm512_store_ps(out + i * 64 + 16 * v, value);
+      }
+    }
+  };
+  combine(sums, values);
+  if (call.up) combine(up_sums, up_values);
+  finish_weights_block(call, values, up_values, m0, count, n0, x_sums);
+}
+
+// Decode-sized calls (M <= kDigitRows): false if the digits could not be allocated.
+bool int8_weights_by_digits(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call) {
+  const int64_t lda = (call.K + kDepth - 1) / kDepth * kDepth, rows = kDigits * call.M;
+  const int64_t padded_rows = (rows + kRows - 1) / kRows * kRows;
+  thread_local TileVector<int8_t> codes;
+  thread_local TileVector<float> scales, x_sums;
+  try {
+    if (codes.size() < static_cast<size_t>(padded_rows * lda)) codes.resize(padded_rows * lda);
+    if (x_sums.size() < static_cast<size_t>(call.M)) x_sums.resize(call.M), scales.resize(kDigits * call.M);
+  } catch (const std::bad_alloc&) {
+    return false;
+  }
+  int8_t* cp = codes.data();
+  float *scale_p = scales.data(), *sum_p = x_sums.data();
+  std::memset(cp + rows * lda, 0, (padded_rows - rows) * lda);
+  for (int64_t m = 0; m < call.M; ++m)
+    digit_row(call.x + m * call.K, call.K, lda, cp + kDigits * m * lda, scale_p + kDigits * m, sum_p[m]);
+  const int64_t num_panels = call.N / kPanel, parts = std::min(num_panels, std::max<int64_t>(1, pool.num_threads()));
+  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
+    int8_panels(call.w.packed, call.up ? call.up->packed : nullptr, rows, call.K, cp, part * num_panels / parts,
+                (part + 1) * num_panels / parts,
+                [&](const int32_t* sums, const int32_t* up_sums, int64_t r0, int64_t block_rows, int64_t n0) {
+                  finish_digit_block(call, sums, up_sums, r0, block_rows, n0, scale_p, sum_p);
+                });
+  });
+  return true;
+}
+
 void int8_weight_panels(const Int8WeightsCall& call, const uint16_t* x, const float* x_sums, int64_t p_begin,
                         int64_t p_end) {
   alignas(64) float sums[kRows * kPanel], up_sums[kRows * kPanel];
@@ -328,18 +412,12 @@ void int8_weight_panels(const Int8WeightsCall& call, const uint16_t* x, const fl
   const int64_t lda = steps * kDepth * sizeof(uint16_t);  // x's rows, padded to whole steps
   const char* a = reinterpret_cast<const char*>(x);
   thread_local TileVector<uint16_t> widened, widened_up;
-  if (call.M > 16) widened.resize(2 * steps * 4 * 512), widened_up.resize(call.up ? widened.size() : 0);
+  widened.resize(2 * steps * 4 * 512), widened_up.resize(call.up ? widened.size() : 0);
   configure_tiles();
   const int64_t row_blocks = (call.M + kRows - 1) / kRows;
   for (int64_t p = p_begin; p < p_end; ++p) {
     const int8_t* codes = call.w.packed + p * panel_bytes;
     const int8_t* up_codes = call.up ? call.up->packed + p * panel_bytes : nullptr;
-    if (call.M <= 16) {  // one row block: widen each step as it streams in
-      stream_panel_16x64(a, lda, codes, steps, sums);
-      if (call.up) stream_panel_16x64(a, lda, up_codes, steps, up_sums);
-      finish_weights_block(call, sums, up_sums, 0, call.M, p * kPanel, x_sums);
-      continue;
-    }
     widen_panel(codes, steps, widened.data(), p + 1 < p_end ? codes + panel_bytes : nullptr);
     if (call.up) widen_panel(up_codes, steps, widened_up.data(), p + 1 < p_end ? up_codes + panel_bytes : nullptr);
     for (int64_t mb = 0; mb < row_blocks; ++mb) {
@@ -358,6 +436,7 @@ void int8_weight_panels(const Int8WeightsCall& call, const uint16_t* x, const fl
 bool Int8WeightsMatmulPacked(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call) {
 #if defined(__AVX512BF16__)
   if (!Available()) return false;
+  if (call.M <= kDigitRows) return int8_weights_by_digits(pool, call);
   const int64_t padded_k = (call.K + kDepth - 1) / kDepth * kDepth;
   const int64_t padded_rows = (call.M + kRows - 1) / kRows * kRows;
   thread_local TileVector<uint16_t> x;  // x padded to whole steps and row blocks

@@ -209,7 +209,7 @@ paged::amx::W8A8Weights w8a8_weights(ffi::Buffer<ffi::S8> w, F32 w_scale, F32 of
 }
 
 // The call on AMX after its checks: W8A8 (x quantized in the call), or with `weight_only` bfloat16 x against
-// widened int8 codes; `up`: the gated call's up projection, or null.
+// the int8 codes (amx.h: Int8WeightsMatmulPacked); `up`: the gated call's up projection, or null.
 ffi::Error run_int8(const char* name, ffi::ThreadPool& pool, ffi::AnyBuffer x, paged::amx::W8A8Weights w,
                     const paged::amx::W8A8Weights* up, bool weight_only, ffi::Buffer<ffi::S32> live,
                     ffi::Result<ffi::AnyBuffer>& y) {

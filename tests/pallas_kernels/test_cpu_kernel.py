@@ -1001,7 +1001,7 @@ def test_w8a8_gated_on_amx_int8_matches_float64(rows):
     assert not np.any(got[-1])
 
 
-@pytest.mark.parametrize("rows", [1, 16, 17, 100])
+@pytest.mark.parametrize("rows", [1, 5, 16, 17, 100])
 @pytest.mark.parametrize("inner, cols", [(60, 128), (1028, 320)])
 def test_int8_weights_on_amx_match_float64(rows, inner, cols):
     """Weight-only int8 on AMX: bfloat16 x as it is against the codes widened to bfloat16 (exact), float32 sums,
@@ -1026,6 +1026,42 @@ def test_int8_weights_on_amx_match_float64(rows, inner, cols):
     with pytest.raises(ValueError, match="bfloat16 x"):
         cpu_kernel.int8_weights_matmul_packed_cpu(x.astype(jnp.float32), cpu_kernel.pack_for_amx(jnp.asarray(w)),
                                                   vectors[0])
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 16])
+def test_int8_weights_on_amx_decode_steps_keep_float32_accuracy(rows):
+    """Decode-sized steps write x as four int8 digits per element against the codes on the int8 tiles: each row
+    of the result matches float64 to better than a float32 product does, with a massive activation beside small
+    ones and a row of zeros; a row so small that its last digit's scale leaves float32's normal range keeps
+    three."""
+    _needs_amx_int8()
+    from paged.kernels import cpu as cpu_kernel
+    if not cpu_kernel.int8_weights_on_amx():
+        pytest.skip("no AVX-512 BF16 beside the tiles")
+    rng = np.random.default_rng(rows)
+    inner, cols = 1100, 192
+    w = rng.integers(-128, 128, (inner, cols)).astype(np.int8)
+    w_scale = rng.uniform(0.001, 0.01, cols)
+    x = rng.normal(size=(rows, inner))
+    x[:, 7], x[:, 100] = 3000.0, -5e-4
+    x[rows // 2] = 0.0
+    x[-1] *= 1e-33 if rows > 1 else 1.0  # its fourth scale, max|x| / (127 * 254^3), is below FLT_MIN
+    x = jnp.asarray(x, jnp.bfloat16)
+    x64 = np.asarray(x, np.float64)
+    want = (x64 @ w.astype(np.float64)) * w_scale
+    got = np.asarray(jax.jit(lambda x, p, s: cpu_kernel.int8_weights_matmul_packed_cpu(x, p, s, out_dtype=jnp.float32))(
+        x, cpu_kernel.pack_for_amx(jnp.asarray(w)), jnp.asarray(w_scale, jnp.float32)), np.float64)
+    float32 = (np.asarray(x, np.float32) @ w.astype(np.float32)).astype(np.float64) * w_scale
+    for row in range(rows):
+        peak = np.abs(want[row]).max()
+        if peak == 0:
+            assert not np.any(got[row])
+            continue
+        error = np.abs(got[row] - want[row]).max() / peak
+        if rows > 1 and row == rows - 1:  # three digits: a grid of max|x| / (127 * 254^2)
+            assert error < 1e-5, error
+        else:
+            assert error < max(2e-7, np.abs(float32[row] - want[row]).max() / peak), (row, error)
 
 
 def test_w8a8_on_amx_int8_live_rows_extremes_and_defaults():
