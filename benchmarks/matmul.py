@@ -12,7 +12,8 @@ read once over the time make (the roof of a memory-bound decode-sized product). 
               holds them from load (pallas_kernels/cpu: pack_for_amx)
   native-avx512  the same kernel built without AMX (only on a CPU with AMX: the path it replaces)
   int8, int4  bfloat16 runs only: the same weights quantized (int8 per output channel as quantization="int8";
-              int4 in groups of 128 rows as GPTQ) through the engine's quantized layer; their read fraction
+              int4 in groups of 128 rows as GPTQ) through the engine's quantized layer (int8 on AMX: the codes
+              packed beforehand, as the engine holds them); their read fraction
               counts the codes and scales they stream; their max_rel_diff is against XLA's dot on the
               dequantized weights.
   int8-f32x, int4-f32x  the same codes with x widened to float32 (the path without AVX-512 BF16)
@@ -113,6 +114,16 @@ def _quantized_implementations(dtype) -> dict:
                                        None, jnp.float32)
 
     impls = {"int8": (engine(8), prepare(8), dequantized(8)), "int4": (engine(4), prepare(4), dequantized(4))}
+    if cpu.int8_weights_on_amx() and jnp.dtype(dtype) == jnp.bfloat16:  # as the engine holds int8 layers there
+        def packed(params):
+            return {**params, "qweight": cpu.pack_for_amx(params["qweight"])}
+
+        def unpacked(x, p):
+            return dequantized(8)(x, {**p, "qweight": cpu.unpack_from_amx(p["qweight"], x.shape[1])})
+
+        impls["int8"] = (lambda x, p: cpu.int8_weights_matmul_packed_cpu(x, p["qweight"], p["scales"].astype(jnp.float32),
+                                                                         out_dtype=jnp.float32),
+                         lambda w: packed(prepare(8)(w)), unpacked)
     if cpu.int8_matmul_is_vectorized():
         w8a8 = WeightQuant(bits=8, group_size=-1, method="w8a8", activations="int8")
 
