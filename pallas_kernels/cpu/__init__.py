@@ -39,7 +39,7 @@ _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SO
             _SOURCE_DIR / "amx_int8.cc")
 _HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h", _SOURCE_DIR / "amx_tiles.h",
             _SOURCE_DIR / "vector_math.h", _SOURCE_DIR / "transposed.h",
-            _SOURCE_DIR / "lane_argmax.h", _SOURCE_DIR / "panels.h")
+            _SOURCE_DIR / "lane_argmax.h", _SOURCE_DIR / "panels.h", _SOURCE_DIR / "amx_digits.h")
 _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"

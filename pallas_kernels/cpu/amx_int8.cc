@@ -35,6 +35,10 @@
 #include "parallel.h"
 #include "vector_math.h"
 
+#if defined(PAGED_AMX) && defined(__AMX_INT8__)
+#include "amx_digits.h"
+#endif
+
 namespace paged::amx {
 
 #if defined(PAGED_AMX) && defined(__AMX_INT8__)
@@ -80,13 +84,6 @@ float quantize_row(const T* x, int64_t K, int64_t padded, int8_t* codes, int32_t
   std::memset(codes + K, 0, padded - K);
   code_sum = _mm512_reduce_add_epi32(sums);
   return scale;
-}
-
-// Streaming the weights, the L2 hardware prefetcher stops at each 4 KB page (amx.cc: start_page_stream):
-// four lines of the page at or after p, into L2.
-inline void start_page_stream(const void* p) {
-  const char* page = reinterpret_cast<const char*>((reinterpret_cast<uintptr_t>(p) + 4095) & ~uintptr_t(4095));
-  for (int line = 0; line < 4; ++line) _mm_prefetch(page + 64 * line, _MM_HINT_T1);
 }
 
 // The tile product: int8 x int8 -> int32 (W8A8), or bfloat16 pairs -> float32 (int8 weights widened, x as it
@@ -160,11 +157,6 @@ struct BlockScales {
     return _mm512_add_ps(_mm512_fnmadd_ps(row_sum, offset[v], product), bias[v]);
   }
 };
-
-inline __m512 silu(__m512 g) {
-  return _mm512_mul_ps(g, _mm512_div_ps(_mm512_set1_ps(1.0f),
-                                        _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-}
 
 // y's rows [m0, m0 + rows) x the 64 columns from n0, from a block's int32 sums (and, gated, up's: silu(w's
 // values) * up's).
@@ -308,53 +300,11 @@ void finish_weights_block(const Int8WeightsCall& call, const float* sums, const 
 
 // ---- weight-only int8 at decode sizes: x as int8 digits against the codes as they are ---------------------
 //
-// Widening the codes to bfloat16 costs about what their halved bytes save. Up to kDigitRows rows, each row of x
-// is written instead as kDigits rows of int8 digits, x ~ sum_d digit_d * scale_d with scale_{d+1} = scale_d / 254
-// (what digit d leaves is at most half of scale_d, so the next digit stays within +-127), which multiply the
-// weights' codes on the int8 tiles as W8A8's codes do; the epilogue sums the digits' int32 sums times their
-// scales in float32. Four digits put x on a grid of max|x| / (127 * 254^3), about 2^-31 of the row's largest
-// value: finer than float32's rounding of the sums, so the result is the float product's to float32 accuracy.
-// Four digit rows per row of x fill a 16-row A tile with four rows of x, and a 32-row block with eight. The tile
-// work grows fourfold with it: up to 4 rows of x it is W8A8's one A tile; at 16, 64 digit rows, the int8 tiles
-// take about as long as bf16's (paged bench matmul, docs/kernels.md), still ahead of widening the codes.
-constexpr int64_t kDigits = 4;
+// Up to kDigitRows rows, x goes in as int8 digits (amx_digits.h) and meets the codes on the int8 tiles, W8A8's
+// walk with kDigits rows of codes per row of x. Four digit rows fill a 16-row A tile with four rows of x, and a
+// 32-row block with eight: up to 4 rows of x the tile work is W8A8's one A tile; at 16, 64 digit rows, the int8
+// tiles take about as long as bf16's (paged bench matmul, docs/kernels.md), still ahead of widening the codes.
 constexpr int64_t kDigitRows = 16;
-
-// Row x (K bfloat16) as kDigits rows of codes at `codes` (lda bytes apart, zeros from K on) and their scales;
-// x_sum: its float32 sum. Digits whose scale would leave float32's normal range stay zero.
-void digit_row(const uint16_t* x, int64_t K, int64_t lda, int8_t* codes, float* scales, float& x_sum) {
-  auto lanes_at = [&](int64_t k) -> __mmask16 {
-    return K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
-  };
-  auto load = [&](int64_t k, __mmask16 lanes) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x + k)), 16));
-  };
-  __m512 peak = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
-  for (int64_t k = 0; k < K; k += 16) {
-    const __m512 v = load(k, lanes_at(k));
-    peak = _mm512_max_ps(peak, _mm512_abs_ps(v));
-    sum = _mm512_add_ps(sum, v);
-  }
-  x_sum = _mm512_reduce_add_ps(sum);
-  std::memset(codes, 0, kDigits * lda);
-  int digits = 0;
-  for (float scale = _mm512_reduce_max_ps(peak) / 127.0f; digits < kDigits && scale >= FLT_MIN; scale /= 254.0f)
-    scales[digits++] = scale;
-  for (int d = digits; d < kDigits; ++d) scales[d] = 0.0f;
-  const __m512 low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
-  for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 lanes = lanes_at(k);
-    __m512 rest = load(k, lanes);
-    for (int d = 0; d < digits; ++d) {
-      const __m512 scale = _mm512_set1_ps(scales[d]);
-      const __m512 q = _mm512_min_ps(
-          high, _mm512_max_ps(low, _mm512_roundscale_ps(_mm512_div_ps(rest, scale),
-                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
-      _mm_mask_storeu_epi8(codes + d * lda + k, lanes, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
-      rest = _mm512_fnmadd_ps(q, scale, rest);
-    }
-  }
-}
 
 // A block's rows [r0, r0 + rows) of digit sums (kDigits per row of x) into y's rows from r0 / kDigits.
 void finish_digit_block(const Int8WeightsCall& call, const int32_t* sums, const int32_t* up_sums, int64_t r0,
@@ -362,15 +312,10 @@ void finish_digit_block(const Int8WeightsCall& call, const int32_t* sums, const 
   alignas(64) float values[kRows / kDigits * kPanel], up_values[kRows / kDigits * kPanel];
   const int64_t m0 = r0 / kDigits, count = rows / kDigits;
   auto combine = [&](const int32_t* block, float* out) {
-    for (int64_t i = 0; i < count; ++i) {
-      for (int v = 0; v < 4; ++v) {
-        __m512 value = _mm512_setzero_ps();
-        for (int64_t d = kDigits - 1; d >= 0; --d)  // smallest first
-          value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(block + (i * kDigits + d) * 64 + 16 * v)),
-                                  _mm512_set1_ps(scales[(m0 + i) * kDigits + d]), value);
-        _mm512_store_ps(out + i * 64 + 16 * v, value);
-      }
-    }
+    for (int64_t i = 0; i < count; ++i)
+      for (int v = 0; v < 4; ++v)
+        _mm512_store_ps(out + i * 64 + 16 * v,
+                        combine_digits(block + i * kDigits * 64 + 16 * v, 64, scales + (m0 + i) * kDigits));
   };
   combine(sums, values);
   if (call.up) combine(up_sums, up_values);

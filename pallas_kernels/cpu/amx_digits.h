@@ -1,0 +1,84 @@
+// What the AMX int8-tile kernels share (amx_int8.cc, amx_int4.cc): bfloat16 x written as int8 digits for
+// weight-only products, silu, and the page-stream prefetch. Included only where AMX-INT8 and AVX-512 BF16 are
+// built (PAGED_AMX and __AMX_INT8__).
+//
+// Weight-only int8 and int4 codes are small integers; x is not. Rather than widen every code to bfloat16 (which
+// costs about what the codes' smaller bytes save), each row of x is written as kDigits rows of int8 digits,
+// x ~ sum_d digit_d * scale_d with scale_1 = max|x| / 127 and scale_{d+1} = scale_d / 254 (what digit d leaves
+// is at most half of scale_d, so the next digit stays within +-127). The digits multiply the codes as stored on
+// the int8 tiles, and the epilogue sums the digits' int32 sums times their scales in float32. Four digits put x
+// on a grid of max|x| / (127 * 254^3), about 2^-31 of the row's largest value: finer than float32's rounding of
+// the sums, so the result is the float product's to float32 accuracy. The price is tile work: kDigits A rows per
+// row of x.
+#pragma once
+
+#include <cfloat>
+#include <cstdint>
+#include <cstring>
+#include <immintrin.h>
+
+#include "vector_math.h"
+
+namespace paged::amx {
+
+constexpr int64_t kDigits = 4;
+
+// Row x (K bfloat16) as kDigits rows of codes at `codes` (lda bytes apart, zeros from K to lda) and their
+// scales; x_sum: its float32 sum. Digits whose scale would leave float32's normal range stay zero.
+inline void digit_row(const uint16_t* x, int64_t K, int64_t lda, int8_t* codes, float* scales, float& x_sum) {
+  auto lanes_at = [&](int64_t k) -> __mmask16 {
+    return K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
+  };
+  auto load = [&](int64_t k, __mmask16 lanes) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x + k)), 16));
+  };
+  __m512 peak = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __m512 v = load(k, lanes_at(k));
+    peak = _mm512_max_ps(peak, _mm512_abs_ps(v));
+    sum = _mm512_add_ps(sum, v);
+  }
+  x_sum = _mm512_reduce_add_ps(sum);
+  std::memset(codes, 0, kDigits * lda);
+  int digits = 0;
+  for (float scale = _mm512_reduce_max_ps(peak) / 127.0f; digits < kDigits && scale >= FLT_MIN; scale /= 254.0f)
+    scales[digits++] = scale;
+  for (int d = digits; d < kDigits; ++d) scales[d] = 0.0f;
+  const __m512 low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 lanes = lanes_at(k);
+    __m512 rest = load(k, lanes);
+    for (int d = 0; d < digits; ++d) {
+      const __m512 scale = _mm512_set1_ps(scales[d]);
+      const __m512 q = _mm512_min_ps(
+          high, _mm512_max_ps(low, _mm512_roundscale_ps(_mm512_div_ps(rest, scale),
+                                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)));
+      _mm_mask_storeu_epi8(codes + d * lda + k, lanes, _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(q)));
+      rest = _mm512_fnmadd_ps(q, scale, rest);
+    }
+  }
+}
+
+// 16 columns of one row of x's product: the int32 sums of its kDigits digit rows (the first at `first`, the
+// next `stride` int32 on) times their scales, smallest first.
+inline __m512 combine_digits(const int32_t* first, int64_t stride, const float* scales) {
+  __m512 value = _mm512_setzero_ps();
+  for (int64_t d = kDigits - 1; d >= 0; --d)
+    value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(first + d * stride)), _mm512_set1_ps(scales[d]),
+                            value);
+  return value;
+}
+
+inline __m512 silu(__m512 g) {
+  return _mm512_mul_ps(g, _mm512_div_ps(_mm512_set1_ps(1.0f),
+                                        _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+}
+
+// Streaming the weights, the L2 hardware prefetcher stops at each 4 KB page (amx.cc: start_page_stream):
+// four lines of the page at or after p, into L2.
+inline void start_page_stream(const void* p) {
+  const char* page = reinterpret_cast<const char*>((reinterpret_cast<uintptr_t>(p) + 4095) & ~uintptr_t(4095));
+  for (int line = 0; line < 4; ++line) _mm_prefetch(page + 64 * line, _MM_HINT_T1);
+}
+
+}  // namespace paged::amx
