@@ -36,7 +36,7 @@ _SOURCE_DIR = Path(__file__).parent
 _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc",
             _SOURCE_DIR / "amx.cc", _SOURCE_DIR / "amx_attention.cc", _SOURCE_DIR / "argmax.cc",
             _SOURCE_DIR / "norm.cc", _SOURCE_DIR / "transposed.cc", _SOURCE_DIR / "int8_matmul.cc",
-            _SOURCE_DIR / "amx_int8.cc")
+            _SOURCE_DIR / "amx_int8.cc", _SOURCE_DIR / "amx_int4.cc")
 _HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h", _SOURCE_DIR / "amx_tiles.h",
             _SOURCE_DIR / "vector_math.h", _SOURCE_DIR / "transposed.h",
             _SOURCE_DIR / "lane_argmax.h", _SOURCE_DIR / "panels.h", _SOURCE_DIR / "amx_digits.h")
@@ -48,6 +48,8 @@ _W8A8_PACKED_TARGET = "w8a8_matmul_packed_cpu"
 _W8A8_GATED_TARGET = "w8a8_gated_matmul_packed_cpu"
 _INT8_WEIGHTS_TARGET = "int8_weights_matmul_packed_cpu"
 _INT8_WEIGHTS_GATED_TARGET = "int8_weights_gated_matmul_packed_cpu"
+_INT4_PACKED_TARGET = "int4_matmul_packed_cpu"
+_INT4_GATED_TARGET = "int4_gated_matmul_packed_cpu"
 _MATMUL_TRANSPOSED_TARGET = "matmul_transposed_cpu"
 _MATMUL_TRANSPOSED_ARGMAX_TARGET = "matmul_transposed_argmax_cpu"
 _MATMUL_PACKED_TARGET = "matmul_packed_cpu"
@@ -142,6 +144,8 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                              (_W8A8_GATED_TARGET, library.W8A8GatedMatmulPackedCpu),
                              (_INT8_WEIGHTS_TARGET, library.Int8WeightsMatmulPackedCpu),
                              (_INT8_WEIGHTS_GATED_TARGET, library.Int8WeightsGatedMatmulPackedCpu),
+                             (_INT4_PACKED_TARGET, library.Int4MatmulPackedCpu),
+                             (_INT4_GATED_TARGET, library.Int4GatedMatmulPackedCpu),
                              (_MATMUL_TRANSPOSED_TARGET, library.MatmulTransposedCpu),
                              (_MATMUL_TRANSPOSED_ARGMAX_TARGET, library.MatmulTransposedArgmaxCpu),
                              (_MATMUL_PACKED_TARGET, library.MatmulPackedCpu),
@@ -584,8 +588,9 @@ def int8_weights_matmul_packed_cpu(x: jax.Array, packed: jax.Array, w_scale: jax
     """A weight-only int8 layer of a bfloat16 model on AMX tiles: y = (x @ codes) * w_scale[n] - (sum_k x[m, k]) *
     zero_offsets[n] + bias[n] in `out_dtype` (default bfloat16, rounded once). Up to 16 rows (decode) x is
     written as four int8 digits per element and multiplies the codes as they are on the int8 tiles, to float32
-    accuracy; larger steps widen the codes to exact bfloat16 a panel at a time, float32 sums. x: bfloat16 [M, K]; packed, w_scale, zero_offsets, bias as
-    for `w8a8_matmul_packed_cpu` (one scale per output column). Only where `int8_weights_on_amx()`."""
+    accuracy; larger steps widen the codes to exact bfloat16 a panel at a time, float32 sums. x: bfloat16
+    [M, K]; packed, w_scale, zero_offsets, bias as for `w8a8_matmul_packed_cpu` (one scale per output column).
+    Only where `int8_weights_on_amx()`."""
     if x.dtype != jnp.bfloat16:
         raise ValueError(f"int8_weights_matmul_packed_cpu takes bfloat16 x; got {x.dtype}")
     if not int8_weights_on_amx():
@@ -601,6 +606,101 @@ def int8_weights_on_amx() -> bool:
     """Whether the default build runs weight-only int8 layers of bfloat16 models on AMX tiles
     (`int8_weights_matmul_packed_cpu`)."""
     return available()[0] and bool(_INT8_WEIGHTS_ON_AMX and _INT8_WEIGHTS_ON_AMX[0])
+
+
+def amx_int4_packed_shape(in_features: int, out_features: int) -> tuple[int, int, int]:
+    """The packed shape of int4 codes of a [K, N] kernel for the int8 tiles: [N / 64, ceil(K / 64), 2048]."""
+    panels, steps, step_size = amx_packed_shape(in_features, out_features, jnp.int8)
+    return panels, steps, step_size // 2
+
+
+def pack_int4_for_amx(qweight):
+    """int4 codes as the quantized layers hold them ([..., K / 2, N] uint8, row 2i in the low nibble and 2i + 1
+    in the high: models/quantization.py) -> [..., N / 64, ceil(K / 64), 2048] uint8: the int8 codes' AMX
+    layout (`pack_for_amx`) with each 4 KB step folded in two, byte j of a step holding code j in its low nibble
+    and code j + 2048 in its high one; rows past K zeros. numpy or jax."""
+    xp = jnp if isinstance(qweight, jax.Array) else np
+    *lead, half, n = qweight.shape
+    codes = xp.stack([qweight & 0xF, qweight >> 4], axis=-2).reshape(*lead, 2 * half, n).astype(xp.int8)
+    steps = pack_for_amx(codes).astype(xp.uint8)
+    return steps[..., :2048] | (steps[..., 2048:] << 4)
+
+
+def unpack_int4_from_amx(packed, in_features: int):
+    """The inverse of `pack_int4_for_amx`: [..., N / 64, S, 2048] -> [..., K / 2, N] uint8 (K = `in_features`)."""
+    xp = jnp if isinstance(packed, jax.Array) else np
+    steps = xp.concatenate([packed & 0xF, packed >> 4], axis=-1).astype(xp.int8)
+    codes = unpack_from_amx(steps, in_features).astype(xp.uint8)
+    return codes[..., 0::2, :] | (codes[..., 1::2, :] << 4)
+
+
+def int4_matmul_packed_cpu(x: jax.Array, packed: jax.Array, scales: jax.Array, zero_offsets: jax.Array | None = None,
+                           bias: jax.Array | None = None, live_rows: jax.Array | int | None = None,
+                           out_dtype=None) -> jax.Array:
+    """A weight-only int4 layer of a bfloat16 model on AMX-INT8 tiles: y = x @ ((u - 8) * scales[g] -
+    zero_offsets[g]) + bias, u the codes (0..15) and g = k // (K / G) their group, in `out_dtype` (default
+    bfloat16, rounded once). x is written as four int8 digits per element and multiplies the codes as they are
+    (float32 accuracy; amx_int4.cc).
+
+    x: bfloat16 [M, K]. packed: `pack_int4_for_amx` of the codes ([N / 64, ceil(K / 64), 2048] uint8). scales,
+    zero_offsets: [G, N] (G = 1, or K / G a multiple of 64), zero_offsets or None. bias: [N] or None. Only where
+    `int4_on_amx()`. live_rows: as for `matmul_cpu`."""
+    vectors, live = _check_int4("int4_matmul_packed_cpu", x, live_rows, (packed, scales, zero_offsets))
+    n = packed.shape[0] * AMX_PANEL
+    if bias is not None and bias.size != n:
+        raise ValueError(f"int4_matmul_packed_cpu: expected bias of {n} values; got {list(bias.shape)}")
+    flat_bias = jnp.zeros((0,), jnp.float32) if bias is None else bias.reshape(-1).astype(jnp.float32)
+    call = jax.ffi.ffi_call(_INT4_PACKED_TARGET, jax.ShapeDtypeStruct((x.shape[0], n), jnp.dtype(out_dtype or x.dtype)))
+    return call(x, packed, *vectors, flat_bias, live)
+
+
+def int4_gated_matmul_packed_cpu(x: jax.Array, gate: jax.Array, gate_scales: jax.Array,
+                                 gate_offsets: jax.Array | None, up: jax.Array, up_scales: jax.Array,
+                                 up_offsets: jax.Array | None, live_rows: jax.Array | int | None = None,
+                                 out_dtype=None) -> jax.Array:
+    """silu(x @ gate) * (x @ up) for two weight-only int4 layers in the same groups (each as
+    `int4_matmul_packed_cpu` computes it, without bias) in one call, rounded once to `out_dtype` (default x's)."""
+    if gate_scales.shape != up_scales.shape:
+        raise ValueError(f"int4_gated_matmul_packed_cpu: expected gate and up in the same groups; got scales "
+                         f"{list(gate_scales.shape)} and {list(up_scales.shape)}")
+    vectors, live = _check_int4("int4_gated_matmul_packed_cpu", x, live_rows, (gate, gate_scales, gate_offsets),
+                                (up, up_scales, up_offsets))
+    call = jax.ffi.ffi_call(_INT4_GATED_TARGET, jax.ShapeDtypeStruct((x.shape[0], gate.shape[0] * AMX_PANEL),
+                                                                     jnp.dtype(out_dtype or x.dtype)))
+    return call(x, gate, *vectors[:2], up, *vectors[2:], live)
+
+
+def int4_on_amx() -> bool:
+    """Whether the default build runs weight-only int4 layers of bfloat16 models on AMX-INT8 tiles
+    (`int4_matmul_packed_cpu`; the same build and CPU as `int8_weights_on_amx`)."""
+    return int8_weights_on_amx()
+
+
+def _check_int4(name: str, x: jax.Array, live_rows, *weights: tuple[jax.Array, jax.Array, jax.Array | None]):
+    """Refuses what the int4 AMX calls cannot take; returns each weight's scales and offsets as float32 ([G, N],
+    offsets [0] for None) and the live row count as an int32 array."""
+    _require_kernels()
+    if x.ndim != 2 or x.dtype != jnp.bfloat16:
+        raise ValueError(f"{name}: expected bfloat16 x [M, K]; got {x.dtype}{list(x.shape)}")
+    k = x.shape[1]
+    n = weights[0][0].shape[0] * AMX_PANEL if weights[0][0].ndim == 3 else 0
+    flat = []
+    for packed, scales, offsets in weights:
+        if packed.dtype != jnp.uint8 or packed.shape != amx_int4_packed_shape(k, n):
+            raise ValueError(f"{name}: expected uint8 codes packed [N / 64, ceil(K / 64), 2048] of one N for x "
+                             f"{list(x.shape)}; got {packed.dtype}{list(packed.shape)}")
+        groups = scales.shape[0] if scales.ndim == 2 else 0
+        if scales.shape != (groups, n) or groups < 1 or (groups > 1 and (k % groups or k // groups % 64)):
+            raise ValueError(f"{name}: expected scales [G, {n}] with G = 1 or K / G a multiple of 64 (K = {k}); "
+                             f"got {list(scales.shape)}")
+        if offsets is not None and offsets.shape != scales.shape:
+            raise ValueError(f"{name}: expected zero_offsets shaped as the scales {list(scales.shape)}; got "
+                             f"{list(offsets.shape)}")
+        flat += [scales.astype(jnp.float32),
+                 jnp.zeros((0,), jnp.float32) if offsets is None else offsets.astype(jnp.float32)]
+    if not int4_on_amx():
+        raise ValueError(f"{name} runs on AMX-INT8 tiles, and this CPU (or OS) offers none")
+    return flat, jnp.asarray(x.shape[0] if live_rows is None else live_rows).astype(jnp.int32)
 
 
 def _check_w8a8(name: str, x: jax.Array, live_rows, *weights: tuple[jax.Array, dict]):

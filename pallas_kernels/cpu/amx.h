@@ -73,6 +73,29 @@ struct Int8WeightsCall {
 // False (y untouched): no AMX (or no AVX-512 BF16) in this build or process, or x's copy could not be allocated.
 bool Int8WeightsMatmulPacked(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call);
 
+// Weight-only int4 (amx_int4.cc): y[M, N] = x @ ((u - 8) * scales[g, n] - offsets[g, n]) + bias[n], u the 4-bit
+// codes (0..15) of the group g = k / (K / groups), x bfloat16 [M, K] as int8 digits on AMX-INT8 tiles (float32
+// accuracy). Groups: 1, or K / groups a multiple of 64.
+struct Int4Weights {
+  const uint8_t* packed;  // [N / 64][ceil(K / 64)][2048] (pallas_kernels/cpu: pack_int4_for_amx)
+  const float* scales;    // [groups, N]
+  const float* offsets;   // [groups, N], or null for none
+  const float* bias;      // [N], or null
+  int64_t groups;
+};
+struct Int4Call {
+  const uint16_t* x;
+  Int4Weights w;
+  const Int4Weights* up;  // null, or the up projection of a gated call: silu(x @ w) * (x @ up)
+  void* y;                // [M, N] float32 or (y_bf16) bfloat16, rounded once
+  bool y_bf16;
+  int64_t M, K, N;
+};
+
+// False (y untouched): no AMX-INT8 (or no AVX-512 BF16) in this build or process, or x's digits could not be
+// allocated.
+bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call);
+
 // y[M, N] = x[M, K] @ w[N, K]^T, w row-major as stored (the tied LM head's embedding table), y float32, every
 // element written. False (y untouched): K is not a multiple of 32, or no AMX.
 bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M,

@@ -254,6 +254,71 @@ ffi::Error Int8GatedPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buff
   return run_int8(name, pool, x, gate_weights, &up_weights, WeightOnly, live, y);
 }
 
+// Weight-only int4 on AMX (amx.h: Int4MatmulPacked): x bfloat16 [M, K], w uint8 packed at load [N / 64,
+// ceil(K / 64), 2048], scales float32 [G, N] (G = 1, or K / G a multiple of 64), offsets float32 [G, N] or [0],
+// bias float32 [N] or [0], y float32 or bfloat16 [M, N]; rows [live, M) of y zeros. Gated: silu(x @ gate) *
+// (x @ up), both in the same groups, no bias.
+ffi::Error check_int4(const char* name, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, F32 scales, F32 offsets,
+                      const F32* bias, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer>& y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const auto sd = scales.dimensions();
+  auto invalid = [&](const char* what) { return ffi::Error::InvalidArgument(std::string(name) + ": " + what); };
+  if (xd.size() != 2 || wd.size() != 3 || wd[1] != (xd[1] + 63) / 64 || wd[2] != 2048)
+    return invalid("expected x [M, K] and w [N / 64, ceil(K / 64), 2048]");
+  if (x.element_type() != ffi::DataType::BF16 ||
+      (y->element_type() != ffi::DataType::F32 && y->element_type() != ffi::DataType::BF16))
+    return invalid("x must be bfloat16, y float32 or bfloat16");
+  const int64_t N = wd[0] * kPanel, K = xd[1];
+  if (sd.size() != 2 || sd[1] != N || sd[0] < 1) return invalid("expected scales [groups, N]");
+  const int64_t groups = sd[0];
+  if (groups > 1 && (K % groups || (K / groups) % 64))
+    return invalid("the groups must be one, or split K into groups of a multiple of 64 rows");
+  if ((offsets.element_count() != 0 && offsets.element_count() != groups * N) ||
+      (bias && bias->element_count() != 0 && bias->element_count() != N) || live.element_count() != 1 ||
+      y->dimensions().size() != 2 || y->dimensions()[0] != xd[0] || y->dimensions()[1] != N)
+    return invalid("expected offsets [groups, N] or [0], bias [N] or [0], a scalar live and y [M, N]");
+  return ffi::Error::Success();
+}
+
+paged::amx::Int4Weights int4_weights(ffi::Buffer<ffi::U8> w, F32 scales, F32 offsets, const F32* bias) {
+  return {w.typed_data(), scales.typed_data(), offsets.element_count() ? offsets.typed_data() : nullptr,
+          bias && bias->element_count() ? bias->typed_data() : nullptr, scales.dimensions()[0]};
+}
+
+ffi::Error run_int4(const char* name, ffi::ThreadPool& pool, ffi::AnyBuffer x, paged::amx::Int4Weights w,
+                    const paged::amx::Int4Weights* up, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer>& y) {
+  const auto xd = x.dimensions();
+  const int64_t N = y->dimensions()[1];
+  const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
+  const int64_t M = y_bf16 ? paged::zero_rows_past_live(live, xd[0], N, static_cast<uint16_t*>(y->untyped_data()))
+                           : paged::zero_rows_past_live(live, xd[0], N, static_cast<float*>(y->untyped_data()));
+  if (M == 0) return ffi::Error::Success();
+  if (!paged::amx::Int4MatmulPacked(pool, {static_cast<const uint16_t*>(x.untyped_data()), w, up, y->untyped_data(),
+                                           y_bf16, M, xd[1], N}))
+    return ffi::Error::Internal(std::string(name) + ": no AMX-INT8 tiles, or x's digits could not be allocated");
+  return ffi::Error::Success();
+}
+
+ffi::Error Int4PackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> w, F32 scales, F32 offsets,
+                          F32 bias, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> y) {
+  const char* name = "int4_matmul_packed_cpu";
+  if (auto error = check_int4(name, x, w, scales, offsets, &bias, live, y); error.failure()) return error;
+  return run_int4(name, pool, x, int4_weights(w, scales, offsets, &bias), nullptr, live, y);
+}
+
+ffi::Error Int4GatedPackedImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::U8> gate, F32 gate_scales,
+                               F32 gate_offsets, ffi::Buffer<ffi::U8> up, F32 up_scales, F32 up_offsets,
+                               ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> y) {
+  const char* name = "int4_gated_matmul_packed_cpu";
+  if (auto error = check_int4(name, x, gate, gate_scales, gate_offsets, nullptr, live, y); error.failure()) return error;
+  if (auto error = check_int4(name, x, up, up_scales, up_offsets, nullptr, live, y); error.failure()) return error;
+  if (gate_scales.dimensions()[0] != up_scales.dimensions()[0])
+    return ffi::Error::InvalidArgument(std::string(name) + ": gate and up must be in the same groups");
+  const paged::amx::Int4Weights up_weights = int4_weights(up, up_scales, up_offsets, nullptr);
+  return run_int4(name, pool, x, int4_weights(gate, gate_scales, gate_offsets, nullptr), &up_weights, live, y);
+}
+
 }  // namespace
 
 // Whether weight-only int8 layers of bfloat16 models run on AMX tiles (Int8WeightsMatmulPackedCpu).
@@ -297,11 +362,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8MatmulCpu, Int8MatmulImpl,
 // The AMX int8 calls' arguments: x, then each weight's codes and vectors (scale, zero offsets, and for the plain
 // calls the bias), then live; y.
 namespace {
-// One weight's arguments after `binding`'s: its packed codes, scales and zero offsets.
-template <typename Binding>
+// One weight's arguments after `binding`'s: its packed codes (int8, or int4 nibbles as uint8), scales and zero
+// offsets.
+template <typename Codes = ffi::Buffer<ffi::S8>, typename Binding>
 auto with_weight(Binding binding) {
   return std::move(binding)
-      .template Arg<ffi::Buffer<ffi::S8>>()
+      .template Arg<Codes>()
       .template Arg<ffi::Buffer<ffi::F32>>()
       .template Arg<ffi::Buffer<ffi::F32>>();
 }
@@ -315,9 +381,21 @@ auto plain_int8_binding() {
 auto gated_int8_binding() {
   return with_weight(with_weight(x_binding())).Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>();
 }
+
+using Nibbles = ffi::Buffer<ffi::U8>;
+
+auto plain_int4_binding() {
+  return with_weight<Nibbles>(x_binding()).Arg<ffi::Buffer<ffi::F32>>().Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>();
+}
+
+auto gated_int4_binding() {
+  return with_weight<Nibbles>(with_weight<Nibbles>(x_binding())).Arg<ffi::Buffer<ffi::S32>>().Ret<ffi::AnyBuffer>();
+}
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulPackedCpu, Int8PackedImpl<false>, plain_int8_binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsMatmulPackedCpu, Int8PackedImpl<true>, plain_int8_binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8GatedMatmulPackedCpu, Int8GatedPackedImpl<false>, gated_int8_binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsGatedMatmulPackedCpu, Int8GatedPackedImpl<true>, gated_int8_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Int4MatmulPackedCpu, Int4PackedImpl, plain_int4_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(Int4GatedMatmulPackedCpu, Int4GatedPackedImpl, gated_int4_binding());

@@ -1064,6 +1064,105 @@ def test_int8_weights_on_amx_decode_steps_keep_float32_accuracy(rows):
             assert error < max(2e-7, np.abs(float32[row] - want[row]).max() / peak), (row, error)
 
 
+def _needs_int4_on_amx():
+    from paged.kernels import cpu as cpu_kernel
+    if not cpu_kernel.int4_on_amx():
+        pytest.skip("no AMX-INT8 with AVX-512 BF16 on this CPU: int4 layers keep the AVX-512 kernel")
+
+
+def _int4_layer(rng, inner, cols, groups, offsets=True):
+    """Random int4 codes as the layers hold them ([K / 2, N] uint8, row 2i low nibble), group scales and zero
+    offsets, and the float64 kernel they stand for: (u - 8) * scale - offset."""
+    qweight = rng.integers(0, 256, (inner // 2, cols)).astype(np.uint8)
+    codes = np.stack([qweight & 0xF, qweight >> 4], axis=1).reshape(inner, cols).astype(np.float64)
+    scales = rng.uniform(0.001, 0.02, (groups, cols))
+    zero_offsets = rng.uniform(-0.01, 0.01, (groups, cols)) if offsets else np.zeros((groups, cols))
+    w = ((codes - 8).reshape(groups, inner // groups, cols) * scales[:, None] - zero_offsets[:, None]).reshape(inner, cols)
+    return qweight, scales, zero_offsets if offsets else None, w
+
+
+@pytest.mark.parametrize("inner, cols", [(256, 128), (200, 64), (1100, 192)])
+def test_int4_packing_for_amx_round_trips(inner, cols):
+    """pack_int4_for_amx folds the int8 layout's 4 KB steps into 2 KB (code j low nibble, j + 2048 high), and
+    unpack_int4_from_amx gives the codes back; numpy and jax agree."""
+    from paged.kernels import cpu as cpu_kernel
+    rng = np.random.default_rng(inner)
+    qweight = rng.integers(0, 256, (-(-inner // 2), cols)).astype(np.uint8)
+    packed = cpu_kernel.pack_int4_for_amx(qweight)
+    assert packed.shape == cpu_kernel.amx_int4_packed_shape(2 * qweight.shape[0], cols) and packed.dtype == np.uint8
+    np.testing.assert_array_equal(np.asarray(cpu_kernel.pack_int4_for_amx(jnp.asarray(qweight))), packed)
+    np.testing.assert_array_equal(cpu_kernel.unpack_int4_from_amx(packed, 2 * qweight.shape[0]), qweight)
+    codes = np.stack([qweight & 0xF, qweight >> 4], axis=1).reshape(-1, cols).astype(np.int8)
+    steps = np.asarray(cpu_kernel.pack_for_amx(codes))  # [panels, steps, 4096]
+    np.testing.assert_array_equal(packed & 0xF, steps[..., :2048])
+    np.testing.assert_array_equal(packed >> 4, steps[..., 2048:])
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 17, 40])
+@pytest.mark.parametrize("inner, cols, groups", [(256, 128, 2), (640, 192, 5), (200, 64, 1), (1024, 128, 16)])
+def test_int4_on_amx_matches_float64(rows, inner, cols, groups):
+    """Weight-only int4 on the int8 tiles: x as digits against the codes, group by group, the group scales, zero
+    offsets (against the group's sums of x) and bias in float32: float64 of x @ ((u - 8) * scale - offset) + bias,
+    closer than a float32 product; rows past live_rows zeros."""
+    _needs_int4_on_amx()
+    from paged.kernels import cpu as cpu_kernel
+    rng = np.random.default_rng(rows * inner)
+    qweight, scales, offsets, w = _int4_layer(rng, inner, cols, groups)
+    bias = rng.normal(size=cols)
+    x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
+    x64 = np.asarray(x, np.float64)
+    want = x64 @ w + bias
+    live = max(rows - 1, 1)
+    got = np.asarray(jax.jit(lambda x, p, *v: cpu_kernel.int4_matmul_packed_cpu(
+        x, p, *v, live_rows=jnp.int32(live), out_dtype=jnp.float32))(
+            x, jnp.asarray(cpu_kernel.pack_int4_for_amx(qweight)), *(jnp.asarray(v, jnp.float32)
+                                                                      for v in (scales, offsets, bias))), np.float64)
+    float32 = np.asarray(x, np.float32) @ w.astype(np.float32) + bias.astype(np.float32)
+    error = np.abs(got[:live] - want[:live]).max() / np.abs(want).max()
+    assert error < max(2e-7, np.abs(float32[:live] - want[:live]).max() / np.abs(want).max()), error
+    assert not np.any(got[live:])
+
+
+@pytest.mark.parametrize("rows", [1, 9])
+def test_int4_gated_on_amx_and_defaults(rows):
+    """The gated call: silu(x @ gate) * (x @ up) of two int4 layers in the same groups, one with zero offsets and
+    one symmetric (none), rounded once to bfloat16 by default; layers in different groups are refused."""
+    _needs_int4_on_amx()
+    from paged.kernels import cpu as cpu_kernel
+    rng = np.random.default_rng(rows)
+    inner, cols = 384, 128
+    (qg, sg, og, wg), (qu, su, ou, wu) = _int4_layer(rng, inner, cols, 3), _int4_layer(rng, inner, cols, 3, False)
+    x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
+    g, u = np.asarray(x, np.float64) @ wg, np.asarray(x, np.float64) @ wu
+    want = g / (1 + np.exp(-g)) * u
+    got = jax.jit(cpu_kernel.int4_gated_matmul_packed_cpu)(
+        x, jnp.asarray(cpu_kernel.pack_int4_for_amx(qg)), jnp.asarray(sg, jnp.float32), jnp.asarray(og, jnp.float32),
+        jnp.asarray(cpu_kernel.pack_int4_for_amx(qu)), jnp.asarray(su, jnp.float32), None)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=8e-3, atol=8e-3 * np.abs(want).max())
+    with pytest.raises(ValueError, match="same groups"):
+        cpu_kernel.int4_gated_matmul_packed_cpu(x, jnp.asarray(cpu_kernel.pack_int4_for_amx(qg)), jnp.ones((3, cols)),
+                                                None, jnp.asarray(cpu_kernel.pack_int4_for_amx(qu)),
+                                                jnp.ones((1, cols)), None)
+
+
+def test_int4_on_amx_refuses_what_it_cannot_do():
+    _needs_int4_on_amx()
+    from paged.kernels import cpu as cpu_kernel
+    packed = jnp.asarray(cpu_kernel.pack_int4_for_amx(np.zeros((96, 64), np.uint8)))  # K = 192
+    x, scales = jnp.zeros((2, 192), jnp.bfloat16), jnp.ones((3, 64))
+    with pytest.raises(ValueError, match="bfloat16 x"):
+        cpu_kernel.int4_matmul_packed_cpu(x.astype(jnp.float32), packed, scales)
+    with pytest.raises(ValueError, match="packed"):
+        cpu_kernel.int4_matmul_packed_cpu(jnp.zeros((2, 256), jnp.bfloat16), packed, scales)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        cpu_kernel.int4_matmul_packed_cpu(x, packed, jnp.ones((2, 64)))  # groups of 96 rows
+    with pytest.raises(ValueError, match="zero_offsets"):
+        cpu_kernel.int4_matmul_packed_cpu(x, packed, scales, jnp.ones((1, 64)))
+    with pytest.raises(ValueError, match="bias"):
+        cpu_kernel.int4_matmul_packed_cpu(x, packed, scales, None, jnp.ones(32))
+
+
 def test_w8a8_on_amx_int8_live_rows_extremes_and_defaults():
     """Rows past live_rows come back zeros (and are not read); codes of -128 and 127 at every position (x's
     largest magnitude sits at +-127.5 scale units: 127.5 rounds half to even to 128 and is clipped, -127.5 to
