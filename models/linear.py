@@ -26,6 +26,7 @@ from typing import Any, Callable, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from paged.models import low_precision_dot
 from paged.models.quantization import WeightQuant, dequantize, dequantize_float8, quantize_activations
@@ -78,10 +79,25 @@ def packs_int8_weights_for_amx(backend: str, quant: WeightQuant | None, dtype: A
             and jnp.dtype(dtype) == jnp.bfloat16 and cpu.int8_weights_on_amx())
 
 
+def packs_int4_for_amx(backend: str, quant: WeightQuant | None, dtype: Any, out_features: int) -> bool:
+    """Whether a weight-only int4 layer (GPTQ, AWQ, compressed-tensors pack-quantized) of a bfloat16 model holds
+    its codes packed for the AMX-INT8 tiles (`cpu.pack_int4_for_amx`) and runs there with x as int8 digits
+    (`cpu.int4_matmul_packed_cpu`), at every step size: the native backend, groups of a multiple of 64 rows
+    (or one per column), no act-order, whole 64-column panels, on a CPU that offers AMX-INT8. Never under a
+    mesh (as `packs_for_amx`)."""
+    return (backend == "cpu" and quant is not None and quant.kind == "int" and quant.bits == 4
+            and (quant.group_size == -1 or quant.group_size % 64 == 0) and not quant.act_order
+            and quant.activations is None and out_features % cpu.AMX_PANEL == 0
+            and jnp.dtype(dtype) == jnp.bfloat16 and cpu.int4_on_amx())
+
+
 def to_declared_layout(tensor, want: tuple[int, ...]):
     """A checkpoint kernel [in, out] (numpy) in the layout its module declared, `want` being the parameter's
-    shape: as it is, or packed for AMX when the declared shape is the packed one (bfloat16 kernels and W8A8
-    int8 codes; other tensors unchanged)."""
+    shape: as it is, or packed for AMX when the declared shape is the packed one (bfloat16 kernels, int8 codes,
+    and int4 codes [in / 2, out] uint8; other tensors unchanged)."""
+    if (tensor.ndim == 2 and tensor.dtype == np.uint8 and len(want) == 3 and tensor.shape[1] % cpu.AMX_PANEL == 0
+            and tuple(want) == cpu.amx_int4_packed_shape(2 * tensor.shape[0], tensor.shape[1])):
+        return cpu.pack_int4_for_amx(tensor)
     if (tensor.ndim == 2 and len(want) == 3 and tensor.shape[1] % cpu.AMX_PANEL == 0
             and tuple(want) == cpu.amx_packed_shape(*tensor.shape, tensor.dtype)):
         return cpu.pack_for_amx(tensor)  # int8 codes (W8A8) in the int8 layout, any float kernel in bfloat16's
@@ -197,6 +213,11 @@ class Linear(nn.Module):
         return packs_w8a8_for_amx(self.backend, self.quant, self.features)
 
     @property
+    def holds_int4_packed(self) -> bool:
+        """Whether the layer's int4 codes are held packed for the AMX-INT8 tiles (`packs_int4_for_amx`)."""
+        return packs_int4_for_amx(self.backend, self.quant, self.dtype, self.features)
+
+    @property
     def holds_int8_packed(self) -> bool:
         """Whether the layer's int8 codes are held packed for AMX tiles: W8A8 (`holds_w8a8_packed`) or weight-only
         (`packs_int8_weights_for_amx`)."""
@@ -206,15 +227,20 @@ class Linear(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array, live_rows: jax.Array | None = None, *, packed_kernel: bool = False) -> jax.Array:
         """x @ kernel (+ bias). packed_kernel: declare the kernel and return it as held for AMX instead (the
-        packed kernel where `held_packed`, the int8 codes' parameters where `holds_int8_packed`; without a bias),
-        for a fused call that reads two layers' kernels (`silu_gated`)."""
+        packed kernel where `held_packed`, the int8 or int4 codes' parameters where `holds_int8_packed` or
+        `holds_int4_packed`; without a bias), for a fused call that reads two layers' kernels (`silu_gated`)."""
         axes = kernel_axes(self.parallel)
         if packed_kernel:
-            if not (self.held_packed or self.holds_int8_packed) or self.use_bias:
+            if not (self.held_packed or self.holds_int8_packed or self.holds_int4_packed) or self.use_bias:
                 raise ValueError(f"{self.name}: packed_kernel needs a kernel held packed for AMX and no bias")
-            return self._packed_param(x.shape[-1], axes) if self.held_packed else self._w8a8_params(x.shape[-1], axes)
-        if self.held_packed or self.holds_int8_packed:
-            y = self._amx_packed(x, live_rows, axes) if self.held_packed else self._int8_packed(x, live_rows, axes)
+            if self.held_packed:
+                return self._packed_param(x.shape[-1], axes)
+            return self._int4_params(x.shape[-1], axes) if self.holds_int4_packed else self._w8a8_params(x.shape[-1], axes)
+        if self.held_packed or self.holds_int8_packed or self.holds_int4_packed:
+            if self.held_packed:
+                y = self._amx_packed(x, live_rows, axes)
+            else:
+                y = self._int4_packed(x, live_rows, axes) if self.holds_int4_packed else self._int8_packed(x, live_rows, axes)
             return self._add_lora(x, y, axes) if self.lora_slots else y
         inputs = x  # what an adapter reads: the input as given, not as the quantized product reorders it
         if self.quant is None:
@@ -310,6 +336,19 @@ class Linear(nn.Module):
         return _quantized_params(self, self.quant, in_features, axes,
                                  qweight_shape=cpu.amx_packed_shape(in_features, self.features, jnp.int8))
 
+    def _int4_packed(self, x: jax.Array, live_rows: jax.Array | None, axes) -> jax.Array:
+        """A layer whose int4 codes are held for the AMX-INT8 tiles (`holds_int4_packed`), in one native call with
+        the group scales, zero points and bias, rounded once to the output dtype."""
+        params = self._int4_params(x.shape[-1], axes)
+        bias = self._bias(axes) if self.use_bias else None
+        y = cpu.int4_matmul_packed_cpu(w8a8_rows(x, jnp.bfloat16), params["qweight"], params["scales"],
+                                       params["zero_offsets"], bias, live_rows, out_dtype=self.out_dtype or self.dtype)
+        return y.reshape(*x.shape[:-1], self.features)
+
+    def _int4_params(self, in_features: int, axes) -> dict[str, jax.Array]:
+        return _quantized_params(self, self.quant, in_features, axes,
+                                 qweight_shape=cpu.amx_int4_packed_shape(in_features, self.features))
+
 
 def w8a8_rows(x: jax.Array, dtype) -> jax.Array:
     """x [..., K] as the W8A8 AMX calls take it: [rows, K] in the layer's dtype, which the XLA path quantizes
@@ -323,10 +362,15 @@ def silu_gated(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | No
     has a bias, one native call computes it (`paged.kernels.cpu.gated_matmul_packed_cpu`, or for W8A8 layers
     `w8a8_gated_matmul_packed_cpu`): the two float32 products and the activation pass never reach memory, and
     the result is rounded once."""
-    fused = (gate.held_packed and up.held_packed) or (gate.holds_int8_packed and up.holds_int8_packed
-                                                      and gate.holds_w8a8_packed == up.holds_w8a8_packed)
+    fused = ((gate.held_packed and up.held_packed) or (gate.holds_int4_packed and up.holds_int4_packed)
+             or (gate.holds_int8_packed and up.holds_int8_packed and gate.holds_w8a8_packed == up.holds_w8a8_packed))
     if not fused or gate.use_bias or up.use_bias or gate.lora_slots or up.lora_slots:
         return jax.nn.silu(gate(x, live_rows)) * up(x, live_rows)
+    if gate.holds_int4_packed:  # int4 codes on the int8 tiles, x written as digits once for both
+        g, u = gate(x, packed_kernel=True), up(x, packed_kernel=True)
+        y = cpu.int4_gated_matmul_packed_cpu(w8a8_rows(x, jnp.bfloat16), g["qweight"], g["scales"], g["zero_offsets"],
+                                             u["qweight"], u["scales"], u["zero_offsets"], live_rows, gate.dtype)
+        return y.reshape(*x.shape[:-1], gate.features)
     if gate.holds_int8_packed:  # int8 codes on AMX: W8A8 (x quantized once for both) or weight-only
         g, u = gate(x, packed_kernel=True), up(x, packed_kernel=True)
         y = cpu.w8a8_gated_matmul_packed_cpu(w8a8_rows(x, gate.dtype), g["qweight"], g["scales"], g["zero_offsets"],

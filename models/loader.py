@@ -197,17 +197,23 @@ def load_params(model_dir: str, model, config: ModelConfig, dtype: np.dtype, sho
 def _quantized_layer_shape(expected: dict, key: tuple[str, ...], tensors: dict[str, np.ndarray],
                            scheme) -> tuple[int, int]:
     """(in, out) of a quantized layer: from its declared codes, [layers, (experts,) rows, out] (int4: two rows a
-    byte), or, where the module holds int8 codes packed for AMX (models/linear.py: `Linear.holds_int8_packed`;
-    [layers, out / 64, ceil(in / 64), 4096]), from the checkpoint's tensors that fit that shape."""
+    byte), or, where the module holds int8 or int4 codes packed for AMX (models/linear.py:
+    `Linear.holds_int8_packed`, `holds_int4_packed`; [layers, out / 64, ceil(in / 64), 4096 or 2048]), from the
+    checkpoint's tensors that fit that shape."""
     declared = expected[key]
     shape = None
     if "weight" in tensors and tensors["weight"].ndim == 2:  # compressed-tensors int-quantized: [out, in]
         shape = tensors["weight"].shape[::-1]
+    elif "weight_shape" in tensors:  # compressed-tensors pack-quantized: [out, in]
+        shape = tuple(int(v) for v in np.asarray(tensors["weight_shape"]).reshape(-1)[::-1])
     elif scheme.method == "gptq" and "qweight" in tensors and "scales" in tensors:  # [in * bits / 32, out]
         shape = (tensors["qweight"].shape[0] * 32 // scheme.bits, tensors["scales"].shape[-1])
-    if shape is not None and scheme.bits == 8:
+    elif scheme.method == "awq" and "qweight" in tensors:  # [in, out * bits / 32]
+        shape = (tensors["qweight"].shape[0], tensors["qweight"].shape[1] * 32 // scheme.bits)
+    if shape is not None and scheme.bits in (4, 8):
         in_features, out_features = shape
-        if declared[-3:] == (out_features // 64, -(-in_features // 64), 4096) and declared[-2] != in_features:
+        step = 4096 if scheme.bits == 8 else 2048
+        if declared[-3:] == (out_features // 64, -(-in_features // 64), step) and declared[-2] != in_features:
             return in_features, out_features
     return declared[-2] * (2 if scheme.bits == 4 else 1), declared[-1]
 

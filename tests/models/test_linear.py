@@ -225,6 +225,86 @@ _LLAMA = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size
               intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
+def _int4_params(rng, in_features, out_features, quant, dtype):
+    """GPTQ-layout int4 parameters (codes [in / 2, out] uint8, row 2i in the low nibble) and the float64 kernel
+    they decode to: (u - 8) * scale - offset, per group of rows."""
+    u = rng.integers(0, 16, size=(in_features, out_features))
+    groups = quant.num_groups(in_features)
+    scales = jnp.asarray(rng.uniform(0.01, 0.1, size=(groups, out_features)), dtype)
+    offsets = jnp.asarray(rng.uniform(-0.2, 0.2, size=(groups, out_features)), dtype)
+    g = np.arange(in_features) // quant.group_rows(in_features)
+    w = (u - 8) * np.asarray(scales, np.float64)[g] - np.asarray(offsets, np.float64)[g]
+    qweight = (u[0::2] | (u[1::2] << 4)).astype(np.uint8)
+    return {"qweight": qweight, "scales": scales, "zero_offsets": offsets}, w
+
+
+@pytest.mark.parametrize("group_size, use_bias", [(-1, True), (64, False), (128, True)])
+def test_int4_layers_of_bfloat16_models_on_amx(monkeypatch, group_size, use_bias):
+    """A weight-only int4 layer of a bfloat16 model, in groups of a multiple of 64 rows (or one per column), holds
+    its codes packed for the int8 tiles (the loader's `to_declared_layout` packs GPTQ's layout) and runs there:
+    float64 of x @ ((u - 8) * scale - offset) + bias to one bfloat16 rounding, at decode and prompt sizes. Other
+    group sizes and float32 models keep the other path."""
+    from paged.models.linear import packs_int4_for_amx, to_declared_layout
+    from paged.models.quantization import WeightQuant
+    if not cpu_kernel.int4_on_amx():
+        pytest.skip("no AMX-INT8 tiles here")
+    quant = WeightQuant(bits=4, group_size=group_size)
+    assert packs_int4_for_amx("cpu", quant, jnp.bfloat16, 128)
+    assert not packs_int4_for_amx("cpu", WeightQuant(bits=4, group_size=32), jnp.bfloat16, 128)
+    assert not packs_int4_for_amx("cpu", quant, jnp.float32, 128) and not packs_int4_for_amx("xla", quant, jnp.bfloat16, 128)
+    calls = []
+    real = cpu_kernel.int4_matmul_packed_cpu
+    monkeypatch.setattr(cpu_kernel, "int4_matmul_packed_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rng = np.random.default_rng(group_size + 7)
+    layer = Linear(128, jnp.bfloat16, use_bias, backend="cpu", quant=quant)
+    declared = nn.unbox(layer.init(jax.random.key(0), jnp.ones((2, 256), jnp.bfloat16))["params"])
+    assert declared["qweight"].shape == cpu_kernel.amx_int4_packed_shape(256, 128)
+    calls.clear()
+    params, w = _int4_params(rng, 256, 128, quant, jnp.bfloat16)
+    params["qweight"] = jnp.asarray(to_declared_layout(params["qweight"], declared["qweight"].shape))
+    bias = np.zeros(128)
+    if use_bias:
+        params["bias"] = jnp.asarray(rng.normal(size=128), jnp.bfloat16)
+        bias = np.asarray(params["bias"], np.float64)
+    for rows in (3, 70):
+        x = jnp.asarray(rng.normal(size=(rows, 256)), jnp.bfloat16)
+        got = np.asarray(jax.jit(lambda p, x: layer.apply({"params": p}, x))(params, x), np.float64)
+        want = np.asarray(x, np.float64) @ w + bias
+        np.testing.assert_allclose(got, want, rtol=8e-3, atol=8e-3 * np.abs(want).max())
+    assert len(calls) == 2
+
+
+def test_an_int4_gated_mlp_on_amx_is_one_call(monkeypatch):
+    """silu_gated over two int4 layers held for the int8 tiles makes one native call, matching the two layers'
+    own outputs through XLA's silu to their bfloat16 rounding."""
+    from paged.models.quantization import WeightQuant
+    if not cpu_kernel.int4_on_amx():
+        pytest.skip("no AMX-INT8 tiles here")
+    quant = WeightQuant(bits=4, group_size=64)
+
+    class Gated(nn.Module):
+        fused: bool
+
+        @nn.compact
+        def __call__(self, x):
+            gate, up = (Linear(128, jnp.bfloat16, backend="cpu", quant=quant, name=n) for n in ("gate", "up"))
+            return silu_gated(x, gate, up) if self.fused else jax.nn.silu(gate(x)) * up(x)
+
+    calls = []
+    real = cpu_kernel.int4_gated_matmul_packed_cpu
+    monkeypatch.setattr(cpu_kernel, "int4_gated_matmul_packed_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    rng = np.random.default_rng(5)
+    params = {}
+    for name in ("gate", "up"):
+        p, _ = _int4_params(rng, 192, 128, quant, jnp.bfloat16)
+        params[name] = {**p, "qweight": jnp.asarray(cpu_kernel.pack_int4_for_amx(p["qweight"]))}
+    x = jnp.asarray(rng.normal(size=(2, 5, 192)), jnp.bfloat16)
+    fused = np.asarray(Gated(True).apply({"params": params}, x), np.float64)
+    assert len(calls) == 1 and fused.shape == (2, 5, 128)
+    separate = np.asarray(Gated(False).apply({"params": params}, x), np.float64)
+    np.testing.assert_allclose(fused, separate, rtol=2e-2, atol=2e-2 * np.abs(separate).max())
+
+
 def test_llama_weights_carry_megatron_partition_specs():
     """q/k/v and gate/up split their outputs over the tensor axis, o and down their inputs; the embedding and
     LM head split the vocabulary; norms are replicated; the stacked layer axis is never split."""
