@@ -12,7 +12,7 @@ read once over the time make (the roof of a memory-bound decode-sized product). 
               holds them from load (pallas_kernels/cpu: pack_for_amx)
   native-avx512  the same kernel built without AMX (only on a CPU with AMX: the path it replaces)
   int8, int4  bfloat16 runs only: the same weights quantized (int8 per output channel as quantization="int8";
-              int4 in groups of 128 rows as GPTQ) through the engine's quantized layer (int8 on AMX: the codes
+              int4 in groups of 128 rows as GPTQ) through the engine's quantized layer (on AMX: the codes
               packed beforehand, as the engine holds them); their read fraction
               counts the codes and scales they stream; their max_rel_diff is against XLA's dot on the
               dequantized weights.
@@ -124,6 +124,15 @@ def _quantized_implementations(dtype) -> dict:
         impls["int8"] = (lambda x, p: cpu.int8_weights_matmul_packed_cpu(x, p["qweight"], p["scales"].astype(jnp.float32),
                                                                          out_dtype=jnp.float32),
                          lambda w: packed(prepare(8)(w)), unpacked)
+
+    if cpu.int4_on_amx() and jnp.dtype(dtype) == jnp.bfloat16:
+        def int4_unpacked(x, p):
+            return dequantized(4)(x, {**p, "qweight": cpu.unpack_int4_from_amx(p["qweight"], x.shape[1])})
+
+        impls["int4"] = (lambda x, p: cpu.int4_matmul_packed_cpu(x, p["qweight"], p["scales"], p["zero_offsets"],
+                                                                 out_dtype=jnp.float32),
+                         lambda w: {**prepare(4)(w), "qweight": cpu.pack_int4_for_amx(prepare(4)(w)["qweight"])},
+                         int4_unpacked)
     if cpu.int8_matmul_is_vectorized():
         w8a8 = WeightQuant(bits=8, group_size=-1, method="w8a8", activations="int8")
 
