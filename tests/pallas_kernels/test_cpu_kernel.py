@@ -1131,7 +1131,7 @@ def test_int4_gated_on_amx_and_defaults(rows):
     from paged.kernels import cpu as cpu_kernel
     rng = np.random.default_rng(rows)
     inner, cols = 384, 128
-    (qg, sg, og, wg), (qu, su, ou, wu) = _int4_layer(rng, inner, cols, 3), _int4_layer(rng, inner, cols, 3, False)
+    (qg, sg, og, wg), (qu, su, _, wu) = _int4_layer(rng, inner, cols, 3), _int4_layer(rng, inner, cols, 3, False)
     x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
     g, u = np.asarray(x, np.float64) @ wg, np.asarray(x, np.float64) @ wu
     want = g / (1 + np.exp(-g)) * u
