@@ -17,6 +17,7 @@ import os
 import shutil
 import sys
 
+import ml_dtypes  # noqa: F401 - registers bfloat16 with numpy, so that bfloat16 checkpoints read and write
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
