@@ -359,9 +359,9 @@ def w8a8_rows(x: jax.Array, dtype) -> jax.Array:
 
 def silu_gated(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | None = None) -> jax.Array:
     """silu(gate(x)) * up(x), in `gate`'s dtype. Where both kernels are held packed for AMX and neither layer
-    has a bias, one native call computes it (`paged.kernels.cpu.gated_matmul_packed_cpu`, or for W8A8 layers
-    `w8a8_gated_matmul_packed_cpu`): the two float32 products and the activation pass never reach memory, and
-    the result is rounded once."""
+    has a bias, one native call computes it (`paged.kernels.cpu.gated_matmul_packed_cpu`; for int8 layers
+    `w8a8_gated_matmul_packed_cpu`, for int4 `int4_gated_matmul_packed_cpu`): the two float32 products and the
+    activation pass never reach memory, and the result is rounded once."""
     fused = ((gate.held_packed and up.held_packed) or (gate.holds_int4_packed and up.holds_int4_packed)
              or (gate.holds_int8_packed and up.holds_int8_packed and gate.holds_w8a8_packed == up.holds_w8a8_packed))
     if not fused or gate.use_bias or up.use_bias or gate.lora_slots or up.lora_slots:
