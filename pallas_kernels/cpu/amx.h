@@ -93,8 +93,12 @@ struct Int4Call {
 };
 
 // False (y untouched): no AMX-INT8 (or no AVX-512 BF16) in this build or process, or x's digits could not be
-// allocated.
+// allocated. Over 16 rows it is Int4WidenedMatmulPacked's.
 bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call);
+
+// The same product for prompt-sized calls (amx_int8.cc): each panel dequantized once, (u - 8) * scale - offset
+// rounded to bfloat16, into bf16 tiles that every 32-row block of x runs against on AMX-BF16, float32 sums.
+bool Int4WidenedMatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call);
 
 // y[M, N] = x[M, K] @ w[N, K]^T, w row-major as stored (the tied LM head's embedding table), y float32, every
 // element written. False (y untouched): K is not a multiple of 32, or no AMX.

@@ -1,5 +1,5 @@
 // What the AMX int8-tile kernels share (amx_int8.cc, amx_int4.cc): bfloat16 x written as int8 digits for
-// weight-only products, silu, and the page-stream prefetch. Included only where AMX-INT8 and AVX-512 BF16 are
+// weight-only products, int4 nibbles split into bytes, silu, and the page-stream prefetch. Included only where AMX-INT8 and AVX-512 BF16 are
 // built (PAGED_AMX and __AMX_INT8__).
 //
 // Weight-only int8 and int4 codes are small integers; x is not. Rather than widen every code to bfloat16 (which
@@ -67,6 +67,17 @@ inline __m512 combine_digits(const int32_t* first, int64_t stride, const float* 
     value = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(first + d * stride)), _mm512_set1_ps(scales[d]),
                             value);
   return value;
+}
+
+// An int4 step's nibbles (2 KB: byte j holds code j low and code j + 2048 high; pack_int4_for_amx) into its
+// 4 KB of codes (0..15), the int8 tiles' step.
+inline void split_nibbles(const uint8_t* nibbles, int8_t* codes) {
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  for (int64_t j = 0; j < 2048; j += 64) {
+    const __m512i v = _mm512_loadu_si512(nibbles + j);
+    _mm512_store_si512(codes + j, _mm512_and_si512(v, low));
+    _mm512_store_si512(codes + 2048 + j, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
+  }
 }
 
 inline __m512 silu(__m512 g) {

@@ -41,16 +41,7 @@ constexpr int64_t kStepCodes = 4096;     // a panel step's codes as bytes
 constexpr int64_t kStepNibbles = 2048;   // the same step as stored
 constexpr int64_t kBlockRows = 16;       // digit rows per block: one A tile
 constexpr int64_t kBlockX = kBlockRows / kDigits;  // rows of x per block
-
-// A step's nibbles (2 KB) into its bytes (4 KB).
-inline void split_step(const uint8_t* nibbles, int8_t* codes) {
-  const __m512i low = _mm512_set1_epi8(0x0f);
-  for (int64_t j = 0; j < kStepNibbles; j += 64) {
-    const __m512i v = _mm512_loadu_si512(nibbles + j);
-    _mm512_store_si512(codes + j, _mm512_and_si512(v, low));
-    _mm512_store_si512(codes + kStepNibbles + j, _mm512_and_si512(_mm512_srli_epi16(v, 4), low));
-  }
-}
+constexpr int64_t kDigitRows = 16;       // the most rows of x this walk takes; more: Int4WidenedMatmulPacked
 
 // A panel's nibbles ([steps][2048]) into bytes ([steps][4096]); `next`: the panel after (or null), requested
 // into L2 as this one is read.
@@ -59,7 +50,7 @@ void split_panel(const uint8_t* nibbles, int64_t steps, int8_t* codes, const uin
     if (next)
       for (int line = 0; line < kStepNibbles / 64; ++line)
         _mm_prefetch(reinterpret_cast<const char*>(next + s * kStepNibbles) + 64 * line, _MM_HINT_T1);
-    split_step(nibbles + s * kStepNibbles, codes + s * kStepCodes);
+    split_nibbles(nibbles + s * kStepNibbles, codes + s * kStepCodes);
   }
 }
 
@@ -88,7 +79,7 @@ void panel_sums(const BlockRows& rows, const int8_t* codes, const uint8_t* nibbl
       const int8_t* b = codes ? codes + s * kStepCodes : step_codes;
       if (!codes) {
         start_page_stream(nibbles + (s + 2) * kStepNibbles);
-        split_step(nibbles + s * kStepNibbles, step_codes);
+        split_nibbles(nibbles + s * kStepNibbles, step_codes);
       }
       _tile_loadd(4, rows.digits + s * kDepth, rows.lda);
       _tile_loadd(5, b, 64);
@@ -164,6 +155,7 @@ void int4_panels(const Int4Call& call, const int8_t* digits, int64_t lda, const 
 
 bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call) {
   if (!Available()) return false;
+  if (call.M > kDigitRows) return Int4WidenedMatmulPacked(pool, call);
   const int64_t lda = (call.K + kDepth - 1) / kDepth * kDepth, groups = call.w.groups;
   const int64_t padded_rows = (call.M + kBlockX - 1) / kBlockX * kBlockRows;
   const int64_t group_size = groups == 1 ? call.K : call.K / groups;

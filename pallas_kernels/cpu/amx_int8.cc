@@ -145,7 +145,7 @@ struct BlockScales {
   __m512 w_scale[4], offset[4], bias[4];
   BlockScales(const W8A8Weights& w, int64_t n0) {
     for (int v = 0; v < 4; ++v) {
-      w_scale[v] = _mm512_loadu_ps(w.w_scale + n0 + 16 * v);
+      w_scale[v] = w.w_scale ? _mm512_loadu_ps(w.w_scale + n0 + 16 * v) : _mm512_set1_ps(1.0f);
       offset[v] = w.zero_offsets ? _mm512_loadu_ps(w.zero_offsets + n0 + 16 * v) : _mm512_setzero_ps();
       bias[v] = w.bias ? _mm512_loadu_ps(w.bias + n0 + 16 * v) : _mm512_setzero_ps();
     }
@@ -350,10 +350,14 @@ bool int8_weights_by_digits(xla::ffi::ThreadPool& pool, const Int8WeightsCall& c
   return true;
 }
 
-void int8_weight_panels(const Int8WeightsCall& call, const uint16_t* x, const float* x_sums, int64_t p_begin,
-                        int64_t p_end) {
+// Panels [p_begin, p_end) of bfloat16 x (padded to whole steps and row blocks) against weights that
+// widen(p, out, up_out) writes as bf16 tiles ([2 steps][4][16][32] words; up_out only for a gated call) once a
+// panel, then every 32-row block of x against them; finish_weights_block applies call.w's (and up's) vectors.
+template <class Widen>
+void widened_panels(const Int8WeightsCall& call, const uint16_t* x, const float* x_sums, int64_t p_begin,
+                    int64_t p_end, const Widen& widen) {
   alignas(64) float sums[kRows * kPanel], up_sums[kRows * kPanel];
-  const int64_t steps = (call.K + kDepth - 1) / kDepth, panel_bytes = steps * kStepBytes;
+  const int64_t steps = (call.K + kDepth - 1) / kDepth;
   const int64_t lda = steps * kDepth * sizeof(uint16_t);  // x's rows, padded to whole steps
   const char* a = reinterpret_cast<const char*>(x);
   thread_local TileVector<uint16_t> widened, widened_up;
@@ -361,10 +365,7 @@ void int8_weight_panels(const Int8WeightsCall& call, const uint16_t* x, const fl
   configure_tiles();
   const int64_t row_blocks = (call.M + kRows - 1) / kRows;
   for (int64_t p = p_begin; p < p_end; ++p) {
-    const int8_t* codes = call.w.packed + p * panel_bytes;
-    const int8_t* up_codes = call.up ? call.up->packed + p * panel_bytes : nullptr;
-    widen_panel(codes, steps, widened.data(), p + 1 < p_end ? codes + panel_bytes : nullptr);
-    if (call.up) widen_panel(up_codes, steps, widened_up.data(), p + 1 < p_end ? up_codes + panel_bytes : nullptr);
+    widen(p, p + 1 < p_end, widened.data(), widened_up.data());
     for (int64_t mb = 0; mb < row_blocks; ++mb) {
       const int64_t m0 = mb * kRows, rows = std::min(kRows, call.M - m0);
       block_sums<Product::kBf16>(a + m0 * lda, lda, widened.data(), 2 * steps, rows, false, sums);
@@ -374,17 +375,14 @@ void int8_weight_panels(const Int8WeightsCall& call, const uint16_t* x, const fl
   }
   _tile_release();
 }
-#endif
 
-}  // namespace
-
-bool Int8WeightsMatmulPacked(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call) {
-#if defined(__AVX512BF16__)
-  if (!Available()) return false;
-  if (call.M <= kDigitRows) return int8_weights_by_digits(pool, call);
+// A prompt-sized call on the bf16 tiles: x copied padded to whole steps and row blocks (with its float32 row
+// sums, for the zero points), then widened_panels over the threads. False: x's copy could not be allocated.
+template <class Widen>
+bool widened_matmul(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call, const Widen& widen) {
   const int64_t padded_k = (call.K + kDepth - 1) / kDepth * kDepth;
   const int64_t padded_rows = (call.M + kRows - 1) / kRows * kRows;
-  thread_local TileVector<uint16_t> x;  // x padded to whole steps and row blocks
+  thread_local TileVector<uint16_t> x;
   thread_local TileVector<float> x_sums;
   try {
     if (x.size() < static_cast<size_t>(padded_rows * padded_k)) x.resize(padded_rows * padded_k);
@@ -409,9 +407,100 @@ bool Int8WeightsMatmulPacked(xla::ffi::ThreadPool& pool, const Int8WeightsCall& 
   });
   const int64_t num_panels = call.N / kPanel, parts = std::min(num_panels, std::max<int64_t>(1, pool.num_threads()));
   run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
-    int8_weight_panels(call, xp, sp, part * num_panels / parts, (part + 1) * num_panels / parts);
+    widened_panels(call, xp, sp, part * num_panels / parts, (part + 1) * num_panels / parts, widen);
   });
   return true;
+}
+
+// ---- int4 prompt steps: the codes dequantized into bf16 tiles -----------------------------------------------
+//
+// Group scales keep int4's sums from running over the whole of K in the tiles, and x's digits make four times
+// the tile work; for prompt-sized steps each panel is instead dequantized once, (u - 8) * scale - offset rounded
+// to bfloat16 (as a bfloat16 model's dequantized weights are), into bf16 tiles that every row block reuses.
+
+// Column c of each of the 32 values of a permuted quad row (16 columns x 2 k): lanes 2c and 2c + 1.
+alignas(64) inline constexpr int32_t kPairColumnsLow[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+alignas(64) inline constexpr int32_t kPairColumnsHigh[16] = {8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15};
+
+// A panel's int4 codes (nibbles, [steps][2048]) into bf16 tiles of the dequantized weights.
+void dequantize_int4_panel(const uint8_t* nibbles, const Int4Weights& w, int64_t K, int64_t N, int64_t n0,
+                           uint16_t* out, const uint8_t* next) {
+  const int64_t steps = (K + kDepth - 1) / kDepth;
+  const int64_t group_steps = w.groups == 1 ? steps : K / w.groups / kDepth;
+  const __m512i order = _mm512_load_si512(kEvenThenOddWords);
+  const __m512i low_columns = _mm512_load_si512(kPairColumnsLow), high_columns = _mm512_load_si512(kPairColumnsHigh);
+  alignas(64) int8_t codes[kStepBytes];
+  __m512 scale[4][2], offset[4][2];  // per tile, for its columns 0-7 and 8-15 as the pairs lay them out
+  for (int64_t s = 0; s < steps; ++s) {
+    if (s % group_steps == 0) {
+      const int64_t at = s / group_steps * N + n0;
+      for (int t = 0; t < 4; ++t) {
+        const __m512 sc = _mm512_loadu_ps(w.scales + at + 16 * t);
+        const __m512 off = _mm512_fmadd_ps(_mm512_set1_ps(8.0f), sc, w.offsets ? _mm512_loadu_ps(w.offsets + at + 16 * t)
+                                                                                : _mm512_setzero_ps());
+        scale[t][0] = _mm512_permutexvar_ps(low_columns, sc), scale[t][1] = _mm512_permutexvar_ps(high_columns, sc);
+        offset[t][0] = _mm512_permutexvar_ps(low_columns, off), offset[t][1] = _mm512_permutexvar_ps(high_columns, off);
+      }
+    }
+    if (next)
+      for (int line = 0; line < kStepBytes / 128; ++line)
+        _mm_prefetch(reinterpret_cast<const char*>(next + s * kStepBytes / 2) + 64 * line, _MM_HINT_T1);
+    split_nibbles(nibbles + s * kStepBytes / 2, codes);
+    uint16_t* step_out = out + 2 * s * 4 * 512;
+    for (int t = 0; t < 4; ++t) {
+      for (int j = 0; j < 16; ++j) {
+        const __m512i split = _mm512_permutexvar_epi16(order, _mm512_load_si512(codes + t * 1024 + 64 * j));
+        uint16_t* rows = step_out + ((j / 8) * 4 + t) * 512 + (2 * (j % 8)) * 32;
+        for (int half = 0; half < 2; ++half) {  // the quad row's first two k, then its last two
+          const __m256i pair_row = half ? _mm512_extracti64x4_epi64(split, 1) : _mm512_castsi512_si256(split);
+          const __m512 lo = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(pair_row))),
+                                            scale[t][0], offset[t][0]);
+          const __m512 hi = _mm512_fmsub_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(pair_row, 1))),
+                                            scale[t][1], offset[t][1]);
+          _mm512_store_si512(rows + half * 32, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(hi, lo)));
+        }
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+bool Int8WeightsMatmulPacked(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call) {
+#if defined(__AVX512BF16__)
+  if (!Available()) return false;
+  if (call.M <= kDigitRows) return int8_weights_by_digits(pool, call);
+  const int64_t panel_bytes = (call.K + kDepth - 1) / kDepth * kStepBytes;
+  return widened_matmul(pool, call, [&](int64_t p, bool more, uint16_t* out, uint16_t* up_out) {
+    const int8_t* codes = call.w.packed + p * panel_bytes;
+    widen_panel(codes, panel_bytes / kStepBytes, out, more ? codes + panel_bytes : nullptr);
+    if (call.up) {
+      const int8_t* up_codes = call.up->packed + p * panel_bytes;
+      widen_panel(up_codes, panel_bytes / kStepBytes, up_out, more ? up_codes + panel_bytes : nullptr);
+    }
+  });
+#else
+  (void)pool, (void)call;
+  return false;
+#endif
+}
+
+bool Int4WidenedMatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call) {
+#if defined(__AVX512BF16__)
+  if (!Available()) return false;
+  // The scales and zero points go into the widened weights; what is left for the epilogue is the bias.
+  const W8A8Weights w{nullptr, nullptr, nullptr, call.w.bias}, up{nullptr, nullptr, nullptr, nullptr};
+  const Int8WeightsCall view{call.x, w, call.up ? &up : nullptr, call.y, call.y_bf16, call.M, call.K, call.N};
+  const int64_t panel_bytes = (call.K + kDepth - 1) / kDepth * kStepBytes / 2;
+  return widened_matmul(pool, view, [&](int64_t p, bool more, uint16_t* out, uint16_t* up_out) {
+    const uint8_t* codes = call.w.packed + p * panel_bytes;
+    dequantize_int4_panel(codes, call.w, call.K, call.N, p * kPanel, out, more ? codes + panel_bytes : nullptr);
+    if (call.up) {
+      const uint8_t* up_codes = call.up->packed + p * panel_bytes;
+      dequantize_int4_panel(up_codes, *call.up, call.K, call.N, p * kPanel, up_out, more ? up_codes + panel_bytes : nullptr);
+    }
+  });
 #else
   (void)pool, (void)call;
   return false;
@@ -454,6 +543,8 @@ bool W8A8MatmulPacked(xla::ffi::ThreadPool& pool, const W8A8Call& call) {
 bool W8A8MatmulPacked(xla::ffi::ThreadPool&, const W8A8Call&) { return false; }
 
 bool Int8WeightsMatmulPacked(xla::ffi::ThreadPool&, const Int8WeightsCall&) { return false; }
+
+bool Int4WidenedMatmulPacked(xla::ffi::ThreadPool&, const Int4Call&) { return false; }
 
 #endif
 

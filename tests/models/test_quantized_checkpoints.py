@@ -251,43 +251,42 @@ def test_online_w8a8_matches_the_librarys_dynamic_activations_on_rounded_weights
 @pytest.mark.parametrize("group_size", [64, -1])
 def test_int4_layers_of_bfloat16_models_run_on_amx_tiles(float_dir, tmp_path, monkeypatch, group_size):
     """On a CPU with AMX-INT8, a bfloat16 model's GPTQ int4 layers (groups of 64 rows, or one per column) load
-    packed for the int8 tiles and run there, the gated MLP in one call. Their first tokens' log-probabilities
-    stay within bfloat16's own noise of the float32 model's (which the tests above hold to transformers), as
-    close as the path of a CPU without the tiles (the AVX-512 kernel on GPTQ's own layout) comes: on this tiny
-    random model the two bfloat16 paths differ from float32 by 0.02-0.07 nats, so greedy sequences part at
-    near ties and are not compared."""
+    packed for the AMX tiles and run there, the gated MLP in one call (decode-sized steps on the int8 tiles,
+    prompt-sized ones against the weights dequantized to bfloat16). Their first tokens' log-probabilities stay
+    within twice the distance bfloat16 itself puts between the float32 model (which the tests above hold to
+    transformers) and the dequantized weights run in bfloat16: on this tiny random model that distance is
+    0.06-0.09 nats, so greedy sequences part at near ties and are compared only where the winner is clear."""
     from paged.kernels import cpu
     if not cpu.int4_on_amx():
         pytest.skip("no AMX-INT8 tiles here")
     config = {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": False,
               "checkpoint_format": "gptq"}
-    quantized, _ = _write_quantized(float_dir, tmp_path / "q", tmp_path / "ref",
-                                    lambda w, rng: _gptq_layer(w, 4, group_size, False, rng), config)
+    quantized, dequantized = _write_quantized(float_dir, tmp_path / "q", tmp_path / "ref",
+                                              lambda w, rng: _gptq_layer(w, 4, group_size, False, rng), config)
     calls = []
     for name in ("int4_matmul_packed_cpu", "int4_gated_matmul_packed_cpu"):
         real = getattr(cpu, name)
         monkeypatch.setattr(cpu, name, lambda *a, real=real, name=name, **k: calls.append(name) or real(*a, **k))
 
-    def first_logprobs(dtype):
-        llm = LLM(str(quantized), dtype=dtype, block_size=8, max_model_len=64, show_progress=False)
+    def first_logprobs(model_dir, dtype):
+        llm = LLM(str(model_dir), dtype=dtype, block_size=8, max_model_len=64, show_progress=False)
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                                SamplingParams(temperature=0, max_tokens=1, logprobs=5), use_tqdm=False)
         return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()} for o in outputs]
 
-    on_tiles = first_logprobs("bfloat16")
+    on_tiles = first_logprobs(quantized, "bfloat16")
     assert set(calls) == {"int4_matmul_packed_cpu", "int4_gated_matmul_packed_cpu"}
-    monkeypatch.setattr(cpu, "int4_on_amx", lambda: False)
     calls.clear()
-    other, float32 = first_logprobs("bfloat16"), first_logprobs("float32")
+    float32, rounded = first_logprobs(quantized, "float32"), first_logprobs(dequantized, "bfloat16")
     assert not calls
 
     def distance(got):
         return max(abs(g[t] - want[t]) for g, want in zip(got, float32) for t in want.keys() & g.keys())
 
-    assert distance(on_tiles) < max(0.1, 1.5 * distance(other)), (distance(on_tiles), distance(other))
+    assert distance(on_tiles) < 2 * distance(rounded), (distance(on_tiles), distance(rounded))
     for got, want in zip(on_tiles, float32):
         first, second = sorted(want.values(), reverse=True)[:2]
-        if first - second > 0.2:  # a clear winner is the greedy token on the tiles too
+        if first - second > 0.3:  # a clear winner is the greedy token on the tiles too
             assert max(got, key=got.get) == max(want, key=want.get)
 
 

@@ -1070,14 +1070,22 @@ def _needs_int4_on_amx():
         pytest.skip("no AMX-INT8 with AVX-512 BF16 on this CPU: int4 layers keep the AVX-512 kernel")
 
 
-def _int4_layer(rng, inner, cols, groups, offsets=True):
+def _int4_layer(rng, inner, cols, groups, offsets=True, bfloat16=False):
     """Random int4 codes as the layers hold them ([K / 2, N] uint8, row 2i low nibble), group scales and zero
-    offsets, and the float64 kernel they stand for: (u - 8) * scale - offset."""
+    offsets, and the float64 kernel they stand for: (u - 8) * scale - offset; with `bfloat16`, that kernel as the
+    prompt-sized walk holds it: u * scale - (8 scale + offset) in float32, rounded to bfloat16."""
     qweight = rng.integers(0, 256, (inner // 2, cols)).astype(np.uint8)
     codes = np.stack([qweight & 0xF, qweight >> 4], axis=1).reshape(inner, cols).astype(np.float64)
-    scales = rng.uniform(0.001, 0.02, (groups, cols))
-    zero_offsets = rng.uniform(-0.01, 0.01, (groups, cols)) if offsets else np.zeros((groups, cols))
-    w = ((codes - 8).reshape(groups, inner // groups, cols) * scales[:, None] - zero_offsets[:, None]).reshape(inner, cols)
+    scales = rng.uniform(0.001, 0.02, (groups, cols)).astype(np.float32).astype(np.float64)
+    zero_offsets = (rng.uniform(-0.01, 0.01, (groups, cols)) if offsets else np.zeros((groups, cols))
+                    ).astype(np.float32).astype(np.float64)
+    grouped = codes.reshape(groups, inner // groups, cols)
+    if bfloat16:  # float64 holds each float32 step exactly, so one rounding each, as the kernel's fma
+        shift = (8 * scales + zero_offsets).astype(np.float32).astype(np.float64)
+        w32 = (grouped * scales[:, None] - shift[:, None]).astype(np.float32)
+        w = w32.astype(jnp.bfloat16).astype(np.float64).reshape(inner, cols)
+    else:
+        w = ((grouped - 8) * scales[:, None] - zero_offsets[:, None]).reshape(inner, cols)
     return qweight, scales, zero_offsets if offsets else None, w
 
 
@@ -1098,21 +1106,22 @@ def test_int4_packing_for_amx_round_trips(inner, cols):
     np.testing.assert_array_equal(packed >> 4, steps[..., 2048:])
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 4, 5, 16, 17, 18, 40, 100])
 @pytest.mark.parametrize("inner, cols, groups", [(256, 128, 2), (640, 192, 5), (200, 64, 1), (1024, 128, 16)])
 def test_int4_on_amx_matches_float64(rows, inner, cols, groups):
-    """Weight-only int4 on the int8 tiles: x as digits against the codes, group by group, the group scales, zero
-    offsets (against the group's sums of x) and bias in float32: float64 of x @ ((u - 8) * scale - offset) + bias,
-    closer than a float32 product; rows past live_rows zeros."""
+    """Weight-only int4 on AMX. Up to 16 rows, on the int8 tiles: x as digits against the codes, group by group,
+    the group scales, zero offsets (against the group's sums of x) and bias in float32: float64 of x @ ((u - 8)
+    * scale - offset) + bias, closer than a float32 product. Beyond, on the bf16 tiles against the weights
+    dequantized to bfloat16: float64 of x @ those, to float32 sums' accuracy. Rows past live_rows zeros."""
     _needs_int4_on_amx()
     from paged.kernels import cpu as cpu_kernel
     rng = np.random.default_rng(rows * inner)
-    qweight, scales, offsets, w = _int4_layer(rng, inner, cols, groups)
+    live = max(rows - 1, 1)  # the rows the call computes
+    qweight, scales, offsets, w = _int4_layer(rng, inner, cols, groups, bfloat16=live > 16)
     bias = rng.normal(size=cols)
     x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
     x64 = np.asarray(x, np.float64)
     want = x64 @ w + bias
-    live = max(rows - 1, 1)
     got = np.asarray(jax.jit(lambda x, p, *v: cpu_kernel.int4_matmul_packed_cpu(
         x, p, *v, live_rows=jnp.int32(live), out_dtype=jnp.float32))(
             x, jnp.asarray(cpu_kernel.pack_int4_for_amx(qweight)), *(jnp.asarray(v, jnp.float32)
