@@ -1,3 +1,7 @@
+// Int8 codes on Intel AMX tiles: W8A8 (below); weight-only int8, with x as int8 digits at decode sizes
+// (amx_digits.h) and the codes widened to bfloat16 for prompts; and int4's prompt steps, dequantized to
+// bfloat16 a panel at a time (its decode steps: amx_int4.cc).
+//
 // W8A8 on Intel AMX tiles: y[M, N] = (xq @ wq) * x_scale[m] * w_scale[n] (- zero points) (+ bias), with x
 // quantized per row inside the call, int8 codes on both sides and exact int32 sums (amx.h: W8A8MatmulPacked;
 // int8_matmul.cc binds it as XLA FFI calls); gated, silu of that times the up projection's, so that neither
