@@ -74,7 +74,8 @@ def packs_w8a8_for_amx(backend: str, quant: WeightQuant | None, out_features: in
 def packs_int8_weights_for_amx(backend: str, quant: WeightQuant | None, dtype: Any, out_features: int) -> bool:
     """Whether a weight-only int8 layer of a bfloat16 model holds its codes in the AMX-INT8 layout, as W8A8's,
     and runs on AMX tiles (`cpu.int8_weights_matmul_packed_cpu`: x as int8 digits at decode sizes, the codes
-    widened to bfloat16 for prompts), at every step size: codes that fit (`_int8_codes_fit_amx`), on a CPU that offers AMX."""
+    widened to bfloat16 for prompts), at every step size: codes that fit (`_int8_codes_fit_amx`), on a CPU
+    that offers AMX."""
     return (_int8_codes_fit_amx(backend, quant, out_features) and quant.activations is None
             and jnp.dtype(dtype) == jnp.bfloat16 and cpu.int8_weights_on_amx())
 
@@ -235,12 +236,16 @@ class Linear(nn.Module):
                 raise ValueError(f"{self.name}: packed_kernel needs a kernel held packed for AMX and no bias")
             if self.held_packed:
                 return self._packed_param(x.shape[-1], axes)
-            return self._int4_params(x.shape[-1], axes) if self.holds_int4_packed else self._w8a8_params(x.shape[-1], axes)
+            if self.holds_int4_packed:
+                return self._int4_params(x.shape[-1], axes)
+            return self._w8a8_params(x.shape[-1], axes)
         if self.held_packed or self.holds_int8_packed or self.holds_int4_packed:
             if self.held_packed:
                 y = self._amx_packed(x, live_rows, axes)
+            elif self.holds_int4_packed:
+                y = self._int4_packed(x, live_rows, axes)
             else:
-                y = self._int4_packed(x, live_rows, axes) if self.holds_int4_packed else self._int8_packed(x, live_rows, axes)
+                y = self._int8_packed(x, live_rows, axes)
             return self._add_lora(x, y, axes) if self.lora_slots else y
         inputs = x  # what an adapter reads: the input as given, not as the quantized product reorders it
         if self.quant is None:

@@ -355,8 +355,8 @@ def _save_compressed(model, fmt: str, float_dir: str, out):
 
 @pytest.mark.parametrize("bits, strategy, symmetric", [(4, "group", False), (4, "channel", True),
                                                        (8, "channel", True), (8, "group", False)])
-def test_compressed_tensors_checkpoints_written_by_the_library_itself(float_dir, tmp_path, bits, strategy,
-                                                                      symmetric):
+def test_compressed_tensors_checkpoints_written_by_the_library_itself(float_dir, tmp_path, monkeypatch, bits,
+                                                                      strategy, symmetric):
     """llm-compressor's format, written by compressed-tensors' own compressor (pack-quantized); the reference
     is the same model decompressed by the library and run by transformers."""
     ct = pytest.importorskip("compressed_tensors", reason="compressed-tensors needs torch (Python 3.11 here)")
@@ -388,6 +388,34 @@ def test_compressed_tensors_checkpoints_written_by_the_library_itself(float_dir,
     tokens, engine = _greedy(str(out))
     assert tokens == want
     assert engine.model_config.weight_quant.method == "compressed-tensors"
+    from paged.kernels import cpu
+    if bits == 4 and strategy == "channel" and cpu.int4_on_amx():
+        # In bfloat16 on a CPU with AMX-INT8 the per-channel codes load packed for the tiles (their shape read
+        # from the checkpoint's weight_shape): the first token's log-probabilities stay within twice the
+        # distance bfloat16 puts between the decompressed model in float32 and in bfloat16.
+        calls = []
+        real = cpu.int4_matmul_packed_cpu
+        monkeypatch.setattr(cpu, "int4_matmul_packed_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+        options = dict(block_size=8, max_model_len=64, show_progress=False)
+        first = SamplingParams(temperature=0, max_tokens=1, logprobs=5)
+
+        def logprobs(llm):
+            return [{t: lp.logprob for t, lp in o.outputs[0].logprobs[0].items()}
+                    for o in llm.generate([{"prompt_token_ids": p} for p in PROMPTS], first, use_tqdm=False)]
+
+        on_tiles = logprobs(LLM(str(out), dtype="bfloat16", **options))
+        assert calls
+        decompressed = tmp_path / "decompressed"  # the float checkpoint with the library's decompressed weights
+        shutil.copytree(float_dir, decompressed)
+        from safetensors.torch import save_file as save_torch
+        weights = {k: v.contiguous().clone() for k, v in model.state_dict().items() if k.endswith((".weight", ".bias"))}
+        save_torch(weights, str(decompressed / "model.safetensors"))
+        float32, rounded = (logprobs(LLM(str(decompressed), dtype=d, **options)) for d in ("float32", "bfloat16"))
+
+        def distance(got):
+            return max(abs(g[t] - want[t]) for g, want in zip(got, float32) for t in want.keys() & g.keys())
+
+        assert distance(on_tiles) < 2 * distance(rounded), (distance(on_tiles), distance(rounded))
 
 
 # (format, weight args, dynamic input activations): W8A8 int8, W8 int8 per group with zero points, and FP8 per
