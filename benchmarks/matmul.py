@@ -113,26 +113,24 @@ def _quantized_implementations(dtype) -> dict:
                                                                          p["zero_offsets"].astype(jnp.float32), bits),
                                        None, jnp.float32)
 
+    def held_for_amx(bits, pack, unpack):  # the codes packed once beforehand, as the engine holds them on AMX
+        def prepare_packed(w):
+            params = prepare(bits)(w)
+            return {**params, "qweight": pack(params["qweight"])}
+
+        def reference(x, p):
+            return dequantized(bits)(x, {**p, "qweight": unpack(p["qweight"], x.shape[1])})
+        return prepare_packed, reference
+
     impls = {"int8": (engine(8), prepare(8), dequantized(8)), "int4": (engine(4), prepare(4), dequantized(4))}
     if cpu.int8_weights_on_amx() and jnp.dtype(dtype) == jnp.bfloat16:  # as the engine holds int8 layers there
-        def packed(params):
-            return {**params, "qweight": cpu.pack_for_amx(params["qweight"])}
-
-        def unpacked(x, p):
-            return dequantized(8)(x, {**p, "qweight": cpu.unpack_from_amx(p["qweight"], x.shape[1])})
-
         impls["int8"] = (lambda x, p: cpu.int8_weights_matmul_packed_cpu(x, p["qweight"], p["scales"].astype(jnp.float32),
                                                                          out_dtype=jnp.float32),
-                         lambda w: packed(prepare(8)(w)), unpacked)
-
+                         *held_for_amx(8, cpu.pack_for_amx, cpu.unpack_from_amx))
     if cpu.int4_on_amx() and jnp.dtype(dtype) == jnp.bfloat16:
-        def int4_unpacked(x, p):
-            return dequantized(4)(x, {**p, "qweight": cpu.unpack_int4_from_amx(p["qweight"], x.shape[1])})
-
         impls["int4"] = (lambda x, p: cpu.int4_matmul_packed_cpu(x, p["qweight"], p["scales"], p["zero_offsets"],
                                                                  out_dtype=jnp.float32),
-                         lambda w: {**prepare(4)(w), "qweight": cpu.pack_int4_for_amx(prepare(4)(w)["qweight"])},
-                         int4_unpacked)
+                         *held_for_amx(4, cpu.pack_int4_for_amx, cpu.unpack_int4_from_amx))
     if cpu.int8_matmul_is_vectorized():
         w8a8 = WeightQuant(bits=8, group_size=-1, method="w8a8", activations="int8")
 
@@ -144,9 +142,7 @@ def _quantized_implementations(dtype) -> dict:
                                                   out_dtype=jnp.float32)
             return low_precision_dot.w8a8_dot(x, p, w8a8, jnp.float32, native=True)
 
-        def w8a8_prepare(w):
-            params = prepare(8)(w)
-            return {**params, "qweight": cpu.pack_for_amx(params["qweight"])} if on_amx else params
+        w8a8_prepare = held_for_amx(8, cpu.pack_for_amx, cpu.unpack_from_amx)[0] if on_amx else prepare(8)
 
         def w8a8_reference(x, p):
             codes, row_scale = activation_codes(x, "int8")
