@@ -22,6 +22,9 @@
 namespace paged::amx {
 
 constexpr int64_t kDigits = 4;
+// The most rows of x a weight-only call writes as digits: beyond, four digit rows per row of x cost more tile
+// work than the bf16 tiles against widened (int8) or dequantized (int4) weights.
+constexpr int64_t kDigitRows = 16;
 
 // Row x (K bfloat16) as kDigits rows of codes at `codes` (lda bytes apart, zeros from K to lda) and their
 // scales; x_sum: its float32 sum. Digits whose scale would leave float32's normal range stay zero.

@@ -41,7 +41,6 @@ constexpr int64_t kStepCodes = 4096;     // a panel step's codes as bytes
 constexpr int64_t kStepNibbles = 2048;   // the same step as stored
 constexpr int64_t kBlockRows = 16;       // digit rows per block: one A tile
 constexpr int64_t kBlockX = kBlockRows / kDigits;  // rows of x per block
-constexpr int64_t kDigitRows = 16;       // the most rows of x this walk takes; more: Int4WidenedMatmulPacked
 
 // A panel's nibbles ([steps][2048]) into bytes ([steps][4096]); `next`: the panel after (or null), requested
 // into L2 as this one is read.

@@ -308,7 +308,6 @@ void finish_weights_block(const Int8WeightsCall& call, const float* sums, const 
 // walk with kDigits rows of codes per row of x. Four digit rows fill a 16-row A tile with four rows of x, and a
 // 32-row block with eight: up to 4 rows of x the tile work is W8A8's one A tile; at 16, 64 digit rows, the int8
 // tiles take about as long as bf16's (paged bench matmul, docs/kernels.md), still ahead of widening the codes.
-constexpr int64_t kDigitRows = 16;
 
 // A block's rows [r0, r0 + rows) of digit sums (kDigits per row of x) into y's rows from r0 / kDigits.
 void finish_digit_block(const Int8WeightsCall& call, const int32_t* sums, const int32_t* up_sums, int64_t r0,
