@@ -208,6 +208,14 @@ paged::amx::W8A8Weights w8a8_weights(ffi::Buffer<ffi::S8> w, F32 w_scale, F32 of
           bias.element_count() ? bias.typed_data() : nullptr};
 }
 
+// The rows to compute: y's rows from `live` on zeroed (float32 or bfloat16 y), the count below them returned.
+int64_t live_rows_of_y(ffi::Buffer<ffi::S32> live, int64_t rows, ffi::Result<ffi::AnyBuffer>& y) {
+  const int64_t N = y->dimensions()[1];
+  return y->element_type() == ffi::DataType::BF16
+             ? paged::zero_rows_past_live(live, rows, N, static_cast<uint16_t*>(y->untyped_data()))
+             : paged::zero_rows_past_live(live, rows, N, static_cast<float*>(y->untyped_data()));
+}
+
 // The call on AMX after its checks: W8A8 (x quantized in the call), or with `weight_only` bfloat16 x against
 // the int8 codes (amx.h: Int8WeightsMatmulPacked); `up`: the gated call's up projection, or null.
 ffi::Error run_int8(const char* name, ffi::ThreadPool& pool, ffi::AnyBuffer x, paged::amx::W8A8Weights w,
@@ -218,8 +226,7 @@ ffi::Error run_int8(const char* name, ffi::ThreadPool& pool, ffi::AnyBuffer x, p
   if (weight_only && !x_bf16) return ffi::Error::InvalidArgument(std::string(name) + ": x must be bfloat16");
   const int64_t N = y->dimensions()[1];
   const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
-  const int64_t M = y_bf16 ? paged::zero_rows_past_live(live, xd[0], N, static_cast<uint16_t*>(y->untyped_data()))
-                           : paged::zero_rows_past_live(live, xd[0], N, static_cast<float*>(y->untyped_data()));
+  const int64_t M = live_rows_of_y(live, xd[0], y);
   if (M == 0) return ffi::Error::Success();
   const bool done =
       weight_only
@@ -291,8 +298,7 @@ ffi::Error run_int4(const char* name, ffi::ThreadPool& pool, ffi::AnyBuffer x, p
   const auto xd = x.dimensions();
   const int64_t N = y->dimensions()[1];
   const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
-  const int64_t M = y_bf16 ? paged::zero_rows_past_live(live, xd[0], N, static_cast<uint16_t*>(y->untyped_data()))
-                           : paged::zero_rows_past_live(live, xd[0], N, static_cast<float*>(y->untyped_data()));
+  const int64_t M = live_rows_of_y(live, xd[0], y);
   if (M == 0) return ffi::Error::Success();
   if (!paged::amx::Int4MatmulPacked(pool, {static_cast<const uint16_t*>(x.untyped_data()), w, up, y->untyped_data(),
                                            y_bf16, M, xd[1], N}))
