@@ -57,10 +57,10 @@ struct W8A8Call {
 // False (y untouched): no AMX-INT8 in this build or process, or x's codes could not be allocated.
 bool W8A8MatmulPacked(xla::ffi::ThreadPool& pool, const W8A8Call& call);
 
-// Weight-only int8 (amx_int8.cc): y[M, N] = (x @ codes) * w_scale[n] - (sum_k x[m, k]) * zero_offsets[n] +
-// bias[n], x bfloat16 [M, K], the codes packed as W8A8's. Up to 16 rows, x as four int8 digits per element
-// against the codes on AMX-INT8 tiles (float32 accuracy); beyond, the codes widened to exact bfloat16 a panel at
-// a time, float32 sums on AMX-BF16 tiles. w.packed, w_scale, zero_offsets, bias, y, M, K, N as in W8A8Call.
+// Weight-only int8: y[M, N] = (x @ codes) * w_scale[n] - (sum_k x[m, k]) * zero_offsets[n] + bias[n], x
+// bfloat16 [M, K], the codes packed as W8A8's. Up to 16 rows, x as four int8 digits per element against the
+// codes on AMX-INT8 tiles (float32 accuracy; amx_int8.cc); beyond, the codes widened to exact bfloat16 a panel at
+// a time, float32 sums on AMX-BF16 tiles (amx_widened.cc). w.packed, w_scale, zero_offsets, bias, y, M, K, N as in W8A8Call.
 struct Int8WeightsCall {
   const uint16_t* x;
   W8A8Weights w;
@@ -72,6 +72,9 @@ struct Int8WeightsCall {
 
 // False (y untouched): no AMX (or no AVX-512 BF16) in this build or process, or x's copy could not be allocated.
 bool Int8WeightsMatmulPacked(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call);
+
+// Its prompt-sized path (amx_widened.cc), any M: the codes widened to bfloat16 a panel at a time.
+bool Int8WeightsWidenedMatmulPacked(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call);
 
 // Weight-only int4 (amx_int4.cc): y[M, N] = x @ ((u - 8) * scales[g, n] - offsets[g, n]) + bias[n], u the 4-bit
 // codes (0..15) of the group g = k / (K / groups), x bfloat16 [M, K] as int8 digits on AMX-INT8 tiles (float32
@@ -96,7 +99,7 @@ struct Int4Call {
 // allocated. Over 16 rows it is Int4WidenedMatmulPacked's.
 bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call);
 
-// The same product for prompt-sized calls (amx_int8.cc): each panel dequantized once, (u - 8) * scale - offset
+// The same product for prompt-sized calls (amx_widened.cc): each panel dequantized once, (u - 8) * scale - offset
 // rounded to bfloat16, into bf16 tiles that every 32-row block of x runs against on AMX-BF16, float32 sums.
 bool Int4WidenedMatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call);
 

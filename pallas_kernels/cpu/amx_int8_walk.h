@@ -1,0 +1,163 @@
+// The int8 tile walk that amx_int8.cc (W8A8; weight-only int8 at decode sizes, x as digits) and amx_widened.cc
+// (prompt-sized weight-only steps on bf16 tiles) share: the tile products over a panel's 4 KB steps, the block
+// epilogue's per-column vectors, and the walk of a thread's panels. The layouts are amx_int8.cc's. Included
+// only where the build targets AMX-INT8 (PAGED_AMX and __AMX_INT8__).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "amx.h"
+#include "amx_digits.h"
+#include "amx_tiles.h"
+#include "bf16.h"
+#include "vector_math.h"
+
+namespace paged::amx {
+
+inline constexpr int64_t kRows = 32;             // x rows per block: two A tiles
+inline constexpr int64_t kDepth = 64;            // bytes of k per tile step: 64 int8 k (or 32 bfloat16)
+inline constexpr int64_t kPanel = 64;            // y columns per panel: four B tiles
+inline constexpr int64_t kStepBytes = 4 * 1024;  // a panel's four B tiles for one step
+inline constexpr int64_t kPassBytes = 1 << 20;   // the weights of a pass of panels for steps over 16 rows: L2
+
+// The tile product: int8 x int8 -> int32 (W8A8), or bfloat16 pairs -> float32 (int8 weights widened, x as it
+// is). Both read 64-byte tile rows and 4 KB panel steps, so one walk serves both.
+enum class Product { kInt8, kBf16 };
+
+#define PAGED_TILE_PRODUCT(P, c, a, b) \
+  if constexpr (P == Product::kInt8) _tile_dpbssd(c, a, b); else _tile_dpbf16ps(c, a, b)
+
+// sums[32][64] (row stride 64 lanes of 4 bytes), columns [0, 32) from 32 rows of a (two A tiles, rows lda
+// bytes apart) against b's two column tiles over `steps` (b: a panel's [steps][4][16][64 bytes], offset to
+// the first of the two).
+template <Product P>
+inline void tile_32x32(const void* a_, int64_t lda, const void* b_, int64_t steps, void* sums_) {
+  const char* a = static_cast<const char*>(a_);
+  const char* b = static_cast<const char*>(b_);
+  char* sums = static_cast<char*>(sums_);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, a + s * kDepth, lda);
+    _tile_loadd(5, a + 16 * lda + s * kDepth, lda);
+    _tile_loadd(6, b + s * kStepBytes, 64);
+    _tile_loadd(7, b + s * kStepBytes + 1024, 64);
+    PAGED_TILE_PRODUCT(P, 0, 4, 6);
+    PAGED_TILE_PRODUCT(P, 1, 4, 7);
+    PAGED_TILE_PRODUCT(P, 2, 5, 6);
+    PAGED_TILE_PRODUCT(P, 3, 5, 7);
+  }
+  _tile_stored(0, sums, 256); _tile_stored(1, sums + 64, 256);
+  _tile_stored(2, sums + 16 * 256, 256); _tile_stored(3, sums + 16 * 256 + 64, 256);
+}
+
+// sums[16][64] from 16 rows of a against the panel's four column tiles; `stream`: the panel comes from memory,
+// and the page two steps ahead is started.
+template <Product P>
+inline void tile_16x64(const void* a_, int64_t lda, const void* b_, int64_t steps, void* sums_, bool stream) {
+  const char* a = static_cast<const char*>(a_);
+  const char* b = static_cast<const char*>(b_);
+  char* sums = static_cast<char*>(sums_);
+  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  for (int64_t s = 0; s < steps; ++s) {
+    if (stream) start_page_stream(b + (s + 2) * kStepBytes);
+    _tile_loadd(4, a + s * kDepth, lda);
+    _tile_loadd(6, b + s * kStepBytes, 64);
+    _tile_loadd(7, b + s * kStepBytes + 1024, 64);
+    PAGED_TILE_PRODUCT(P, 0, 4, 6);
+    PAGED_TILE_PRODUCT(P, 1, 4, 7);
+    _tile_loadd(6, b + s * kStepBytes + 2048, 64);
+    _tile_loadd(7, b + s * kStepBytes + 3072, 64);
+    PAGED_TILE_PRODUCT(P, 2, 4, 6);
+    PAGED_TILE_PRODUCT(P, 3, 4, 7);
+  }
+  _tile_stored(0, sums, 256); _tile_stored(1, sums + 64, 256);
+  _tile_stored(2, sums + 128, 256); _tile_stored(3, sums + 192, 256);
+}
+
+// The float32 values of a block's row r, 16 columns v: sums * x_scale * w_scale - the zero points' share + bias.
+struct BlockScales {
+  __m512 w_scale[4], offset[4], bias[4];
+  BlockScales(const W8A8Weights& w, int64_t n0) {
+    for (int v = 0; v < 4; ++v) {
+      w_scale[v] = w.w_scale ? _mm512_loadu_ps(w.w_scale + n0 + 16 * v) : _mm512_set1_ps(1.0f);
+      offset[v] = w.zero_offsets ? _mm512_loadu_ps(w.zero_offsets + n0 + 16 * v) : _mm512_setzero_ps();
+      bias[v] = w.bias ? _mm512_loadu_ps(w.bias + n0 + 16 * v) : _mm512_setzero_ps();
+    }
+  }
+  // Zero points: W = q * scale - offset, so x W = the codes' product less (x's dequantized sum) * offset.
+  __m512 value(const int32_t* sums, int64_t r, int v, __m512 row_scale, __m512 row_sum) const {
+    const __m512 product = _mm512_mul_ps(
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + r * 64 + 16 * v)), row_scale), w_scale[v]);
+    return _mm512_add_ps(_mm512_fnmadd_ps(row_sum, offset[v], product), bias[v]);
+  }
+};
+
+// sums[32 or 16][64] of a block of `rows` rows of a against a panel's weights b.
+template <Product P = Product::kInt8>
+inline void block_sums(const void* a, int64_t lda, const void* b, int64_t steps, int64_t rows, bool stream,
+                       void* sums) {
+  if (rows <= 16) {
+    tile_16x64<P>(a, lda, b, steps, sums, stream);
+  } else {
+    tile_32x32<P>(a, lda, b, steps, sums);
+    tile_32x32<P>(a, lda, static_cast<const char*>(b) + 2048, steps, static_cast<char*>(sums) + 128);
+  }
+}
+
+// Panels [p_begin, p_end) of `rows` rows of int8 codes (`codes`: [row blocks][32][steps * 64]) against w's
+// packed codes (and up's, or null), K deep. Each block's int32 sums go to finish(sums, up_sums, r0, rows, n0) as
+// soon as they are in. (Running the previous block's epilogue between this block's tile calls instead, in the
+// stall after their tile stores as amx.cc's gated call does, was slower here: the 0.5B shape's MLP at 2,048
+// rows, alternating processes, 40-42 against 47.6-48.9 ms.)
+template <class Finish>
+inline void int8_panels(const int8_t* w, const int8_t* up, int64_t rows, int64_t K, const int8_t* codes,
+                        int64_t p_begin, int64_t p_end, const Finish& finish) {
+  alignas(64) int32_t sums[kRows * kPanel], up_sums[kRows * kPanel];
+  configure_tiles();
+  const int64_t steps = (K + kDepth - 1) / kDepth, lda = steps * kDepth, panel_bytes = steps * kStepBytes;
+  const int64_t row_blocks = (rows + kRows - 1) / kRows, weights = up ? 2 : 1;
+  const int64_t panels_per_pass = rows <= 16 ? 1 : std::max<int64_t>(1, kPassBytes / (weights * panel_bytes));
+  for (int64_t p0 = p_begin; p0 < p_end; p0 += panels_per_pass) {
+    const int64_t np = std::min(panels_per_pass, p_end - p0);
+    for (int64_t mb = 0; mb < row_blocks; ++mb) {
+      const int64_t r0 = mb * kRows, block_rows = std::min(kRows, rows - r0);
+      const int8_t* a = codes + r0 * lda;
+      for (int64_t p = p0; p < p0 + np; ++p) {
+        block_sums(a, lda, w + p * panel_bytes, steps, block_rows, mb == 0, sums);
+        if (up) block_sums(a, lda, up + p * panel_bytes, steps, block_rows, mb == 0, up_sums);
+        finish(sums, up_sums, r0, block_rows, p * kPanel);
+      }
+    }
+  }
+  _tile_release();
+}
+
+#if defined(__AVX512BF16__)
+// y's rows [m0, m0 + rows) x 64 columns from n0 from float32 sums: sums * w_scale - x's row sum * offset + bias
+// (gated: silu of that times up's).
+inline void finish_weights_block(const Int8WeightsCall& call, const float* sums, const float* up_sums,
+                                 int64_t m0, int64_t rows, int64_t n0, const float* x_sums) {
+  const BlockScales w(call.w, n0);
+  const BlockScales up = call.up ? BlockScales(*call.up, n0) : w;
+  auto value = [](const BlockScales& b, const float* block, int64_t r, int v, __m512 row_sum) {
+    const __m512 product = _mm512_mul_ps(_mm512_load_ps(block + r * 64 + 16 * v), b.w_scale[v]);
+    return _mm512_add_ps(_mm512_fnmadd_ps(row_sum, b.offset[v], product), b.bias[v]);
+  };
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t m = m0 + r;
+    const __m512 row_sum = _mm512_set1_ps(x_sums[m]);
+    for (int v = 0; v < 4; ++v) {
+      __m512 out = value(w, sums, r, v, row_sum);
+      if (call.up) out = _mm512_mul_ps(silu(out), value(up, up_sums, r, v, row_sum));
+      if (call.y_bf16) {
+        store_bf16x16(static_cast<uint16_t*>(call.y) + m * call.N + n0 + 16 * v, out);
+      } else {
+        _mm512_storeu_ps(static_cast<float*>(call.y) + m * call.N + n0 + 16 * v, out);
+      }
+    }
+  }
+}
+#endif
+
+}  // namespace paged::amx
