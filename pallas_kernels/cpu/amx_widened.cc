@@ -95,7 +95,8 @@ void widened_panels(const Int8WeightsCall& call, const uint16_t* x, const float*
 }
 
 // A prompt-sized call on the bf16 tiles: x copied padded to whole steps and row blocks (with its float32 row
-// sums, for the zero points), then widened_panels over the threads. False: x's copy could not be allocated.
+// sums where the weights have zero points), then widened_panels over the threads. False: x's copy could not be
+// allocated.
 template <class Widen>
 bool widened_matmul(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call, const Widen& widen) {
   const int64_t padded_k = (call.K + kDepth - 1) / kDepth * kDepth;
@@ -110,13 +111,15 @@ bool widened_matmul(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call, con
   }
   uint16_t* xp = x.data();
   float* sp = x_sums.data();
+  // Only zero offsets read x's row sums (int4's are folded into its dequantized weights: none here).
+  const bool zero_points = call.w.zero_offsets || (call.up && call.up->zero_offsets);
   std::memset(xp + call.M * padded_k, 0, (padded_rows - call.M) * padded_k * sizeof(uint16_t));
   run_parallel(&pool, call.M, 8, call.M / 8, [&](int64_t m) {
     const uint16_t* row = call.x + m * call.K;
     std::memcpy(xp + m * padded_k, row, call.K * sizeof(uint16_t));
     std::memset(xp + m * padded_k + call.K, 0, (padded_k - call.K) * sizeof(uint16_t));
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t k = 0; k < call.K; k += 16) {
+    for (int64_t k = 0; k < (zero_points ? call.K : 0); k += 16) {
       const __mmask16 lanes = call.K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (call.K - k)) - 1);
       sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(
                                    _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, row + k)), 16)));

@@ -1003,9 +1003,11 @@ def test_w8a8_gated_on_amx_int8_matches_float64(rows):
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 100])
 @pytest.mark.parametrize("inner, cols", [(60, 128), (1028, 320)])
-def test_int8_weights_on_amx_match_float64(rows, inner, cols):
+@pytest.mark.parametrize("zero_points", [True, False], ids=["zero-points", "symmetric"])
+def test_int8_weights_on_amx_match_float64(rows, inner, cols, zero_points):
     """Weight-only int8 on AMX: bfloat16 x as it is against the codes widened to bfloat16 (exact), float32 sums,
-    then the column scales, the zero points against x's row sums, and the bias; rows past live_rows zeros."""
+    then the column scales, the zero points against x's row sums (symmetric codes: none, and x's row sums are
+    not taken), and the bias; rows past live_rows zeros."""
     _needs_amx_int8()
     from paged.kernels import cpu as cpu_kernel
     if not cpu_kernel.int8_weights_on_amx():
@@ -1015,8 +1017,11 @@ def test_int8_weights_on_amx_match_float64(rows, inner, cols):
     w_scale, offsets, bias = rng.uniform(0.001, 0.1, cols), rng.uniform(-0.05, 0.05, cols), rng.normal(size=cols)
     x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
     x64 = np.asarray(x, np.float64)
-    want = (x64 @ w.astype(np.float64)) * w_scale - x64.sum(-1, keepdims=True) * offsets + bias
-    vectors = [jnp.asarray(v, jnp.float32) for v in (w_scale, offsets, bias)]
+    want = (x64 @ w.astype(np.float64)) * w_scale + bias
+    if zero_points:
+        want -= x64.sum(-1, keepdims=True) * offsets
+    vectors = [None if v is None else jnp.asarray(v, jnp.float32)
+               for v in (w_scale, offsets if zero_points else None, bias)]
     live = max(rows - 1, 1)
     got = np.asarray(jax.jit(lambda x, p, *v: cpu_kernel.int8_weights_matmul_packed_cpu(
         x, p, *v, live_rows=jnp.int32(live), out_dtype=jnp.float32))(x, cpu_kernel.pack_for_amx(jnp.asarray(w)),
