@@ -1,6 +1,6 @@
-// What the AMX int8-tile kernels share (amx_int8.cc, amx_int4.cc): bfloat16 x written as int8 digits for
-// weight-only products, int4 nibbles split into bytes, silu, and the page-stream prefetch. Included only where AMX-INT8 and AVX-512 BF16 are
-// built (PAGED_AMX and __AMX_INT8__).
+// What the AMX int8-tile kernels share (amx_int8.cc, amx_int4.cc, amx_widened.cc): bfloat16 x written as int8
+// digits for weight-only products, int4 nibbles split into bytes, silu, and the prefetches. Included only where
+// AMX-INT8 and AVX-512 BF16 are built (PAGED_AMX and __AMX_INT8__).
 //
 // Weight-only int8 and int4 codes are small integers; x is not. Rather than widen every code to bfloat16 (which
 // costs about what the codes' smaller bytes save), each row of x is written as kDigits rows of int8 digits,
@@ -93,6 +93,11 @@ inline __m512 silu(__m512 g) {
 inline void start_page_stream(const void* p) {
   const char* page = reinterpret_cast<const char*>((reinterpret_cast<uintptr_t>(p) + 4095) & ~uintptr_t(4095));
   for (int line = 0; line < 4; ++line) _mm_prefetch(page + 64 * line, _MM_HINT_T1);
+}
+
+// Every line of [p, p + bytes) requested into L2: the next panel's step, while this panel's is worked on.
+inline void prefetch_into_l2(const void* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(static_cast<const char*>(p) + line, _MM_HINT_T1);
 }
 
 }  // namespace paged::amx

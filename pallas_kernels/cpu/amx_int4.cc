@@ -46,9 +46,7 @@ constexpr int64_t kBlockX = kBlockRows / kDigits;  // rows of x per block
 // into L2 as this one is read.
 void split_panel(const uint8_t* nibbles, int64_t steps, int8_t* codes, const uint8_t* next) {
   for (int64_t s = 0; s < steps; ++s) {
-    if (next)
-      for (int line = 0; line < kStepNibbles / 64; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(next + s * kStepNibbles) + 64 * line, _MM_HINT_T1);
+    if (next) prefetch_into_l2(next + s * kStepNibbles, kStepNibbles);
     split_nibbles(nibbles + s * kStepNibbles, codes + s * kStepCodes);
   }
 }

@@ -62,8 +62,7 @@ inline void widen_step(const int8_t* step, uint16_t* out) {
 // after, or null) requested into L2 as this one is read.
 void widen_panel(const int8_t* codes, int64_t steps, uint16_t* out, const int8_t* next) {
   for (int64_t s = 0; s < steps; ++s) {
-    if (next)
-      for (int line = 0; line < 64; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + s * kStepBytes) + 64 * line, _MM_HINT_T1);
+    if (next) prefetch_into_l2(next + s * kStepBytes, kStepBytes);
     widen_step(codes + s * kStepBytes, out + 2 * s * 4 * 512);
   }
 }
@@ -163,9 +162,7 @@ void dequantize_int4_panel(const uint8_t* nibbles, const Int4Weights& w, int64_t
         offset[t][0] = _mm512_permutexvar_ps(low_columns, off), offset[t][1] = _mm512_permutexvar_ps(high_columns, off);
       }
     }
-    if (next)
-      for (int line = 0; line < kStepBytes / 128; ++line)
-        _mm_prefetch(reinterpret_cast<const char*>(next + s * kStepBytes / 2) + 64 * line, _MM_HINT_T1);
+    if (next) prefetch_into_l2(next + s * kStepBytes / 2, kStepBytes / 2);
     split_nibbles(nibbles + s * kStepBytes / 2, codes);
     uint16_t* step_out = out + 2 * s * 4 * 512;
     for (int t = 0; t < 4; ++t) {
