@@ -951,14 +951,14 @@ def _w8a8_float64(x, w, w_scale, offsets, bias):
         + bias
 
 
-@pytest.mark.parametrize("rows", [1, 16, 17, 100])
+@pytest.mark.parametrize("rows", [1, 16, 17, 50, 100])
 @pytest.mark.parametrize("inner, cols", [(60, 128), (516, 192), (1028, 320)])
 def test_w8a8_on_amx_int8_matches_float64_of_the_codes(rows, inner, cols):
     """x (float32 and bfloat16) quantized per row in the call exactly as activation_codes does (a code off by one
     would move a row by a whole weight's share: far outside float32 rounding), the codes' exact int32 sums, both
     scales, zero points and a bias; one row of zeros (scale eps, codes 0). 60 and 516 inner: a short last tile
-    step; 17-100 rows: 32-row blocks and a short one; 1-16: one A tile. A bfloat16 result is the float32 one
-    rounded once."""
+    step; 17-100 rows: 32-row blocks and a short one (up to 64 rows panel by panel, the next panel prefetched by
+    both blocks from 49); 1-16: one A tile. A bfloat16 result is the float32 one rounded once."""
     _needs_amx_int8()
     from paged.kernels import cpu as cpu_kernel
     rng = np.random.default_rng(rows + inner + cols)
@@ -1033,7 +1033,7 @@ def test_int8_weights_on_amx_match_float64(rows, inner, cols, zero_points):
                                                   vectors[0])
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 16])
+@pytest.mark.parametrize("rows", [1, 4, 5, 10, 16])
 def test_int8_weights_on_amx_decode_steps_keep_float32_accuracy(rows):
     """Decode-sized steps write x as four int8 digits per element against the codes on the int8 tiles: each row
     of the result matches float64 to better than a float32 product does, with a massive activation beside small
