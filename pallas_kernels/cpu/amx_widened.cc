@@ -118,10 +118,12 @@ bool widened_matmul(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call, con
     std::memcpy(xp + m * padded_k, row, call.K * sizeof(uint16_t));
     std::memset(xp + m * padded_k + call.K, 0, (padded_k - call.K) * sizeof(uint16_t));
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t k = 0; k < (zero_points ? call.K : 0); k += 16) {
-      const __mmask16 lanes = call.K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (call.K - k)) - 1);
-      sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                   _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, row + k)), 16)));
+    if (zero_points) {
+      for (int64_t k = 0; k < call.K; k += 16) {
+        const __mmask16 lanes = call.K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (call.K - k)) - 1);
+        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, row + k)), 16)));
+      }
     }
     sp[m] = _mm512_reduce_add_ps(sum);
   });
