@@ -28,6 +28,7 @@
 
 #if defined(PAGED_AMX) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
 #include "amx_digits.h"
+#include "amx_int8_walk.h"
 #endif
 
 namespace paged::amx {
@@ -35,10 +36,6 @@ namespace paged::amx {
 #if defined(PAGED_AMX) && defined(__AMX_INT8__) && defined(__AVX512BF16__)
 namespace {
 
-constexpr int64_t kDepth = 64;           // k per tile step
-constexpr int64_t kPanel = 64;           // y columns per panel: four B tiles
-constexpr int64_t kStepCodes = 4096;     // a panel step's codes as bytes
-constexpr int64_t kStepNibbles = 2048;   // the same step as stored
 constexpr int64_t kBlockRows = 16;       // digit rows per block: one A tile
 constexpr int64_t kBlockX = kBlockRows / kDigits;  // rows of x per block
 
@@ -47,7 +44,7 @@ constexpr int64_t kBlockX = kBlockRows / kDigits;  // rows of x per block
 void split_panel(const uint8_t* nibbles, int64_t steps, int8_t* codes, const uint8_t* next) {
   for (int64_t s = 0; s < steps; ++s) {
     if (next) prefetch_into_l2(next + s * kStepNibbles, kStepNibbles);
-    split_nibbles(nibbles + s * kStepNibbles, codes + s * kStepCodes);
+    split_nibbles(nibbles + s * kStepNibbles, codes + s * kStepBytes);
   }
 }
 
@@ -66,14 +63,14 @@ struct BlockRows {
 void panel_sums(const BlockRows& rows, const int8_t* codes, const uint8_t* nibbles, const Int4Weights& w,
                 int64_t K, int64_t N, int64_t n0, float* out) {
   alignas(64) int32_t sums[kBlockRows * kPanel];
-  alignas(64) int8_t step_codes[kStepCodes];
+  alignas(64) int8_t step_codes[kStepBytes];
   const int64_t steps = (K + kDepth - 1) / kDepth, groups = w.groups;
   const int64_t group_steps = groups == 1 ? steps : K / groups / kDepth;
   std::memset(out, 0, sizeof(float) * kBlockX * kPanel);
   for (int64_t g = 0; g < groups; ++g) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t s = g * group_steps; s < std::min(steps, (g + 1) * group_steps); ++s) {
-      const int8_t* b = codes ? codes + s * kStepCodes : step_codes;
+      const int8_t* b = codes ? codes + s * kStepBytes : step_codes;
       if (!codes) {
         start_page_stream(nibbles + (s + 2) * kStepNibbles);
         split_nibbles(nibbles + s * kStepNibbles, step_codes);
@@ -110,7 +107,7 @@ void int4_panels(const Int4Call& call, const int8_t* digits, int64_t lda, const 
                  const float* group_sums, int64_t p_begin, int64_t p_end) {
   const int64_t steps = (call.K + kDepth - 1) / kDepth, panel_bytes = steps * kStepNibbles;
   thread_local TileVector<int8_t> codes, up_codes;  // the panel split into bytes, for several blocks
-  if (call.M > kBlockX) codes.resize(steps * kStepCodes), up_codes.resize(call.up ? steps * kStepCodes : 0);
+  if (call.M > kBlockX) codes.resize(steps * kStepBytes), up_codes.resize(call.up ? steps * kStepBytes : 0);
   alignas(64) float values[kBlockX * kPanel], up_values[kBlockX * kPanel];
   configure_tiles();
   const bool stream = call.M <= kBlockX;  // one block: split each step as it streams in

@@ -1,7 +1,8 @@
 // The int8 tile walk that amx_int8.cc (W8A8; weight-only int8 at decode sizes, x as digits) and amx_widened.cc
 // (prompt-sized weight-only steps on bf16 tiles) share: the tile products over a panel's 4 KB steps, the block
-// epilogue's per-column vectors, and the walk of a thread's panels. The layouts are amx_int8.cc's. Included
-// only where the build targets AMX-INT8 (PAGED_AMX and __AMX_INT8__).
+// epilogue's per-column vectors, and the walk of a thread's panels. The layouts are amx_int8.cc's (and its int4
+// fold, amx_int4.cc's, whose walk takes the constants here). Included only where the build targets AMX-INT8
+// (PAGED_AMX and __AMX_INT8__).
 #pragma once
 
 #include <algorithm>
@@ -19,6 +20,7 @@ inline constexpr int64_t kRows = 32;             // x rows per block: two A tile
 inline constexpr int64_t kDepth = 64;            // bytes of k per tile step: 64 int8 k (or 32 bfloat16)
 inline constexpr int64_t kPanel = 64;            // y columns per panel: four B tiles
 inline constexpr int64_t kStepBytes = 4 * 1024;  // a panel's four B tiles for one step
+inline constexpr int64_t kStepNibbles = kStepBytes / 2;  // the same step of int4 codes as stored
 inline constexpr int64_t kPassBytes = 1 << 20;   // the weights of a pass of panels for steps over 16 rows: L2
 
 // The tile product: int8 x int8 -> int32 (W8A8), or bfloat16 pairs -> float32 (int8 weights widened, x as it

@@ -164,8 +164,8 @@ void dequantize_int4_panel(const uint8_t* nibbles, const Int4Weights& w, int64_t
         offset[t][0] = _mm512_permutexvar_ps(low_columns, off), offset[t][1] = _mm512_permutexvar_ps(high_columns, off);
       }
     }
-    if (next) prefetch_into_l2(next + s * kStepBytes / 2, kStepBytes / 2);
-    split_nibbles(nibbles + s * kStepBytes / 2, codes);
+    if (next) prefetch_into_l2(next + s * kStepNibbles, kStepNibbles);
+    split_nibbles(nibbles + s * kStepNibbles, codes);
     uint16_t* step_out = out + 2 * s * 4 * 512;
     for (int t = 0; t < 4; ++t) {
       for (int j = 0; j < 16; ++j) {
@@ -204,7 +204,7 @@ bool Int4WidenedMatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call) {
   // The scales and zero points go into the widened weights; what is left for the epilogue is the bias.
   const W8A8Weights w{nullptr, nullptr, nullptr, call.w.bias}, up{nullptr, nullptr, nullptr, nullptr};
   const Int8WeightsCall view{call.x, w, call.up ? &up : nullptr, call.y, call.y_bf16, call.M, call.K, call.N};
-  const int64_t panel_bytes = (call.K + kDepth - 1) / kDepth * kStepBytes / 2;
+  const int64_t panel_bytes = (call.K + kDepth - 1) / kDepth * kStepNibbles;
   return widened_matmul(pool, view, [&](int64_t p, bool more, uint16_t* out, uint16_t* up_out) {
     const uint8_t* codes = call.w.packed + p * panel_bytes;
     dequantize_int4_panel(codes, call.w, call.K, call.N, p * kPanel, out, more ? codes + panel_bytes : nullptr);
