@@ -49,8 +49,8 @@ inline void digit_row(const uint16_t* x, int64_t K, int64_t lda, int8_t* codes, 
   for (int d = digits; d < kDigits; ++d) scales[d] = 0.0f;
   // Each digit multiplies by its scale's reciprocal instead of dividing (a division is ~10 cycles a vector, and
   // the digits are written before any product starts): where that rounds a half-way point the other way, what
-  // the digit leaves is a last place over half its scale, which the next digit (at most 127.0001 of its own
-  // scale) still takes, and the last digit's share is below the grid anyway.
+  // the digit leaves is a few last places over half its scale, which the next digit (a little over 127 of its
+  // own scale, so 127) still takes, and the last digit's share is below the grid anyway.
   __m512 scale[kDigits], inverse[kDigits];
   for (int d = 0; d < digits; ++d) scale[d] = _mm512_set1_ps(scales[d]), inverse[d] = _mm512_set1_ps(1.0f / scales[d]);
   const __m512 low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
