@@ -26,18 +26,20 @@ constexpr int64_t kDigits = 4;
 // work than the bf16 tiles against widened (int8) or dequantized (int4) weights.
 constexpr int64_t kDigitRows = 16;
 
+// The lanes of 16 values from k that are in a row of K.
+inline __mmask16 lanes16(int64_t K, int64_t k) {
+  return K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
+}
+
 // Row x (K bfloat16) as kDigits rows of codes at `codes` (lda bytes apart, zeros from K to lda) and their
 // scales; x_sum: its float32 sum. Digits whose scale would leave float32's normal range stay zero.
 inline void digit_row(const uint16_t* x, int64_t K, int64_t lda, int8_t* codes, float* scales, float& x_sum) {
-  auto lanes_at = [&](int64_t k) -> __mmask16 {
-    return K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
-  };
   auto load = [&](int64_t k, __mmask16 lanes) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x + k)), 16));
   };
   __m512 peak = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
-    const __m512 v = load(k, lanes_at(k));
+    const __m512 v = load(k, lanes16(K, k));
     peak = _mm512_max_ps(peak, _mm512_abs_ps(v));
     sum = _mm512_add_ps(sum, v);
   }
@@ -55,7 +57,7 @@ inline void digit_row(const uint16_t* x, int64_t K, int64_t lda, int8_t* codes, 
   for (int d = 0; d < digits; ++d) scale[d] = _mm512_set1_ps(scales[d]), inverse[d] = _mm512_set1_ps(1.0f / scales[d]);
   const __m512 low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
   for (int64_t k = 0; k < K; k += 16) {
-    const __mmask16 lanes = lanes_at(k);
+    const __mmask16 lanes = lanes16(K, k);
     __m512 rest = load(k, lanes);
     for (int d = 0; d < digits; ++d) {
       const __m512 q = _mm512_min_ps(

@@ -47,11 +47,6 @@ namespace paged::amx {
 #if defined(PAGED_AMX) && defined(__AMX_INT8__)
 namespace {
 
-// The lanes of 16 values from k that are in a row of K.
-inline __mmask16 lanes16(int64_t K, int64_t k) {
-  return K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
-}
-
 // max|x| over a row of K values. bfloat16 takes the bits as they are: with the sign cleared, a larger
 // magnitude is a larger 16-bit integer, so 32 values go in one unsigned max (a NaN's bits top them all, as
 // they would make the float maximum NaN), and only the widest is widened.
