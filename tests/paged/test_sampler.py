@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from paged.logit_adjustments import RowAdjustment, apply_entries, build_adjustments, sample_adjusted
-from paged.sampler import AdjustedSamples, SamplerOutput, SamplingMetadata, filter_logits, first_argmax, sample
+from paged.sampler import (DRAW_CHUNK, FILTER_CANDIDATES, AdjustedSamples, SamplerOutput, SamplingMetadata, categorical,
+                           filter_logits, first_argmax, sample)
 
 
 def numpy_filtered_probs(logits, temperature, top_k, top_p, min_p):
@@ -56,6 +57,60 @@ def test_filtered_distribution_matches_float64_reference(seed):
         want = numpy_filtered_probs(logits[row], *case)
         np.testing.assert_array_equal(got[row] > 0, want > 0, err_msg=f"support differs for {case}")
         np.testing.assert_allclose(got[row], want, rtol=1e-5, atol=1e-7, err_msg=str(case))
+
+
+@pytest.mark.parametrize("whole_order", [False, True])
+def test_filter_goes_past_the_first_candidates_only_as_rows_need_and_matches_float64_reference(whole_order):
+    """Over a vocabulary of several candidate tiers (FILTER_CANDIDATES), in one batch: rows whose top-k / top-p
+    set lies within the first candidates, rows that need the next tier, a nearly flat row whose top_p set
+    passes every tier (found by bisection, or by sorting the whole vocabulary when another row has a top_k past
+    every tier: `whole_order`), a row of equal logits (every token tied at the cut), and rows with no filter or
+    min_p only. Every row's filtered distribution is float64 numpy's, support included."""
+    vocab = 6000
+    assert FILTER_CANDIDATES[-1] < vocab
+    cases = [  # temperature, top_k, top_p, min_p, scale of the logits
+        (1.0, 0, 0.9, 0.0, 8.0),  # peaky: inside the first tier
+        (1.0, 0, 0.9, 0.0, 1.5),  # about 40% of the mass in the first tier, nearly all in the second
+        (1.0, 0, 0.95, 0.0, 0.1),  # nearly flat: ~5,700 tokens
+        (1.0, 0, 0.9, 0.0, 0.0),  # all tied, past every tier: the first 5,400 ids stay
+        (1.0, 300, 1.0, 0.0, 1.0),  # top_k past the first tier
+        (0.8, 20, 0.8, 0.0, 1.0),
+        (1.0, 0, 1.0, 0.0, 1.0),  # no filter beside rows that sort
+        (1.0, 0, 1.0, 0.2, 3.0),  # min_p only
+        (1.3, 0, 0.97, 0.001, 1.0),  # min_p, then top_p over what it leaves
+    ] + ([(1.0, 5000, 0.99, 0.0, 0.5)] if whole_order else [])  # top_k past every tier
+    rng = np.random.default_rng(11)
+    logits = np.stack([rng.normal(scale=c[4], size=vocab) if c[4] else np.zeros(vocab) for c in cases]
+                      ).astype(np.float32)
+    t, k, p, m = (np.array([c[i] for c in cases]) for i in range(4))
+    filtered = jax.jit(filter_logits)(jnp.asarray(logits), jnp.asarray(t, jnp.float32), jnp.asarray(k, jnp.int32),
+                                      jnp.asarray(p, jnp.float32), jnp.asarray(m, jnp.float32))
+    got = np.asarray(jnp.exp(filtered - filtered.max(-1, keepdims=True)), np.float64)
+    got /= got.sum(-1, keepdims=True)
+    for row, case in enumerate(cases):
+        want = numpy_filtered_probs(logits[row], *case[:4])
+        np.testing.assert_array_equal(got[row] > 0, want > 0, err_msg=f"support differs for {case}")
+        np.testing.assert_allclose(got[row], want, rtol=1e-4, atol=1e-9, err_msg=str(case))
+
+
+def test_two_level_draw_follows_the_distribution():
+    """`categorical` over several DRAW_CHUNK chunks (the last one partial, some tokens at -inf): 20,000 draws
+    against the exact probabilities, within the total-variation distance that sampling noise gives; never a
+    token at -inf."""
+    rng = np.random.default_rng(12)
+    vocab = 2 * DRAW_CHUNK + 44
+    row = rng.normal(size=vocab)
+    row[rng.choice(vocab, 40, replace=False)] = -np.inf
+    row[-3] = 2.5  # a likely token in the partial chunk
+    n = 20_000
+    keys = jax.vmap(lambda i: jax.random.fold_in(jax.random.key(5), i))(jnp.arange(n))
+    tokens = np.asarray(jax.jit(categorical)(keys, jnp.asarray(np.tile(row, (n, 1)), jnp.float32)))
+    freq = np.bincount(tokens, minlength=vocab) / n
+    probs = np.exp(row - row.max())
+    probs /= probs.sum()
+    assert not freq[np.isinf(row)].any()
+    expected = 0.5 * np.sum(np.sqrt(2 * probs * (1 - probs) / (np.pi * n)))  # E|freq - p| summed, halved
+    assert 0.5 * np.abs(freq - probs).sum() < 1.25 * expected, (0.5 * np.abs(freq - probs).sum(), expected)
 
 
 def _meta(n, temperature, top_k=0, top_p=1.0, min_p=0.0, seeds=None, output_index=None, banned=None,
@@ -126,13 +181,48 @@ def test_samples_follow_the_distribution():
     assert np.abs(freq - probs).max() < 0.03, (freq, probs)
 
 
-def test_row_key_depends_only_on_its_seed_and_index():
+def test_draws_among_the_candidates_follow_the_filtered_distribution():
+    """Rows whose top_k / top_p set lies within the first FILTER_CANDIDATES draw among them: 20,000 draws of
+    one row (distinct output_index) against float64 numpy's filtered probabilities, within the total-variation
+    distance that sampling noise gives; never a token outside the set."""
+    rng = np.random.default_rng(13)
+    vocab, n = 1000, 20_000
+    assert FILTER_CANDIDATES[0] < vocab
+    row = rng.normal(scale=1.5, size=vocab).astype(np.float32)
+    for top_k, top_p in ((50, 1.0), (0, 0.7), (100, 0.9)):
+        probs = numpy_filtered_probs(row, 0.9, top_k, top_p, 0.0)
+        logits = jnp.asarray(np.tile(row, (n, 1)))
+        tokens = np.asarray(sample_all(logits, _meta(n, 0.9, top_k=top_k, top_p=top_p, seeds=np.full(n, 3),
+                                                     output_index=np.arange(n))).tokens)
+        freq = np.bincount(tokens, minlength=vocab) / n
+        assert not freq[probs == 0].any()
+        expected = 0.5 * np.sum(np.sqrt(2 * probs * (1 - probs) / (np.pi * n)))
+        assert 0.5 * np.abs(freq - probs).sum() < 1.25 * expected, (top_k, top_p, expected)
+
+
+def test_a_row_draws_the_same_token_whatever_its_neighbours_filter():
+    """A row drawing among its candidates (top_k 40) gets the same token beside rows that also do, beside rows
+    with no filter (drawn from whole rows) and beside a nearly flat top_p row (bisection)."""
+    rng = np.random.default_rng(14)
+    vocab = 2000
+    logits = rng.normal(scale=2.0, size=(3, vocab)).astype(np.float32)
+    logits[2] *= 0.01
+    seeds = np.array([5, 6, 7])
+    tokens = []
+    for top_k, top_p in (([40, 40, 40], [1.0, 1.0, 1.0]), ([40, 0, 0], [1.0, 1.0, 1.0]), ([40, 0, 0], [1.0, 1.0, 0.99])):
+        meta = _meta(3, 1.0, top_k=np.array(top_k), top_p=np.array(top_p), seeds=seeds)
+        tokens.append(int(np.asarray(sample_all(logits, meta).tokens)[0]))
+    assert tokens[0] == tokens[1] == tokens[2], tokens
+
+
+@pytest.mark.parametrize("vocab", [50, 1000])
+def test_row_key_depends_only_on_its_seed_and_index(vocab):
     rng = np.random.default_rng(4)
-    logits = rng.normal(size=(8, 50)).astype(np.float32)
+    logits = rng.normal(size=(8, vocab)).astype(np.float32)
     seeds = rng.integers(0, 2**32, size=8)
     a = np.asarray(sample_all(logits, _meta(8, 1.0, seeds=seeds)).tokens)
     # Same row 3 in a different batch (other rows changed, different position): same token.
-    other = rng.normal(size=(4, 50)).astype(np.float32)
+    other = rng.normal(size=(4, vocab)).astype(np.float32)
     other[1] = logits[3]
     other_seeds = rng.integers(0, 2**32, size=4)
     other_seeds[1] = seeds[3]
