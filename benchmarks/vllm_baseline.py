@@ -35,7 +35,8 @@ def main(request_path: str, result_path: str) -> int:
     llm = LLM(model=request["model"], dtype=request["dtype"], max_model_len=request["max_model_len"],
               seed=request["seed"], enable_prefix_caching=False, skip_tokenizer_init=False)
     startup = time.perf_counter() - start
-    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in request["output_lens"]]
+    sampling = request.get("sampling", {"temperature": 0.0})
+    params = [SamplingParams(**sampling, max_tokens=n, ignore_eos=True) for n in request["output_lens"]]
     as_prompts = lambda lists: [TokensPrompt(prompt_token_ids=ids) for ids in lists]
     llm.generate(as_prompts(request["warmup_prompts"]), params, use_tqdm=False)
     warmup = time.perf_counter() - start
