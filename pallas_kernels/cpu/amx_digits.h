@@ -17,6 +17,7 @@
 #include <cstring>
 #include <immintrin.h>
 
+#include "bf16.h"
 #include "vector_math.h"
 
 namespace paged::amx {
@@ -34,12 +35,9 @@ inline __mmask16 lanes16(int64_t K, int64_t k) {
 // Row x (K bfloat16) as kDigits rows of codes at `codes` (lda bytes apart, zeros from K to lda) and their
 // scales; x_sum: its float32 sum. Digits whose scale would leave float32's normal range stay zero.
 inline void digit_row(const uint16_t* x, int64_t K, int64_t lda, int8_t* codes, float* scales, float& x_sum) {
-  auto load = [&](int64_t k, __mmask16 lanes) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, x + k)), 16));
-  };
   __m512 peak = _mm512_setzero_ps(), sum = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
-    const __m512 v = load(k, lanes16(K, k));
+    const __m512 v = load_bf16x16(x + k, lanes16(K, k));
     peak = _mm512_max_ps(peak, _mm512_abs_ps(v));
     sum = _mm512_add_ps(sum, v);
   }
@@ -58,7 +56,7 @@ inline void digit_row(const uint16_t* x, int64_t K, int64_t lda, int8_t* codes, 
   const __m512 low = _mm512_set1_ps(-127.0f), high = _mm512_set1_ps(127.0f);
   for (int64_t k = 0; k < K; k += 16) {
     const __mmask16 lanes = lanes16(K, k);
-    __m512 rest = load(k, lanes);
+    __m512 rest = load_bf16x16(x + k, lanes);
     for (int d = 0; d < digits; ++d) {
       const __m512 q = _mm512_min_ps(
           high, _mm512_max_ps(low, _mm512_roundscale_ps(_mm512_mul_ps(rest, inverse[d]),

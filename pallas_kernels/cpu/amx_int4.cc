@@ -171,12 +171,8 @@ bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call) {
     digit_row(row, call.K, lda, dp + m * kDigits * lda, scale_p + m * kDigits, row_p[m]);
     for (int64_t g = 0; g < groups; ++g) {
       __m512 sum = _mm512_setzero_ps();
-      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 16) {
-        const int64_t left = (g + 1) * group_size - k;
-        const __mmask16 lanes = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, row + k)), 16)));
-      }
+      for (int64_t k = g * group_size; k < (g + 1) * group_size; k += 16)
+        sum = _mm512_add_ps(sum, load_bf16x16(row + k, lanes16((g + 1) * group_size, k)));
       group_p[m * groups + g] = _mm512_reduce_add_ps(sum);
     }
   });

@@ -91,8 +91,7 @@ float quantize_row(const T* x, int64_t K, int64_t padded, int8_t* codes, int32_t
     if constexpr (sizeof(T) == 4) {
       return _mm512_maskz_loadu_ps(lanes, x + k);
     } else {
-      const __m256i raw = _mm256_maskz_loadu_epi16(lanes, x + k);
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      return load_bf16x16(x + k, lanes);
     }
   };
   float scale = row_peak(x, K) / 127.5f;

@@ -119,11 +119,7 @@ bool widened_matmul(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call, con
     std::memset(xp + m * padded_k + call.K, 0, (padded_k - call.K) * sizeof(uint16_t));
     __m512 sum = _mm512_setzero_ps();
     if (zero_points) {
-      for (int64_t k = 0; k < call.K; k += 16) {
-        const __mmask16 lanes = call.K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (call.K - k)) - 1);
-        sum = _mm512_add_ps(sum, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                     _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, row + k)), 16)));
-      }
+      for (int64_t k = 0; k < call.K; k += 16) sum = _mm512_add_ps(sum, load_bf16x16(row + k, lanes16(call.K, k)));
     }
     sp[m] = _mm512_reduce_add_ps(sum);
   });

@@ -32,6 +32,13 @@ inline __m512 load_bf16x16(const uint16_t* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+// The same for the `lanes` of them that are set; the others are zeros and are not read (a row's tail).
+inline __m512 load_bf16x16(const uint16_t* p, __mmask16 lanes) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, p)), 16));
+}
+#endif
+
 // float_to_bf16 on 16 lanes (round to nearest even, a NaN kept a NaN), each in the high half of a 32-bit lane.
 inline __m512i round_bf16x16_bits(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
