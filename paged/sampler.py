@@ -219,7 +219,16 @@ def _top_p_by_bisection(scaled, peak, top_p):
 DRAW_CHUNK = 128
 
 
-def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
+def draw_noise(keys: jax.Array, vocab: int) -> jax.Array:
+    """The Gumbel noise `categorical` takes for a vocabulary of `vocab`: float32 [S, draw_width(vocab)]."""
+    return jax.vmap(lambda key: jax.random.gumbel(key, (draw_width(vocab),)))(keys)
+
+
+def draw_width(vocab: int) -> int:
+    return -(-vocab // DRAW_CHUNK) + DRAW_CHUNK
+
+
+def categorical(keys: jax.Array, logits: jax.Array, noise: jax.Array | None = None) -> jax.Array:
     """One token per row drawn from softmax(logits): keys [S] (one random key per row), logits float32 [S, V]
     with -inf outside the support (a row needs one finite logit). int32 [S].
 
@@ -227,7 +236,8 @@ def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
     then a token of that chunk with probability its share of the chunk's, so P(token) is softmax's exactly.
     One Gumbel draw per token (jax.random.categorical) spends most of a step's sampling on threefry: 31 of
     74 ms for 32 rows of 151,936 logits, then 40 more on the logs and a variadic argmax. This draws
-    V / DRAW_CHUNK + DRAW_CHUNK numbers a row and reads the logits in two passes.
+    V / DRAW_CHUNK + DRAW_CHUNK numbers a row (`noise`, default `draw_noise(keys, V)`) and reads the logits in
+    two passes.
     """
     rows, vocab = logits.shape
     chunks = -(-vocab // DRAW_CHUNK)
@@ -235,10 +245,10 @@ def categorical(keys: jax.Array, logits: jax.Array) -> jax.Array:
     padded = padded.reshape(rows, chunks, DRAW_CHUNK)
     peak = jnp.max(logits, axis=-1)[:, None, None]
     log_mass = jnp.log(jnp.sum(jnp.exp(padded - peak), axis=-1))  # [S, chunks]; -inf for an empty chunk
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, (chunks + DRAW_CHUNK,)))(keys)
-    chunk = first_argmax(log_mass + noise[:, :chunks])
+    noise = draw_noise(keys, vocab) if noise is None else noise
+    chunk = jnp.argmax(log_mass + noise[:, :chunks], axis=-1).astype(jnp.int32)
     inside = jnp.take_along_axis(padded, chunk[:, None, None], axis=1)[:, 0]
-    token = chunk * DRAW_CHUNK + first_argmax(inside + noise[:, chunks:])
+    token = chunk * DRAW_CHUNK + jnp.argmax(inside + noise[:, chunks:], axis=-1).astype(jnp.int32)
     return jnp.minimum(token, vocab - 1)
 
 
@@ -364,19 +374,22 @@ def sample_filtered(keys: jax.Array, logits: jax.Array, meta: SamplingMetadata) 
     depends only on that row.
     """
     vocab, count = logits.shape[-1], FILTER_CANDIDATES[0]
-    whole = lambda: categorical(keys, filter_logits(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p))
+    # One draw of noise serves either path (a row takes one): threefry is slow to compile as well as to run.
+    noise = jax.vmap(lambda key: jax.random.gumbel(key, (max(count, draw_width(vocab)),)))(keys)
+    whole = lambda: categorical(keys, filter_logits(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p),
+                                noise[:, :draw_width(vocab)])
     if count >= vocab:
         return whole()
     scaled, peak, limit, ranked = _scaled(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p)
 
     def candidates():
         kept, order, enough = _filter_candidates(scaled, peak, limit, meta.top_p, count)
-        noise = jax.vmap(lambda key: jax.random.gumbel(key, (count,)))(keys)
-        picked = jnp.take_along_axis(order, first_argmax(kept + noise)[:, None], axis=1)[:, 0]
-        near = ranked & enough
-        return jax.lax.cond(jnp.all(near), lambda: picked, lambda: jnp.where(near, picked, whole()))
+        return (jnp.take_along_axis(order, jnp.argmax(kept + noise[:, :count], axis=-1)[:, None], axis=1)[:, 0],
+                ranked & enough)
 
-    return jax.lax.cond(jnp.any(ranked), candidates, whole)
+    nothing = lambda: (jnp.zeros(ranked.shape, jnp.int32), jnp.zeros_like(ranked))
+    picked, near = jax.lax.cond(jnp.any(ranked), candidates, nothing)
+    return jax.lax.cond(jnp.all(near), lambda: picked, lambda: jnp.where(near, picked, whole()))
 
 
 def draw(logits: jax.Array, raw_logits: jax.Array, meta: SamplingMetadata, argmax=None) -> SamplerOutput:
