@@ -122,13 +122,19 @@ def filter_logits(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, t
     top_p alone to a bisection over the values (`_top_p_by_bisection`), those whose top_k reaches past the
     candidates to the next tier; only a top_k past every tier sorts the whole vocabulary.
     """
-    vocab = logits.shape[-1]
-    scaled, peak, limit, ranked = _scaled(logits, temperature, top_k, top_p, min_p)
+    return _filter_scaled(*_scaled(logits, temperature, top_k, top_p, min_p), top_p)
+
+
+def _filter_scaled(scaled, peak, limit, ranked, top_p, first=None):
+    """filter_logits on `_scaled`'s results; `first`: `_filter_candidates`' results for FILTER_CANDIDATES[0]
+    where the caller has them."""
+    vocab = scaled.shape[-1]
     counts = [c for c in FILTER_CANDIDATES if c < vocab] + [vocab]
     rows = jnp.arange(scaled.shape[0])[:, None]
 
     def tier(index):
-        kept, order, enough = _filter_candidates(scaled, peak, limit, top_p, counts[index])
+        kept, order, enough = (first if index == 0 and first is not None else
+                               _filter_candidates(scaled, peak, limit, top_p, counts[index]))
         filtered = jnp.full_like(scaled, -jnp.inf).at[rows, order].set(kept)
         filtered = jnp.where(ranked[:, None], filtered, scaled)
         settled = enough | ~ranked
@@ -219,12 +225,14 @@ def _top_p_by_bisection(scaled, peak, top_p):
 DRAW_CHUNK = 128
 
 
-def draw_noise(keys: jax.Array, vocab: int) -> jax.Array:
-    """The Gumbel noise `categorical` takes for a vocabulary of `vocab`: float32 [S, draw_width(vocab)]."""
-    return jax.vmap(lambda key: jax.random.gumbel(key, (draw_width(vocab),)))(keys)
+def _gumbel_rows(keys: jax.Array, width: int) -> jax.Array:
+    """float32 [S, width] of Gumbel noise, row r from keys[r]."""
+    return jax.vmap(lambda key: jax.random.gumbel(key, (width,)))(keys)
 
 
 def draw_width(vocab: int) -> int:
+    """The noise `categorical` takes a row for a vocabulary of `vocab`: a number per chunk, then per token of
+    one chunk."""
     return -(-vocab // DRAW_CHUNK) + DRAW_CHUNK
 
 
@@ -236,7 +244,7 @@ def categorical(keys: jax.Array, logits: jax.Array, noise: jax.Array | None = No
     then a token of that chunk with probability its share of the chunk's, so P(token) is softmax's exactly.
     One Gumbel draw per token (jax.random.categorical) spends most of a step's sampling on threefry: 31 of
     74 ms for 32 rows of 151,936 logits, then 40 more on the logs and a variadic argmax. This draws
-    V / DRAW_CHUNK + DRAW_CHUNK numbers a row (`noise`, default `draw_noise(keys, V)`) and reads the logits in
+    draw_width(V) numbers a row (`noise` [S, draw_width(V)], default drawn from `keys`) and reads the logits in
     two passes.
     """
     rows, vocab = logits.shape
@@ -245,7 +253,7 @@ def categorical(keys: jax.Array, logits: jax.Array, noise: jax.Array | None = No
     padded = padded.reshape(rows, chunks, DRAW_CHUNK)
     peak = jnp.max(logits, axis=-1)[:, None, None]
     log_mass = jnp.log(jnp.sum(jnp.exp(padded - peak), axis=-1))  # [S, chunks]; -inf for an empty chunk
-    noise = draw_noise(keys, vocab) if noise is None else noise
+    noise = _gumbel_rows(keys, draw_width(vocab)) if noise is None else noise
     chunk = jnp.argmax(log_mass + noise[:, :chunks], axis=-1).astype(jnp.int32)
     inside = jnp.take_along_axis(padded, chunk[:, None, None], axis=1)[:, 0]
     token = chunk * DRAW_CHUNK + jnp.argmax(inside + noise[:, chunks:], axis=-1).astype(jnp.int32)
@@ -375,21 +383,27 @@ def sample_filtered(keys: jax.Array, logits: jax.Array, meta: SamplingMetadata) 
     """
     vocab, count = logits.shape[-1], FILTER_CANDIDATES[0]
     # One draw of noise serves either path (a row takes one): threefry is slow to compile as well as to run.
-    noise = jax.vmap(lambda key: jax.random.gumbel(key, (max(count, draw_width(vocab)),)))(keys)
-    whole = lambda: categorical(keys, filter_logits(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p),
-                                noise[:, :draw_width(vocab)])
+    noise = _gumbel_rows(keys, max(count, draw_width(vocab)))
+    scaled, peak, limit, ranked = _scaled(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p)
+    whole = lambda first=None: categorical(keys, _filter_scaled(scaled, peak, limit, ranked, meta.top_p, first),
+                                           noise[:, :draw_width(vocab)])
     if count >= vocab:
         return whole()
-    scaled, peak, limit, ranked = _scaled(logits, meta.temperature, meta.top_k, meta.top_p, meta.min_p)
 
     def candidates():
-        kept, order, enough = _filter_candidates(scaled, peak, limit, meta.top_p, count)
-        return (jnp.take_along_axis(order, jnp.argmax(kept + noise[:, :count], axis=-1)[:, None], axis=1)[:, 0],
-                ranked & enough)
+        first = _filter_candidates(scaled, peak, limit, meta.top_p, count)
+        kept, order, enough = first
+        picked = jnp.take_along_axis(order, jnp.argmax(kept + noise[:, :count], axis=-1)[:, None], axis=1)[:, 0]
+        return picked, ranked & enough, first
 
-    nothing = lambda: (jnp.zeros(ranked.shape, jnp.int32), jnp.zeros_like(ranked))
-    picked, near = jax.lax.cond(jnp.any(ranked), candidates, nothing)
-    return jax.lax.cond(jnp.all(near), lambda: picked, lambda: jnp.where(near, picked, whole()))
+    def no_candidates():  # no row needs the order: whole rows, whose filter then leaves them as they are
+        rows = ranked.shape[0]
+        first = (jnp.full((rows, count), -jnp.inf), jnp.zeros((rows, count), jnp.int32), jnp.zeros_like(ranked))
+        return jnp.zeros(rows, jnp.int32), jnp.zeros_like(ranked), first
+
+    # `whole` traced once (it is most of the sampler's compile time), with the first tier's candidates.
+    picked, near, first = jax.lax.cond(jnp.any(ranked), candidates, no_candidates)
+    return jax.lax.cond(jnp.all(near), lambda: picked, lambda: jnp.where(near, picked, whole(first)))
 
 
 def draw(logits: jax.Array, raw_logits: jax.Array, meta: SamplingMetadata, argmax=None) -> SamplerOutput:
