@@ -33,6 +33,18 @@ def test_throughput_benchmark_reports_every_system(tiny_model_dir, tmp_path):
     assert report["workload"]["requests"] == 4
 
 
+def test_throughput_benchmark_samples_as_asked_in_every_system(tiny_model_dir, tmp_path):
+    """--temperature / --top-p / --top-k / --min-p reach paged and transformers, and the report says what ran."""
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", tiny_model_dir, "--num-requests", "3", "--input-len", "4", "8",
+                 "--output-len", "4", "8", "--no-hf-continuous", "--hf-batch-sizes", "all", "--temperature", "0.8",
+                 "--top-p", "0.9", "--top-k", "20", "--min-p", "0.01", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "min_p": 0.01}
+    assert all(r["output_tokens_per_s"] > 0 for r in report["results"])
+    assert report["results"][0]["output_tokens"] == report["workload"]["output_tokens"]
+
+
 def test_throughput_benchmark_reads_a_dataset(tiny_model_dir, tmp_path):
     """--dataset takes text prompts (tokenized with the model's tokenizer) and token-id prompts."""
     from transformers import AutoTokenizer

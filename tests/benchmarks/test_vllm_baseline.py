@@ -68,6 +68,17 @@ def test_vllm_gets_the_same_requests_and_a_warmup_on_other_ids(tmp_path):
         assert all(p["temperature"] == 0 and p["ignore_eos"] for p in params)
 
 
+def test_vllm_samples_as_the_other_systems_do(tmp_path):
+    log = tmp_path / "calls.jsonl"
+    workload = random_workload(3, (3, 9), (2, 6), vocab=500, seed=4)
+    sampling = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0}
+    assert run_vllm(sys.executable, "/some/model", workload, "bfloat16", 64, 7, 500,
+                    {"PYTHONPATH": _fake(tmp_path), "FAKE_VLLM_LOG": str(log)}, sampling) is not None
+    _, warm, timed = (json.loads(line) for line in log.read_text().splitlines())
+    for params in (warm["params"], timed["params"]):
+        assert all({k: p[k] for k in sampling} == sampling and p["ignore_eos"] for p in params)
+
+
 def test_a_vllm_that_stops_early_or_fails_gives_no_figure(tmp_path, capsys):
     workload = random_workload(2, (3, 5), (4, 6), vocab=500)
     env = {"PYTHONPATH": _fake(tmp_path), "FAKE_VLLM_LOG": str(tmp_path / "log"), "FAKE_VLLM_SHORT": "1"}
