@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from paged import sampler
 from paged.logit_adjustments import RowAdjustment, apply_entries, build_adjustments, sample_adjusted
 from paged.sampler import (DRAW_CHUNK, FILTER_CANDIDATES, AdjustedSamples, SamplerOutput, SamplingMetadata, categorical,
                            filter_logits, first_argmax, sample)
@@ -93,7 +94,13 @@ def test_filter_goes_past_the_first_candidates_only_as_rows_need_and_matches_flo
         np.testing.assert_allclose(got[row], want, rtol=1e-4, atol=1e-9, err_msg=str(case))
 
 
-def test_two_level_draw_follows_the_distribution():
+@pytest.fixture
+def tiered(monkeypatch):
+    """The large-vocabulary paths (candidate tiers, bisection, two-level draw) at a test's small vocabulary."""
+    monkeypatch.setattr(sampler, "SORT_WHOLE_VOCAB", 0)
+
+
+def test_two_level_draw_follows_the_distribution(tiered):
     """`categorical` over several DRAW_CHUNK chunks (the last one partial, some tokens at -inf): 20,000 draws
     against the exact probabilities, within the total-variation distance that sampling noise gives; never a
     token at -inf."""
@@ -181,7 +188,7 @@ def test_samples_follow_the_distribution():
     assert np.abs(freq - probs).max() < 0.03, (freq, probs)
 
 
-def test_draws_among_the_candidates_follow_the_filtered_distribution():
+def test_draws_among_the_candidates_follow_the_filtered_distribution(tiered):
     """Rows whose top_k / top_p set lies within the first FILTER_CANDIDATES draw among them: 20,000 draws of
     one row (distinct output_index) against float64 numpy's filtered probabilities, within the total-variation
     distance that sampling noise gives; never a token outside the set."""
@@ -215,7 +222,7 @@ def test_a_row_draws_the_same_token_whatever_its_neighbours_filter():
     assert tokens[0] == tokens[1] == tokens[2], tokens
 
 
-@pytest.mark.parametrize("vocab", [50, 1000])
+@pytest.mark.parametrize("vocab", [50, 2000])
 def test_row_key_depends_only_on_its_seed_and_index(vocab):
     rng = np.random.default_rng(4)
     logits = rng.normal(size=(8, vocab)).astype(np.float32)
