@@ -234,8 +234,8 @@ def _gumbel_rows(keys: jax.Array, width: int) -> jax.Array:
 
 
 def draw_width(vocab: int) -> int:
-    """The noise `categorical` takes a row for a vocabulary of `vocab`: a number per chunk, then per token of
-    one chunk."""
+    """The noise `categorical` takes a row for a vocabulary of `vocab` past SORT_WHOLE_VOCAB: a number per
+    chunk, then per token of one chunk (up to SORT_WHOLE_VOCAB: one per token, `vocab`)."""
     return -(-vocab // DRAW_CHUNK) + DRAW_CHUNK
 
 
