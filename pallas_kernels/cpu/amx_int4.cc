@@ -42,6 +42,7 @@ constexpr int64_t kBlockX = kBlockRows / kDigits;  // rows of x per block
 // lines at a time. Its tile work is so short that the loads wait on memory otherwise: touching the start of
 // the page two steps ahead (as the int8 walk does) left one-row products at 48-66% of the read bandwidth;
 // this gives 72-82% (`paged bench matmul --rows 1`, alternating builds; 16 steps ahead gave 72-83%).
+// Near the end of a thread's panels the requests run past them: wasted, and a prefetch never faults.
 constexpr int64_t kStreamAheadSteps = 32;
 
 // A panel's nibbles ([steps][2048]) into bytes ([steps][4096]); `next`: the panel after (or null), requested
