@@ -234,9 +234,9 @@ def _gumbel_rows(keys: jax.Array, width: int) -> jax.Array:
 
 
 def draw_width(vocab: int) -> int:
-    """The noise `categorical` takes a row for a vocabulary of `vocab` past SORT_WHOLE_VOCAB: a number per
-    chunk, then per token of one chunk (up to SORT_WHOLE_VOCAB: one per token, `vocab`)."""
-    return -(-vocab // DRAW_CHUNK) + DRAW_CHUNK
+    """The noise `categorical` takes a row for a vocabulary of `vocab`: up to SORT_WHOLE_VOCAB one number per
+    token; past it a number per chunk, then per token of one chunk."""
+    return vocab if vocab <= SORT_WHOLE_VOCAB else -(-vocab // DRAW_CHUNK) + DRAW_CHUNK
 
 
 def categorical(keys: jax.Array, logits: jax.Array, noise: jax.Array | None = None) -> jax.Array:
@@ -252,15 +252,14 @@ def categorical(keys: jax.Array, logits: jax.Array, noise: jax.Array | None = No
     two passes.
     """
     rows, vocab = logits.shape
+    noise = _gumbel_rows(keys, draw_width(vocab)) if noise is None else noise
     if vocab <= SORT_WHOLE_VOCAB:  # one Gumbel a token costs little here, and compiles in less
-        noise = _gumbel_rows(keys, vocab) if noise is None else noise
-        return jnp.argmax(logits + noise[:, :vocab], axis=-1).astype(jnp.int32)
+        return jnp.argmax(logits + noise, axis=-1).astype(jnp.int32)
     chunks = -(-vocab // DRAW_CHUNK)
     padded = jnp.pad(logits, ((0, 0), (0, chunks * DRAW_CHUNK - vocab)), constant_values=-jnp.inf)
     padded = padded.reshape(rows, chunks, DRAW_CHUNK)
     peak = jnp.max(logits, axis=-1)[:, None, None]
     log_mass = jnp.log(jnp.sum(jnp.exp(padded - peak), axis=-1))  # [S, chunks]; -inf for an empty chunk
-    noise = _gumbel_rows(keys, draw_width(vocab)) if noise is None else noise
     chunk = jnp.argmax(log_mass + noise[:, :chunks], axis=-1).astype(jnp.int32)
     inside = jnp.take_along_axis(padded, chunk[:, None, None], axis=1)[:, 0]
     token = chunk * DRAW_CHUNK + jnp.argmax(inside + noise[:, chunks:], axis=-1).astype(jnp.int32)
