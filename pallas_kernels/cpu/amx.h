@@ -77,8 +77,9 @@ bool Int8WeightsMatmulPacked(xla::ffi::ThreadPool& pool, const Int8WeightsCall& 
 bool Int8WeightsWidenedMatmulPacked(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call);
 
 // Weight-only int4 (amx_int4.cc): y[M, N] = x @ ((u - 8) * scales[g, n] - offsets[g, n]) + bias[n], u the 4-bit
-// codes (0..15) of the group g = k / (K / groups), x bfloat16 [M, K] as int8 digits on AMX-INT8 tiles (float32
-// accuracy). Groups: 1, or K / groups a multiple of 64.
+// codes (0..15) of the group g = k / (K / groups), x bfloat16 [M, K]: up to 4 rows as int8 digits on AMX-INT8
+// tiles, 5 to 16 against the codes as exact bfloat16 values on AMX-BF16 tiles (both float32 accuracy), each
+// group's sums meeting its scales in float32. Groups: 1, or K / groups a multiple of 64.
 struct Int4Weights {
   const uint8_t* packed;  // [N / 64][ceil(K / 64)][2048] (pallas_kernels/cpu: pack_int4_for_amx)
   const float* scales;    // [groups, N]
@@ -95,7 +96,7 @@ struct Int4Call {
   int64_t M, K, N;
 };
 
-// False (y untouched): no AMX-INT8 (or no AVX-512 BF16) in this build or process, or x's digits could not be
+// False (y untouched): no AMX-INT8 (or no AVX-512 BF16) in this build or process, or x's copy could not be
 // allocated. Over 16 rows it is Int4WidenedMatmulPacked's.
 bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call);
 

@@ -23,8 +23,8 @@
 namespace paged::amx {
 
 constexpr int64_t kDigits = 4;
-// The most rows of x a weight-only call writes as digits: beyond, four digit rows per row of x cost more tile
-// work than the bf16 tiles against widened (int8) or dequantized (int4) weights.
+// The most rows of x a weight-only int8 call writes as digits: beyond, four digit rows per row of x cost more
+// tile work than the bf16 tiles against widened codes. (int4 writes digits up to 4 rows: amx_int4.cc.)
 constexpr int64_t kDigitRows = 16;
 
 // The lanes of 16 values from k that are in a row of K.

@@ -1,7 +1,7 @@
 // Prompt-sized weight-only steps on Intel AMX-BF16 tiles: int8 codes widened to bfloat16, and int4 codes
 // dequantized to bfloat16, one panel at a time into L2, then every 32-row block of x against that panel (amx.h:
-// Int8WeightsWidenedMatmulPacked, Int4WidenedMatmulPacked). Decode-sized steps multiply the codes as they are,
-// x as int8 digits (amx_int8.cc, amx_int4.cc).
+// Int8WeightsWidenedMatmulPacked, Int4WidenedMatmulPacked). Decode-sized steps multiply the codes as they are
+// (amx_int8.cc: x as int8 digits; amx_int4.cc).
 //
 // Why: from a few dozen rows the products are bound by the tiles, not by reading the weights, and x's digits
 // would make four times the tile work; one widening per panel is shared by all of a prompt's row blocks, so the

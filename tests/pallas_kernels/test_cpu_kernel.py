@@ -1134,13 +1134,14 @@ def test_int4_packing_for_amx_round_trips(inner, cols):
     np.testing.assert_array_equal(packed >> 4, steps[..., 2048:])
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 16, 17, 18, 40, 100])
+@pytest.mark.parametrize("rows", [1, 4, 5, 6, 12, 16, 17, 18, 40, 100])
 @pytest.mark.parametrize("inner, cols, groups", [(256, 128, 2), (640, 192, 5), (200, 64, 1), (1024, 128, 16)])
 def test_int4_on_amx_matches_float64(rows, inner, cols, groups):
-    """Weight-only int4 on AMX. Up to 16 rows, on the int8 tiles: x as digits against the codes, group by group,
-    the group scales, zero offsets (against the group's sums of x) and bias in float32: float64 of x @ ((u - 8)
-    * scale - offset) + bias, closer than a float32 product. Beyond, on the bf16 tiles against the weights
-    dequantized to bfloat16: float64 of x @ those, to float32 sums' accuracy. Rows past live_rows zeros."""
+    """Weight-only int4 on AMX, group by group, the group scales, zero offsets (against the group's sums of x)
+    and bias in float32. Up to 4 rows on the int8 tiles (x as digits against the codes), 5 to 16 on the bf16
+    tiles (x against the codes as exact bfloat16 values): float64 of x @ ((u - 8) * scale - offset) + bias,
+    closer than a float32 product. Beyond, on the bf16 tiles against the weights dequantized to bfloat16:
+    float64 of x @ those, to float32 sums' accuracy. Rows past live_rows zeros."""
     _needs_int4_on_amx()
     from paged.kernels import cpu as cpu_kernel
     rng = np.random.default_rng(rows * inner)
