@@ -162,8 +162,8 @@ void wide_panel_sums(const uint16_t* x_tiles, int64_t lda, int64_t count, const 
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
     for (int64_t s = g * group_steps; s < std::min(steps, (g + 1) * group_steps); ++s) {
       // Step s's tile products, with the next step's lookups and the prefetch of the step kStreamAheadSteps on
-      // between them: a burst of loads or prefetches between two bursts of tile products kept the lines in
-      // flight too few (a step's lookups, then its products: 8 GB/s from memory on one thread; spread: 9).
+      // between them: a burst of loads or prefetches between two bursts of tile products kept fewer lines in
+      // flight.
       const uint16_t* b = wide[s % 2];
       uint16_t* next = wide[(s + 1) % 2];
       const uint8_t* next_nibbles = nibbles + (s + 1) * kStepNibbles;
