@@ -92,7 +92,8 @@ void panel_sums(const CallRows& x, int64_t M, const uint8_t* nibbles, const Int4
                                             w.offsets ? _mm512_loadu_ps(w.offsets + g * N + n0 + 16 * v)
                                                       : _mm512_setzero_ps());
       for (int64_t i = 0; i < M; ++i) {
-        const __m512 product = combine_digits(sums + i * kDigits * kPanel + 16 * v, kPanel, x.digit_scales + i * kDigits);
+        const __m512 product =
+            combine_digits(sums + i * kDigits * kPanel + 16 * v, kPanel, x.digit_scales + i * kDigits);
         __m512 acc = _mm512_load_ps(out + i * kPanel + 16 * v);
         acc = _mm512_fmadd_ps(product, scale, acc);
         acc = _mm512_fnmadd_ps(_mm512_set1_ps(x.group_sums[i * groups + g]), offset, acc);
@@ -141,8 +142,9 @@ inline void nibbles_to_bf16_chunk(const uint8_t* nibbles, uint16_t* out, __m512i
 }
 
 // x's rows in the order of the bf16 steps' pairs: k 4i, 4i + 2, 4i + 1, 4i + 3.
-alignas(64) inline constexpr uint16_t kQuadMiddleSwapped[32] = {0,  2,  1,  3,  4,  6,  5,  7,  8,  10, 9,  11, 12, 14, 13, 15,
-                                                                16, 18, 17, 19, 20, 22, 21, 23, 24, 26, 25, 27, 28, 30, 29, 31};
+alignas(64) inline constexpr uint16_t kQuadMiddleSwapped[32] = {
+    0,  2,  1,  3,  4,  6,  5,  7,  8,  10, 9,  11, 12, 14, 13, 15,
+    16, 18, 17, 19, 20, 22, 21, 23, 24, 26, 25, 27, 28, 30, 29, 31};
 
 // sums[count][64] float32 of up to 16 rows of x (`x_tiles`: [16][steps * 64] bfloat16 in the pairs' order,
 // lda bytes apart) against one weight's panel of nibbles as they stream from memory,
@@ -156,7 +158,7 @@ void wide_panel_sums(const uint16_t* x_tiles, int64_t lda, int64_t count, const 
   const char* a = reinterpret_cast<const char*>(x_tiles);
   const int64_t steps = (K + kDepth - 1) / kDepth, groups = w.groups;
   const int64_t group_steps = groups == 1 ? steps : K / groups / kDepth;
-  std::memset(out, 0, sizeof(float) * kWideRows * kPanel);
+  std::memset(out, 0, sizeof(float) * count * kPanel);
   for (int q = 0; q < 32; ++q) nibbles_to_bf16_chunk(nibbles, wide[0], table, q);
   for (int64_t g = 0; g < groups; ++g) {
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
@@ -257,7 +259,7 @@ bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call) {
   try {
     if (by_digits && digits.size() < static_cast<size_t>(kBlockRows * padded_k)) digits.resize(kBlockRows * padded_k);
     if (!by_digits && x_tiles.size() < static_cast<size_t>(kWideRows * padded_k)) x_tiles.resize(kWideRows * padded_k);
-    if (digit_scales.size() < static_cast<size_t>(kDigits * call.M)) digit_scales.resize(kDigits * call.M);
+    if (by_digits && digit_scales.size() < static_cast<size_t>(kDigits * call.M)) digit_scales.resize(kDigits * call.M);
     if (group_sums.size() < static_cast<size_t>(groups * call.M)) group_sums.resize(groups * call.M);
     if (row_sums.size() < static_cast<size_t>(call.M)) row_sums.resize(call.M);
   } catch (const std::bad_alloc&) {
