@@ -261,7 +261,7 @@ bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call) {
     if (!by_digits && x_tiles.size() < static_cast<size_t>(kWideRows * padded_k)) x_tiles.resize(kWideRows * padded_k);
     if (by_digits && digit_scales.size() < static_cast<size_t>(kDigits * call.M)) digit_scales.resize(kDigits * call.M);
     if (group_sums.size() < static_cast<size_t>(groups * call.M)) group_sums.resize(groups * call.M);
-    if (row_sums.size() < static_cast<size_t>(call.M)) row_sums.resize(call.M);
+    if (by_digits && row_sums.size() < static_cast<size_t>(call.M)) row_sums.resize(call.M);  // digit_row's x sums
   } catch (const std::bad_alloc&) {
     return false;
   }
@@ -284,7 +284,7 @@ bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call) {
     }
   });
   const CallRows rows = by_digits ? CallRows{dp, nullptr, padded_k, scale_p, group_p}
-                                  : CallRows{nullptr, xp, padded_k * int64_t(sizeof(uint16_t)), scale_p, group_p};
+                                  : CallRows{nullptr, xp, padded_k * int64_t(sizeof(uint16_t)), nullptr, group_p};
   const int64_t num_panels = call.N / kPanel, parts = std::min(num_panels, std::max<int64_t>(1, pool.num_threads()));
   run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
     int4_panels(call, rows, part * num_panels / parts, (part + 1) * num_panels / parts);
