@@ -222,7 +222,7 @@ void round_block(const float* s, int64_t lds, int64_t rows, const uint16_t* bias
   __m512 b[4];
   for (int c = 0; c < 4; ++c) b[c] = bias ? load_bf16x16(bias + 16 * c) : _mm512_setzero_ps();
   for (int64_t r = 0; r < rows; ++r)
-    for (int c = 0; c < 4; ++c) store_bf16x16(out + r * ldo + 16 * c, _mm512_add_ps(_mm512_loadu_ps(s + r * lds + 16 * c), b[c]));
+    for (int c = 0; c < 4; ++c) store_product_bf16x16(out + r * ldo + 16 * c, _mm512_add_ps(_mm512_loadu_ps(s + r * lds + 16 * c), b[c]));
 }
 
 // Panels [p_begin, p_end) of y from x's tiles, a pass of the plan's panels at a time. With `rounded.out`, the
@@ -298,14 +298,8 @@ void silu_times(const float* g, const float* u, int64_t rows, uint16_t* y, int64
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < kPanel; c += 16) {
       const __m512 gate = _mm512_loadu_ps(g + r * kPanel + c), up = _mm512_loadu_ps(u + r * kPanel + c);
-      const __m512 sigmoid = _mm512_div_ps(_mm512_set1_ps(1.0f),
-                                           _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), gate))));
-      const __m512 out = _mm512_mul_ps(_mm512_mul_ps(gate, sigmoid), up);
-#if defined(__AVX512BF16__)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * ldy + c), reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(out)));
-#else
-      store_bf16x16(y + r * ldy + c, out);
-#endif
+      const __m512 out = _mm512_mul_ps(silu512(gate), up);
+      store_product_bf16x16(y + r * ldy + c, out);
     }
   }
 }

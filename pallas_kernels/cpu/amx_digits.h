@@ -88,11 +88,6 @@ inline void split_nibbles(const uint8_t* nibbles, int8_t* codes) {
   }
 }
 
-inline __m512 silu(__m512 g) {
-  return _mm512_mul_ps(g, _mm512_div_ps(_mm512_set1_ps(1.0f),
-                                        _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
-}
-
 // Streaming the weights, the L2 hardware prefetcher stops at each 4 KB page (amx.cc: start_page_stream):
 // four lines of the page at or after p, into L2.
 inline void start_page_stream(const void* p) {

@@ -223,10 +223,10 @@ void int4_panels(const Int4Call& call, const CallRows& x, int64_t p_begin, int64
       for (int v = 0; v < 4; ++v) {
         __m512 out = _mm512_load_ps(values + m * kPanel + 16 * v);
         if (call.w.bias) out = _mm512_add_ps(out, _mm512_loadu_ps(call.w.bias + n0 + 16 * v));
-        if (call.up) out = _mm512_mul_ps(silu(out), _mm512_load_ps(up_values + m * kPanel + 16 * v));
+        if (call.up) out = _mm512_mul_ps(silu512(out), _mm512_load_ps(up_values + m * kPanel + 16 * v));
         const int64_t at = m * call.N + n0 + 16 * v;
         if (call.y_bf16) {
-          store_bf16x16(static_cast<uint16_t*>(call.y) + at, out);
+          store_product_bf16x16(static_cast<uint16_t*>(call.y) + at, out);
         } else {
           _mm512_storeu_ps(static_cast<float*>(call.y) + at, out);
         }

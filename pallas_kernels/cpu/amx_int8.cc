@@ -123,34 +123,47 @@ float quantize_row(const T* x, int64_t K, int64_t padded, int8_t* codes, int32_t
 }
 
 // y's rows [m0, m0 + rows) x the 64 columns from n0, from a block's int32 sums (and, gated, up's: silu(w's
-// values) * up's).
-void finish_block(const W8A8Call& call, const int32_t* sums, const int32_t* up_sums, int64_t m0, int64_t rows,
-                  int64_t n0, const float* x_scale, const int32_t* code_sums) {
-  const BlockScales w(call.w, n0);
-  const BlockScales up = call.up ? BlockScales(*call.up, n0) : w;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t m = m0 + r;
-    const __m512 row_scale = _mm512_set1_ps(x_scale[m]);
-    const __m512 row_sum = _mm512_set1_ps(static_cast<float>(code_sums[m]) * x_scale[m]);
-    for (int v = 0; v < 4; ++v) {
-      __m512 out = w.value(sums, r, v, row_scale, row_sum);
-      if (call.up) out = _mm512_mul_ps(silu(out), up.value(up_sums, r, v, row_scale, row_sum));
-      if (call.y_bf16) {
-        store_bf16x16(static_cast<uint16_t*>(call.y) + m * call.N + n0 + 16 * v, out);
-      } else {
-        _mm512_storeu_ps(static_cast<float*>(call.y) + m * call.N + n0 + 16 * v, out);
+// values) * up's). The scales of the last 64 columns are kept: int8_panels calls this a row at a time.
+class FinishBlock {
+ public:
+  FinishBlock(const W8A8Call& call, const float* x_scale, const int32_t* code_sums)
+      : call_(call), x_scale_(x_scale), code_sums_(code_sums) {}
+
+  void operator()(const int32_t* sums, const int32_t* up_sums, int64_t m0, int64_t rows, int64_t n0) const {
+    if (n0 != n0_) {
+      w_ = BlockScales(call_.w, n0);
+      if (call_.up) up_ = BlockScales(*call_.up, n0);
+      n0_ = n0;
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t m = m0 + r;
+      const __m512 row_scale = _mm512_set1_ps(x_scale_[m]);
+      const __m512 row_sum = _mm512_set1_ps(static_cast<float>(code_sums_[m]) * x_scale_[m]);
+      for (int v = 0; v < 4; ++v) {
+        __m512 out = w_.value(sums, r, v, row_scale, row_sum);
+        if (call_.up) out = _mm512_mul_ps(silu512(out), up_.value(up_sums, r, v, row_scale, row_sum));
+        if (call_.y_bf16) {
+          store_product_bf16x16(static_cast<uint16_t*>(call_.y) + m * call_.N + n0 + 16 * v, out);
+        } else {
+          _mm512_storeu_ps(static_cast<float*>(call_.y) + m * call_.N + n0 + 16 * v, out);
+        }
       }
     }
   }
-}
+
+ private:
+  const W8A8Call& call_;
+  const float* x_scale_;
+  const int32_t* code_sums_;
+  mutable int64_t n0_ = -1;
+  mutable BlockScales w_, up_;
+};
 
 // Panels [p_begin, p_end) of a W8A8 call, x's codes one row per row of x.
 void w8a8_panels(const W8A8Call& call, const int8_t* codes, const float* x_scale, const int32_t* code_sums,
                  int64_t p_begin, int64_t p_end) {
   int8_panels(call.w.packed, call.up ? call.up->packed : nullptr, call.M, call.K, codes, p_begin, p_end,
-              [&](const int32_t* sums, const int32_t* up_sums, int64_t m0, int64_t rows, int64_t n0) {
-                finish_block(call, sums, up_sums, m0, rows, n0, x_scale, code_sums);
-              });
+              FinishBlock(call, x_scale, code_sums), 1);
 }
 
 #if defined(__AVX512BF16__)

@@ -30,12 +30,19 @@ enum class Product { kInt8, kBf16 };
 #define PAGED_TILE_PRODUCT(P, c, a, b) \
   if constexpr (P == Product::kInt8) _tile_dpbssd(c, a, b); else _tile_dpbf16ps(c, a, b)
 
+// Vector work placed between a tile call's steps (`between`): none, or a finished block's epilogue (PendingRows).
+struct NoWork {
+  void step() {}
+};
+
 // sums[32][64] (row stride 64 lanes of 4 bytes), columns [0, 32) from 32 rows of a (two A tiles, rows lda
 // bytes apart) against b's two column tiles over `steps` (b: a panel's [steps][4][16][64 bytes], offset to
-// the first of the two). `next` (or null): next_bytes of each step from there are requested into L2.
-template <Product P>
+// the first of the two). `next` (or null): next_bytes of each step from there are requested into L2;
+// `between` (or null) runs after each step's products.
+
+template <Product P, class Between = NoWork>
 inline void tile_32x32(const void* a_, int64_t lda, const void* b_, int64_t steps, void* sums_,
-                       const char* next = nullptr, int64_t next_bytes = 0) {
+                       const char* next = nullptr, int64_t next_bytes = 0, Between* between = nullptr) {
   const char* a = static_cast<const char*>(a_);
   const char* b = static_cast<const char*>(b_);
   char* sums = static_cast<char*>(sums_);
@@ -50,6 +57,7 @@ inline void tile_32x32(const void* a_, int64_t lda, const void* b_, int64_t step
     PAGED_TILE_PRODUCT(P, 1, 4, 7);
     PAGED_TILE_PRODUCT(P, 2, 5, 6);
     PAGED_TILE_PRODUCT(P, 3, 5, 7);
+    if (between) between->step();
   }
   _tile_stored(0, sums, 256); _tile_stored(1, sums + 64, 256);
   _tile_stored(2, sums + 16 * 256, 256); _tile_stored(3, sums + 16 * 256 + 64, 256);
@@ -82,6 +90,7 @@ inline void tile_16x64(const void* a_, int64_t lda, const void* b_, int64_t step
 // The float32 values of a block's row r, 16 columns v: sums * x_scale * w_scale - the zero points' share + bias.
 struct BlockScales {
   __m512 w_scale[4], offset[4], bias[4];
+  BlockScales() = default;
   BlockScales(const W8A8Weights& w, int64_t n0) {
     for (int v = 0; v < 4; ++v) {
       w_scale[v] = w.w_scale ? _mm512_loadu_ps(w.w_scale + n0 + 16 * v) : _mm512_set1_ps(1.0f);
@@ -98,35 +107,67 @@ struct BlockScales {
 };
 
 // sums[32 or 16][64] of a block of `rows` rows of a against a panel's weights b; over 16 rows, `next` (or null):
-// each step's next_bytes from there, then the next_bytes after them, are requested into L2.
-template <Product P = Product::kInt8>
+// each step's next_bytes from there, then the next_bytes after them, are requested into L2, and `between` (or
+// null) runs after each step's products.
+template <Product P = Product::kInt8, class Between = NoWork>
 inline void block_sums(const void* a, int64_t lda, const void* b, int64_t steps, int64_t rows, bool stream,
-                       void* sums, const void* next = nullptr, int64_t next_bytes = 0) {
+                       void* sums, const void* next = nullptr, int64_t next_bytes = 0, Between* between = nullptr) {
   if (rows <= 16) {
     tile_16x64<P>(a, lda, b, steps, sums, stream);
   } else {
     const char* n = static_cast<const char*>(next);
-    tile_32x32<P>(a, lda, b, steps, sums, n, next_bytes);
+    tile_32x32<P>(a, lda, b, steps, sums, n, next_bytes, between);
     tile_32x32<P>(a, lda, static_cast<const char*>(b) + 2048, steps, static_cast<char*>(sums) + 128,
-                  n ? n + next_bytes : nullptr, next_bytes);
+                  n ? n + next_bytes : nullptr, next_bytes, between);
   }
 }
 
+// A finished block's epilogue, run a few rows after each tile step of the next block's products. Run after
+// its tile calls, a block's epilogue (scales, silu, rounding, y's stores) keeps the tiles waiting: a gated
+// 32 x 64 block of the 0.5B shape's gate/up takes ~1 us of vector work (8 ns per 16 outputs) against ~2.2 us
+// of tile products (224 at ~10 ns). Spread over the next block's steps, those vector instructions run while
+// the tile unit works (one-thread tile loop, 2,048 x 896 x 2 x 576 gated: 1.93 -> 1.43 ms). `finish` must
+// take any `unit` rows of a block from a multiple of `unit` (finish(sums + i * 64, up_sums + i * 64, r0 + i,
+// unit, n0)): 1 for W8A8.
+template <class Finish>
+struct PendingRows {
+  const Finish& finish;
+  int64_t unit = 1;
+  const int32_t* sums = nullptr;
+  const int32_t* up_sums = nullptr;
+  int64_t r0 = 0, rows = 0, n0 = 0, next = 0, per_step = 1;  // next, per_step: in rows, multiples of unit
+
+  void step() {
+    for (int64_t end = std::min(rows, next + per_step); next < end; next += unit)
+      finish(sums + next * kPanel, up_sums + next * kPanel, r0 + next, unit, n0);
+  }
+  void rest() {
+    per_step = rows;
+    step();
+  }
+};
+
 // Panels [p_begin, p_end) of `rows` rows of int8 codes (`codes`: [row blocks][32][steps * 64]) against w's
 // packed codes (and up's, or null), K deep. Each block's int32 sums go to finish(sums, up_sums, r0, rows, n0) as
-// soon as they are in. (Running the previous block's epilogue between this block's tile calls instead, in the
-// stall after their tile stores as amx.cc's gated call does, was slower here: the 0.5B shape's MLP at 2,048
-// rows, alternating processes, 40-42 against 47.6-48.9 ms.)
+// soon as they are in, or with `unit`, spread over the next block's tile steps (below). (Running the previous
+// block's epilogue whole between this block's tile calls, in the stall after their tile stores as amx.cc's
+// gated call does, was slower: the 0.5B shape's MLP at 2,048 rows, alternating processes, 40-42 against
+// 47.6-48.9 ms. A few rows after each step is what overlaps.)
 //
 // 17 to 64 rows (W8A8, and weight-only int8's digits from 5 rows of x) go panel by panel: both row blocks of a
 // panel, while the next panel is requested into L2 a slice of each step at a time, spread over all of this
 // panel's tile calls. Without that the second block's products from L2 did not overlap the next panel's reads:
 // at 16 rows of x (64 digit rows), 0.5B gate/up-sized layers streaming from memory read the codes at 13.5-13.8
 // GB/s, and 19.2-20.4 with it (8 rows: 18.1-19.5 against 23.9-25.0).
+//
+// `unit` (0, or the rows finish can take alone, as PendingRows needs): blocks over 16 rows are finished `unit`
+// rows at a time between the next block's tile steps, their sums kept in the other of two buffers meanwhile.
 template <class Finish>
 inline void int8_panels(const int8_t* w, const int8_t* up, int64_t rows, int64_t K, const int8_t* codes,
-                        int64_t p_begin, int64_t p_end, const Finish& finish) {
-  alignas(64) int32_t sums[kRows * kPanel], up_sums[kRows * kPanel];
+                        int64_t p_begin, int64_t p_end, const Finish& finish, int64_t unit = 0) {
+  alignas(64) int32_t sums_in[2][kRows * kPanel], up_sums_in[2][kRows * kPanel];
+  PendingRows<Finish> pending{finish, unit};
+  int64_t buffer = 0;
   configure_tiles();
   const int64_t steps = (K + kDepth - 1) / kDepth, lda = steps * kDepth, panel_bytes = steps * kStepBytes;
   const int64_t row_blocks = (rows + kRows - 1) / kRows, weights = up ? 2 : 1;
@@ -143,14 +184,30 @@ inline void int8_panels(const int8_t* w, const int8_t* up, int64_t rows, int64_t
       for (int64_t p = p0; p < p0 + np; ++p) {
         const bool ahead = panel_major && mb < prefetching && p + 1 < p_end;
         const int64_t at = (p + 1) * panel_bytes + mb * 2 * chunk;
-        block_sums(a, lda, w + p * panel_bytes, steps, block_rows, mb == 0, sums, ahead ? w + at : nullptr, chunk);
+        int32_t *sums = sums_in[buffer], *up_sums = up_sums_in[buffer];
+        const bool interleave = unit > 0 && block_rows > 16;
+        PendingRows<Finish>* between = interleave ? &pending : nullptr;
+        block_sums(a, lda, w + p * panel_bytes, steps, block_rows, mb == 0, sums, ahead ? w + at : nullptr, chunk,
+                   between);
         if (up)
           block_sums(a, lda, up + p * panel_bytes, steps, block_rows, mb == 0, up_sums, ahead ? up + at : nullptr,
-                     chunk);
-        finish(sums, up_sums, r0, block_rows, p * kPanel);
+                     chunk, between);
+        if (!interleave) {
+          finish(sums, up_sums, r0, block_rows, p * kPanel);
+          continue;
+        }
+        pending.rest();  // what the steps left of the previous block
+        // This block's rows over its successor's steps (2 tile calls a weight, `steps` each), all by their end.
+        const int64_t successor_steps = 2 * weights * steps;
+        pending.sums = sums, pending.up_sums = up_sums, pending.r0 = r0, pending.rows = block_rows;
+        pending.n0 = p * kPanel, pending.next = 0;
+        const int64_t units = block_rows / unit, per_step = (units + successor_steps - 1) / successor_steps;
+        pending.per_step = per_step * unit;
+        buffer ^= 1;
       }
     }
   }
+  pending.rest();
   _tile_release();
 }
 
@@ -170,9 +227,9 @@ inline void finish_weights_block(const Int8WeightsCall& call, const float* sums,
     const __m512 row_sum = _mm512_set1_ps(x_sums[m]);
     for (int v = 0; v < 4; ++v) {
       __m512 out = value(w, sums, r, v, row_sum);
-      if (call.up) out = _mm512_mul_ps(silu(out), value(up, up_sums, r, v, row_sum));
+      if (call.up) out = _mm512_mul_ps(silu512(out), value(up, up_sums, r, v, row_sum));
       if (call.y_bf16) {
-        store_bf16x16(static_cast<uint16_t*>(call.y) + m * call.N + n0 + 16 * v, out);
+        store_product_bf16x16(static_cast<uint16_t*>(call.y) + m * call.N + n0 + 16 * v, out);
       } else {
         _mm512_storeu_ps(static_cast<float*>(call.y) + m * call.N + n0 + 16 * v, out);
       }

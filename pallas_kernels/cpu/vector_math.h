@@ -25,6 +25,19 @@ inline __m512 exp512(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// silu(g) = g / (1 + exp(-g)) in every lane. The reciprocal is rcp14's estimate (relative error under 2^-14)
+// refined by one Newton step, which squares that error to about 2^-28, within float32's rounding: a division
+// on 16 lanes occupies its port ~16 cycles, and in a gated product's epilogue it took as long as the rest
+// (W8A8 gate/up epilogue over 2,048 x 4,864, one thread: 19.5 -> 10.4 ns per 16 outputs). Where exp(-g) is
+// clamped at exp(88), 1 + exp(-g) stays finite and the result a tiny number, as with the division.
+inline __m512 silu512(__m512 g) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 d = _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), g)));
+  __m512 r = _mm512_rcp14_ps(d);
+  r = _mm512_fmadd_ps(r, _mm512_fnmadd_ps(d, r, one), r);
+  return _mm512_mul_ps(g, r);
+}
+
 }  // namespace paged
 
 #endif

@@ -952,13 +952,15 @@ def _w8a8_float64(x, w, w_scale, offsets, bias):
 
 
 @pytest.mark.parametrize("rows", [1, 16, 17, 50, 100])
-@pytest.mark.parametrize("inner, cols", [(60, 128), (516, 192), (1028, 320)])
+@pytest.mark.parametrize("inner, cols", [(60, 128), (516, 192), (1028, 320), (4100, 640)])
 def test_w8a8_on_amx_int8_matches_float64_of_the_codes(rows, inner, cols):
     """x (float32 and bfloat16) quantized per row in the call exactly as activation_codes does (a code off by one
     would move a row by a whole weight's share: far outside float32 rounding), the codes' exact int32 sums, both
     scales, zero points and a bias; one row of zeros (scale eps, codes 0). 60 and 516 inner: a short last tile
     step; 17-100 rows: 32-row blocks and a short one (up to 64 rows panel by panel, the next panel prefetched by
-    both blocks from 49); 1-16: one A tile. A bfloat16 result is the float32 one rounded once."""
+    both blocks from 49), each block of 32 finished a row at a time during the next block's products; 4,100 x
+    640: several passes of panels a thread, so a block is finished during the next pass's; 1-16: one A tile. A
+    bfloat16 result is the float32 one rounded once."""
     _needs_amx_int8()
     from paged.kernels import cpu as cpu_kernel
     rng = np.random.default_rng(rows + inner + cols)
@@ -1001,14 +1003,14 @@ def test_w8a8_on_amx_int8_codes_are_activation_codes(dtype):
     np.testing.assert_array_equal(np.round(np.asarray(got, np.float64) / np.asarray(scale, np.float64)), want)
 
 
-@pytest.mark.parametrize("rows", [3, 40])
-def test_w8a8_gated_on_amx_int8_matches_float64(rows):
+@pytest.mark.parametrize("rows, k, n", [(3, 200, 192), (40, 200, 192), (100, 1028, 1088)])
+def test_w8a8_gated_on_amx_int8_matches_float64(rows, k, n):
     """silu(x @ gate) * (x @ up) of two W8A8 layers with their own scales and zero points, from one quantization
-    of x; float32 sums and activation, against float64 of the same codes; rows past live_rows zeros."""
+    of x; float32 sums and activation, against float64 of the same codes; rows past live_rows zeros. 100 rows of
+    1,028 x 1,088: 32-row blocks finished during the next block's products, across passes of panels."""
     _needs_amx_int8()
     from paged.kernels import cpu as cpu_kernel
     rng = np.random.default_rng(rows)
-    k, n = 200, 192
     layers = []
     for _ in "gu":
         w = rng.integers(-128, 128, (k, n)).astype(np.int8)
