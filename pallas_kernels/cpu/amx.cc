@@ -222,7 +222,8 @@ void round_block(const float* s, int64_t lds, int64_t rows, const uint16_t* bias
   __m512 b[4];
   for (int c = 0; c < 4; ++c) b[c] = bias ? load_bf16x16(bias + 16 * c) : _mm512_setzero_ps();
   for (int64_t r = 0; r < rows; ++r)
-    for (int c = 0; c < 4; ++c) store_product_bf16x16(out + r * ldo + 16 * c, _mm512_add_ps(_mm512_loadu_ps(s + r * lds + 16 * c), b[c]));
+    for (int c = 0; c < 4; ++c)
+      store_product_bf16x16(out + r * ldo + 16 * c, _mm512_add_ps(_mm512_loadu_ps(s + r * lds + 16 * c), b[c]));
 }
 
 // Panels [p_begin, p_end) of y from x's tiles, a pass of the plan's panels at a time. With `rounded.out`, the
