@@ -39,7 +39,6 @@ struct NoWork {
 // bytes apart) against b's two column tiles over `steps` (b: a panel's [steps][4][16][64 bytes], offset to
 // the first of the two). `next` (or null): next_bytes of each step from there are requested into L2;
 // `between` (or null) runs after each step's products.
-
 template <Product P, class Between = NoWork>
 inline void tile_32x32(const void* a_, int64_t lda, const void* b_, int64_t steps, void* sums_,
                        const char* next = nullptr, int64_t next_bytes = 0, Between* between = nullptr) {
