@@ -163,7 +163,7 @@ class FinishBlock {
 void w8a8_panels(const W8A8Call& call, const int8_t* codes, const float* x_scale, const int32_t* code_sums,
                  int64_t p_begin, int64_t p_end) {
   int8_panels(call.w.packed, call.up ? call.up->packed : nullptr, call.M, call.K, codes, p_begin, p_end,
-              FinishBlock(call, x_scale, code_sums), 1);
+              FinishBlock(call, x_scale, code_sums), /*rowwise=*/true);
 }
 
 #if defined(__AVX512BF16__)

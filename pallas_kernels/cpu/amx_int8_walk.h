@@ -126,19 +126,17 @@ inline void block_sums(const void* a, int64_t lda, const void* b, int64_t steps,
 // 32 x 64 block of the 0.5B shape's gate/up takes ~1 us of vector work (8 ns per 16 outputs) against ~2.2 us
 // of tile products (224 at ~10 ns). Spread over the next block's steps, those vector instructions run while
 // the tile unit works (one-thread tile loop, 2,048 x 896 x 2 x 576 gated: 1.93 -> 1.43 ms). `finish` must
-// take any `unit` rows of a block from a multiple of `unit` (finish(sums + i * 64, up_sums + i * 64, r0 + i,
-// unit, n0)): 1 for W8A8.
+// take any one row of a block alone (finish(sums + i * 64, up_sums + i * 64, r0 + i, 1, n0)).
 template <class Finish>
 struct PendingRows {
   const Finish& finish;
-  int64_t unit = 1;
   const int32_t* sums = nullptr;
   const int32_t* up_sums = nullptr;
-  int64_t r0 = 0, rows = 0, n0 = 0, next = 0, per_step = 1;  // next, per_step: in rows, multiples of unit
+  int64_t r0 = 0, rows = 0, n0 = 0, next = 0, per_step = 1;
 
   void step() {
-    for (int64_t end = std::min(rows, next + per_step); next < end; next += unit)
-      finish(sums + next * kPanel, up_sums + next * kPanel, r0 + next, unit, n0);
+    for (int64_t end = std::min(rows, next + per_step); next < end; ++next)
+      finish(sums + next * kPanel, up_sums + next * kPanel, r0 + next, 1, n0);
   }
   void rest() {
     per_step = rows;
@@ -148,7 +146,7 @@ struct PendingRows {
 
 // Panels [p_begin, p_end) of `rows` rows of int8 codes (`codes`: [row blocks][32][steps * 64]) against w's
 // packed codes (and up's, or null), K deep. Each block's int32 sums go to finish(sums, up_sums, r0, rows, n0) as
-// soon as they are in, or with `unit`, spread over the next block's tile steps (below). (Running the previous
+// soon as they are in, or with `rowwise`, spread over the next block's tile steps (below). (Running the previous
 // block's epilogue whole between this block's tile calls, in the stall after their tile stores as amx.cc's
 // gated call does, was slower: the 0.5B shape's MLP at 2,048 rows, alternating processes, 40-42 against
 // 47.6-48.9 ms. A few rows after each step is what overlaps.)
@@ -159,13 +157,13 @@ struct PendingRows {
 // at 16 rows of x (64 digit rows), 0.5B gate/up-sized layers streaming from memory read the codes at 13.5-13.8
 // GB/s, and 19.2-20.4 with it (8 rows: 18.1-19.5 against 23.9-25.0).
 //
-// `unit` (0, or the rows finish can take alone, as PendingRows needs): blocks over 16 rows are finished `unit`
-// rows at a time between the next block's tile steps, their sums kept in the other of two buffers meanwhile.
+// `rowwise` (finish takes single rows, as PendingRows needs): blocks over 16 rows are finished a few rows at a
+// time between the next block's tile steps, their sums kept in the other of two buffers meanwhile.
 template <class Finish>
 inline void int8_panels(const int8_t* w, const int8_t* up, int64_t rows, int64_t K, const int8_t* codes,
-                        int64_t p_begin, int64_t p_end, const Finish& finish, int64_t unit = 0) {
+                        int64_t p_begin, int64_t p_end, const Finish& finish, bool rowwise = false) {
   alignas(64) int32_t sums_in[2][kRows * kPanel], up_sums_in[2][kRows * kPanel];
-  PendingRows<Finish> pending{finish, unit};
+  PendingRows<Finish> pending{finish};
   int64_t buffer = 0;
   configure_tiles();
   const int64_t steps = (K + kDepth - 1) / kDepth, lda = steps * kDepth, panel_bytes = steps * kStepBytes;
@@ -184,7 +182,7 @@ inline void int8_panels(const int8_t* w, const int8_t* up, int64_t rows, int64_t
         const bool ahead = panel_major && mb < prefetching && p + 1 < p_end;
         const int64_t at = (p + 1) * panel_bytes + mb * 2 * chunk;
         int32_t *sums = sums_in[buffer], *up_sums = up_sums_in[buffer];
-        const bool interleave = unit > 0 && block_rows > 16;
+        const bool interleave = rowwise && block_rows > 16;
         PendingRows<Finish>* between = interleave ? &pending : nullptr;
         block_sums(a, lda, w + p * panel_bytes, steps, block_rows, mb == 0, sums, ahead ? w + at : nullptr, chunk,
                    between);
@@ -200,8 +198,7 @@ inline void int8_panels(const int8_t* w, const int8_t* up, int64_t rows, int64_t
         const int64_t successor_steps = 2 * weights * steps;
         pending.sums = sums, pending.up_sums = up_sums, pending.r0 = r0, pending.rows = block_rows;
         pending.n0 = p * kPanel, pending.next = 0;
-        const int64_t units = block_rows / unit, per_step = (units + successor_steps - 1) / successor_steps;
-        pending.per_step = per_step * unit;
+        pending.per_step = (block_rows + successor_steps - 1) / successor_steps;
         buffer ^= 1;
       }
     }
