@@ -409,10 +409,9 @@ void transposed_block(const uint16_t* w_rows, const uint16_t* xb, int64_t K, int
   for (int64_t s = 0; s < steps; ++s) {
     for (int64_t i = s * per_step; i < std::min(lines, (s + 1) * per_step); ++i)
       _mm_prefetch(ahead + 64 * i, _MM_HINT_T1);
-    // And the 32 lines that step s + 2's two tile loads read, from L2 into L1: a tile load's 16 rows are 16
-    // lines of 16 table rows, which L1 fetched one fill at a time (each core's half of the table, both
-    // streaming at once, 16 rows of x: 10.2-11.2 -> 10.7-11.9 GB/s a core; this machine's plain streaming read
-    // is 13.5 GB/s a core).
+    // And the 32 lines that step s + 2's two tile loads read (one per table row) into L1 (each core's half of
+    // the table, both streaming at once, 16 rows of x: 10.2-11.2 -> 10.7-11.9 GB/s a core; this machine's
+    // plain streaming read is 13.5 GB/s a core).
     if (s + 2 < steps)
       for (int64_t r = 0; r < 32; ++r)
         _mm_prefetch(reinterpret_cast<const char*>(w_rows + r * K + (s + 2) * kDepth), _MM_HINT_T0);

@@ -100,4 +100,9 @@ inline void prefetch_into_l2(const void* p, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(static_cast<const char*>(p) + line, _MM_HINT_T1);
 }
 
+// The same into L1: lines a step or two ahead of the loads that read them.
+inline void prefetch_into_l1(const void* p, int64_t bytes) {
+  for (int64_t line = 0; line < bytes; line += 64) _mm_prefetch(static_cast<const char*>(p) + line, _MM_HINT_T0);
+}
+
 }  // namespace paged::amx

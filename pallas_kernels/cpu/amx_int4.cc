@@ -171,14 +171,13 @@ void wide_panel_sums(const uint16_t* x_tiles, int64_t lda, int64_t count, const 
       const uint8_t* next_nibbles = nibbles + (s + 1) * kStepNibbles;
       const uint8_t* ahead = nibbles + (s + kStreamAheadSteps) * kStepNibbles;
       const bool more = s + 1 < steps;
-      // Step s + 2's lines into L1 as well: the lookups of step s + 1 then load from L1 rather than waiting on
-      // L2 between tile products (one thread a half of the 0.5B gate at 16 rows, both cores streaming: 5-10%;
-      // int4 decode at 16 sequences, alternating processes: 431 -> 463 output tok/s with amx.cc's
-      // transposed_block change, five rounds each).
-      const char* after_next = reinterpret_cast<const char*>(next_nibbles + kStepNibbles);
+      // Step s + 2 into L1 as well, so the next step's lookups find it there (one thread a half of the 0.5B
+      // gate at 16 rows, both cores streaming: 5-10%; int4 decode at 16 sequences, alternating processes:
+      // 431 -> 463 output tok/s with amx.cc's transposed_block change, five rounds each).
+      const uint8_t* after_next = next_nibbles + kStepNibbles;
       auto between = [&](int i) {
         prefetch_into_l2(ahead + i * kStepNibbles / 8, kStepNibbles / 8);
-        for (int line = 0; line < 4; ++line) _mm_prefetch(after_next + i * 256 + 64 * line, _MM_HINT_T0);
+        prefetch_into_l1(after_next + i * kStepNibbles / 8, kStepNibbles / 8);
         if (more)
           for (int q = 4 * i; q < 4 * i + 4; ++q) nibbles_to_bf16_chunk(next_nibbles, next, table, q);
       };
