@@ -38,14 +38,20 @@ struct NoWork {
 // sums[32][64] (row stride 64 lanes of 4 bytes), columns [0, 32) from 32 rows of a (two A tiles, rows lda
 // bytes apart) against b's two column tiles over `steps` (b: a panel's [steps][4][16][64 bytes], offset to
 // the first of the two). `next` (or null): next_bytes of each step from there are requested into L2;
-// `between` (or null) runs after each step's products.
+// `between` (or null) runs after each step's products; `accumulate`: the sums are added to what is there.
 template <Product P, class Between = NoWork>
 inline void tile_32x32(const void* a_, int64_t lda, const void* b_, int64_t steps, void* sums_,
-                       const char* next = nullptr, int64_t next_bytes = 0, Between* between = nullptr) {
+                       const char* next = nullptr, int64_t next_bytes = 0, Between* between = nullptr,
+                       bool accumulate = false) {
   const char* a = static_cast<const char*>(a_);
   const char* b = static_cast<const char*>(b_);
   char* sums = static_cast<char*>(sums_);
-  _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  if (accumulate) {
+    _tile_loadd(0, sums, 256); _tile_loadd(1, sums + 64, 256);
+    _tile_loadd(2, sums + 16 * 256, 256); _tile_loadd(3, sums + 16 * 256 + 64, 256);
+  } else {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+  }
   for (int64_t s = 0; s < steps; ++s) {
     if (next) prefetch_into_l2(next + s * kStepBytes, next_bytes);
     _tile_loadd(4, a + s * kDepth, lda);

@@ -67,43 +67,101 @@ void widen_panel(const int8_t* codes, int64_t steps, uint16_t* out, const int8_t
   }
 }
 
-// Panels [p_begin, p_end) of bfloat16 x (padded to whole steps and row blocks) against weights that
-// widen(p, out, up_out) writes as bf16 tiles ([2 steps][4][16][32] words; up_out only for a gated call) once a
-// panel, then every 32-row block of x against them; finish_weights_block applies call.w's (and up's) vectors.
+// Gated calls over kSmallRows rows (prompts) widen two panels of gate and up at a time and sum K in chunks of
+// kGatedChunkSteps: a chunk of a row block's x (32 rows x 256 k, 16 KB) stays in L1 while both panels' eight
+// column tiles pass over it, where whole K (56 KB at the 0.5B shape) came from L2 for each of them. The 0.5B
+// shape's gate/up at 1,536 rows, two copies of the layer, the variants alternating call by call in one process
+// (median of 9 calls each, two passes): whole K int4 17.7 ms, int8 19.0; chunks of one panel 15.0 and 16.0;
+// chunks of two panels 13.5-14.2 and 15.3-17.6. For the other products (one weight), 512-k blocks of eight
+// panels with the partial sums in memory (amx.cc's large plan) were within the noise of whole K.
+constexpr int64_t kSmallRows = 64;
+constexpr int64_t kGatedChunkSteps = 8;  // bf16 steps: 256 k
+constexpr int64_t kGatedPanels = 2;
+
+// Sums [32][64] of one 32-row block of x (a, rows lda bytes apart) against `panels` panels' widened gate and up
+// (each panel `panel_words` on from the one before; `steps` bf16 steps), into sums and up_sums ([panels][32][64]).
+inline void gated_block_sums(const char* a, int64_t lda, const uint16_t* gate, const uint16_t* up, int64_t steps,
+                             int64_t panels, int64_t panel_words, float* sums, float* up_sums) {
+  for (int64_t s = 0; s < steps; s += kGatedChunkSteps) {
+    const int64_t n = std::min(kGatedChunkSteps, steps - s);
+    const char* rows = a + s * 64;  // 32 k of bfloat16 a step
+    for (int64_t i = 0; i < panels; ++i) {
+      for (int half = 0; half < 2; ++half) {  // each weight's column tiles 0-1, then 2-3
+        const int64_t offset = s * kStepBytes + half * 2048;
+        char* g = reinterpret_cast<char*>(sums + i * kRows * kPanel) + half * 128;
+        char* u = reinterpret_cast<char*>(up_sums + i * kRows * kPanel) + half * 128;
+        tile_32x32<Product::kBf16, NoWork>(rows, lda, reinterpret_cast<const char*>(gate + i * panel_words) + offset,
+                                           n, g, nullptr, 0, nullptr, s > 0);
+        tile_32x32<Product::kBf16, NoWork>(rows, lda, reinterpret_cast<const char*>(up + i * panel_words) + offset,
+                                           n, u, nullptr, 0, nullptr, s > 0);
+      }
+    }
+  }
+}
+
+// x's 32-row blocks as the walk reads them: the first `in_place` from x itself, the rest from a padded copy,
+// rows `lda` bytes apart in both (x's own rows where K is a multiple of the step, so only a short last block is
+// copied).
+struct XRows {
+  const char* x;
+  const char* copied;
+  int64_t in_place, lda;
+  const char* block(int64_t mb) const {
+    return mb < in_place ? x + mb * kRows * lda : copied + (mb - in_place) * kRows * lda;
+  }
+};
+
+// Panels [p_begin, p_end) of bfloat16 x (its row blocks as `x` gives them, padded to whole steps) against
+// weights that widen(p, more, out, up_out) writes as bf16 tiles ([2 steps][4][16][32] words; up_out only for a
+// gated call; more: panel p + 1 follows) once a panel, then every 32-row block of x against them;
+// finish_weights_block applies call.w's (and up's) vectors.
 template <class Widen>
-void widened_panels(const Int8WeightsCall& call, const uint16_t* x, const float* x_sums, int64_t p_begin,
+void widened_panels(const Int8WeightsCall& call, const XRows& x, const float* x_sums, int64_t p_begin,
                     int64_t p_end, const Widen& widen) {
-  alignas(64) float sums[kRows * kPanel], up_sums[kRows * kPanel];
-  const int64_t steps = (call.K + kDepth - 1) / kDepth;
-  const int64_t lda = steps * kDepth * sizeof(uint16_t);  // x's rows, padded to whole steps
-  const char* a = reinterpret_cast<const char*>(x);
+  alignas(64) float sums[kGatedPanels * kRows * kPanel], up_sums[kGatedPanels * kRows * kPanel];
+  const int64_t steps = (call.K + kDepth - 1) / kDepth, lda = x.lda;
+  const bool chunked = call.up && call.M > kSmallRows;
+  const int64_t group = chunked ? kGatedPanels : 1, panel_words = 2 * steps * 4 * 512;
   thread_local TileVector<uint16_t> widened, widened_up;
-  widened.resize(2 * steps * 4 * 512), widened_up.resize(call.up ? widened.size() : 0);
+  widened.resize(group * panel_words), widened_up.resize(call.up ? widened.size() : 0);
   configure_tiles();
   const int64_t row_blocks = (call.M + kRows - 1) / kRows;
-  for (int64_t p = p_begin; p < p_end; ++p) {
-    widen(p, p + 1 < p_end, widened.data(), widened_up.data());
+  for (int64_t p0 = p_begin; p0 < p_end; p0 += group) {
+    const int64_t np = std::min(group, p_end - p0);
+    for (int64_t i = 0; i < np; ++i)
+      widen(p0 + i, p0 + i + 1 < p_end, widened.data() + i * panel_words, widened_up.data() + i * panel_words);
     for (int64_t mb = 0; mb < row_blocks; ++mb) {
       const int64_t m0 = mb * kRows, rows = std::min(kRows, call.M - m0);
-      block_sums<Product::kBf16>(a + m0 * lda, lda, widened.data(), 2 * steps, rows, false, sums);
-      if (call.up) block_sums<Product::kBf16>(a + m0 * lda, lda, widened_up.data(), 2 * steps, rows, false, up_sums);
-      finish_weights_block(call, sums, up_sums, m0, rows, p * kPanel, x_sums);
+      if (chunked) {
+        gated_block_sums(x.block(mb), lda, widened.data(), widened_up.data(), 2 * steps, np, panel_words, sums,
+                         up_sums);
+        for (int64_t i = 0; i < np; ++i)
+          finish_weights_block(call, sums + i * kRows * kPanel, up_sums + i * kRows * kPanel, m0, rows,
+                               (p0 + i) * kPanel, x_sums);
+        continue;
+      }
+      block_sums<Product::kBf16>(x.block(mb), lda, widened.data(), 2 * steps, rows, false, sums);
+      if (call.up) block_sums<Product::kBf16>(x.block(mb), lda, widened_up.data(), 2 * steps, rows, false, up_sums);
+      finish_weights_block(call, sums, up_sums, m0, rows, p0 * kPanel, x_sums);
     }
   }
   _tile_release();
 }
 
-// A prompt-sized call on the bf16 tiles: x copied padded to whole steps and row blocks (with its float32 row
-// sums where the weights have zero points), then widened_panels over the threads. False: x's copy could not be
-// allocated.
+// A prompt-sized call on the bf16 tiles: x read in place where K is a multiple of the step, else (and for a
+// last block of fewer than 32 rows) copied padded to whole steps and row blocks, with its float32 row sums
+// where the weights have zero points; then widened_panels over the threads. (A copy of all of x is written and
+// read again: 20 MB at 2,048 rows of the 0.5B shape's down projection.) False: x's copy could not be allocated.
 template <class Widen>
 bool widened_matmul(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call, const Widen& widen) {
   const int64_t padded_k = (call.K + kDepth - 1) / kDepth * kDepth;
   const int64_t padded_rows = (call.M + kRows - 1) / kRows * kRows;
+  const int64_t in_place = call.K == padded_k ? call.M / kRows : 0, first_copied = in_place * kRows;
   thread_local TileVector<uint16_t> x;
   thread_local TileVector<float> x_sums;
   try {
-    if (x.size() < static_cast<size_t>(padded_rows * padded_k)) x.resize(padded_rows * padded_k);
+    if (x.size() < static_cast<size_t>((padded_rows - first_copied) * padded_k))
+      x.resize((padded_rows - first_copied) * padded_k);
     if (x_sums.size() < static_cast<size_t>(call.M)) x_sums.resize(call.M);
   } catch (const std::bad_alloc&) {
     return false;
@@ -112,20 +170,24 @@ bool widened_matmul(xla::ffi::ThreadPool& pool, const Int8WeightsCall& call, con
   float* sp = x_sums.data();
   // Only zero offsets read x's row sums (int4's are folded into its dequantized weights: none here).
   const bool zero_points = call.w.zero_offsets || (call.up && call.up->zero_offsets);
-  std::memset(xp + call.M * padded_k, 0, (padded_rows - call.M) * padded_k * sizeof(uint16_t));
+  std::memset(xp + (call.M - first_copied) * padded_k, 0, (padded_rows - call.M) * padded_k * sizeof(uint16_t));
   run_parallel(&pool, call.M, 8, call.M / 8, [&](int64_t m) {
     const uint16_t* row = call.x + m * call.K;
-    std::memcpy(xp + m * padded_k, row, call.K * sizeof(uint16_t));
-    std::memset(xp + m * padded_k + call.K, 0, (padded_k - call.K) * sizeof(uint16_t));
+    if (m >= first_copied) {
+      std::memcpy(xp + (m - first_copied) * padded_k, row, call.K * sizeof(uint16_t));
+      std::memset(xp + (m - first_copied) * padded_k + call.K, 0, (padded_k - call.K) * sizeof(uint16_t));
+    }
     __m512 sum = _mm512_setzero_ps();
     if (zero_points) {
       for (int64_t k = 0; k < call.K; k += 16) sum = _mm512_add_ps(sum, load_bf16x16(row + k, lanes16(call.K, k)));
     }
     sp[m] = _mm512_reduce_add_ps(sum);
   });
+  const XRows rows{reinterpret_cast<const char*>(call.x), reinterpret_cast<const char*>(xp), in_place,
+                   padded_k * static_cast<int64_t>(sizeof(uint16_t))};
   const int64_t num_panels = call.N / kPanel, parts = std::min(num_panels, std::max<int64_t>(1, pool.num_threads()));
   run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
-    widened_panels(call, xp, sp, part * num_panels / parts, (part + 1) * num_panels / parts, widen);
+    widened_panels(call, rows, sp, part * num_panels / parts, (part + 1) * num_panels / parts, widen);
   });
   return true;
 }

@@ -1027,12 +1027,13 @@ def test_w8a8_gated_on_amx_int8_matches_float64(rows, k, n):
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16, 17, 100])
-@pytest.mark.parametrize("inner, cols", [(60, 128), (1028, 320)])
+@pytest.mark.parametrize("inner, cols", [(60, 128), (1028, 320), (1024, 192)])
 @pytest.mark.parametrize("zero_points", [True, False], ids=["zero-points", "symmetric"])
 def test_int8_weights_on_amx_match_float64(rows, inner, cols, zero_points):
     """Weight-only int8 on AMX: bfloat16 x as it is against the codes widened to bfloat16 (exact), float32 sums,
     then the column scales, the zero points against x's row sums (symmetric codes: none, and x's row sums are
-    not taken), and the bias; rows past live_rows zeros."""
+    not taken), and the bias; rows past live_rows zeros. Where K is a multiple of 64, x is read in place but
+    for a short last block."""
     _needs_amx_int8()
     from paged.kernels import cpu as cpu_kernel
     if not cpu_kernel.int8_weights_on_amx():
@@ -1056,6 +1057,37 @@ def test_int8_weights_on_amx_match_float64(rows, inner, cols, zero_points):
     with pytest.raises(ValueError, match="bfloat16 x"):
         cpu_kernel.int8_weights_matmul_packed_cpu(x.astype(jnp.float32), cpu_kernel.pack_for_amx(jnp.asarray(w)),
                                                   vectors[0])
+
+
+@pytest.mark.parametrize("rows", [9, 40, 100])
+def test_int8_weights_gated_on_amx_matches_float64(rows):
+    """silu(x @ gate) * (x @ up) of two weight-only int8 layers (gate with zero points, up symmetric) in one
+    call: digits up to 16 rows, the codes widened beyond, over 64 rows two panels at a time with K in chunks
+    (K = 1028: 33 bf16 steps, the last chunk short; 5 panels, so a thread's last may be alone); float32 out
+    against float64."""
+    _needs_amx_int8()
+    from paged.kernels import cpu as cpu_kernel
+    if not cpu_kernel.int8_weights_on_amx():
+        pytest.skip("no AVX-512 BF16 beside the tiles")
+    rng = np.random.default_rng(rows)
+    inner, cols = 1028, 320
+    x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
+    x64 = np.asarray(x, np.float64)
+    layers, products = [], []
+    for offsets in (rng.uniform(-0.05, 0.05, cols), None):
+        w = rng.integers(-128, 128, (inner, cols)).astype(np.int8)
+        scale = rng.uniform(0.0005, 0.002, cols)
+        product = (x64 @ w.astype(np.float64)) * scale
+        if offsets is not None:
+            product -= x64.sum(-1, keepdims=True) * offsets
+        products.append(product)
+        layers += [cpu_kernel.pack_for_amx(jnp.asarray(w)), jnp.asarray(scale, jnp.float32),
+                   None if offsets is None else jnp.asarray(offsets, jnp.float32)]
+    g, u = products
+    want = g / (1 + np.exp(-g)) * u
+    got = np.asarray(jax.jit(lambda x, *a: cpu_kernel.w8a8_gated_matmul_packed_cpu(
+        x, *a, out_dtype=jnp.float32, weight_only=True))(x, *layers), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
 @pytest.mark.parametrize("rows", [1, 4, 5, 10, 16])
@@ -1163,14 +1195,15 @@ def test_int4_on_amx_matches_float64(rows, inner, cols, groups):
     assert not np.any(got[live:])
 
 
-@pytest.mark.parametrize("rows", [1, 9])
+@pytest.mark.parametrize("rows", [1, 9, 100])
 def test_int4_gated_on_amx_and_defaults(rows):
     """The gated call: silu(x @ gate) * (x @ up) of two int4 layers in the same groups, one with zero offsets and
-    one symmetric (none), rounded once to bfloat16 by default; layers in different groups are refused."""
+    one symmetric (none), rounded once to bfloat16 by default (over 64 rows two panels at a time, K in chunks:
+    5 panels); layers in different groups are refused."""
     _needs_int4_on_amx()
     from paged.kernels import cpu as cpu_kernel
     rng = np.random.default_rng(rows)
-    inner, cols = 384, 128
+    inner, cols = 384, 320
     (qg, sg, og, wg), (qu, su, _, wu) = _int4_layer(rng, inner, cols, 3), _int4_layer(rng, inner, cols, 3, False)
     x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
     g, u = np.asarray(x, np.float64) @ wg, np.asarray(x, np.float64) @ wu
