@@ -58,7 +58,6 @@ constexpr int64_t kPanel = 64;   // y columns per panel: four B tiles
 struct Plan {
   int64_t block_k, panels_per_pass;
 };
-constexpr int64_t kSmallRows = 64;
 constexpr Plan kSmallPlan{64, 64}, kLargePlan{512, 8};
 constexpr int64_t kPackedWords = 512 * 8 * 64;  // block_k x panels_per_pass x 64 columns, either plan
 static_assert(kSmallPlan.block_k * kSmallPlan.panels_per_pass * 64 <= kPackedWords &&
@@ -304,11 +303,6 @@ void silu_times(const float* g, const float* u, int64_t rows, uint16_t* y, int64
     }
   }
 }
-
-// Blocks of more than kSmallRows rows sum K in chunks of this many steps, so a chunk of x's 32 rows (16 KB)
-// stays in L1 while the gate's and up's four column tiles each pass over it: whole K (56 KB at the 0.5B
-// shape) came from L2 each time (one thread, 512 rows, 896 x 4864 x 2: 1.21 -> 1.39 TFLOP/s).
-constexpr int64_t kGatedChunkSteps = 8;
 
 // A finished block's activation, run a few rows at a time between the next block's tile calls. Each call
 // ends in tile stores, and tile loads after a store wait for it to drain (~270 ns a call in tile loops on

@@ -68,15 +68,12 @@ void widen_panel(const int8_t* codes, int64_t steps, uint16_t* out, const int8_t
 }
 
 // Gated calls over kSmallRows rows (prompts) widen two panels of gate and up at a time and sum K in chunks of
-// kGatedChunkSteps: a chunk of a row block's x (32 rows x 256 k, 16 KB) stays in L1 while both panels' eight
-// column tiles pass over it, where whole K (56 KB at the 0.5B shape) came from L2 for each of them. The 0.5B
-// shape's gate/up at 1,536 rows, two copies of the layer, the variants alternating call by call in one process
-// (median of 9 calls each): whole K int4 17.7 ms, int8 19.0; chunks of one panel 15.0 and 16.0; chunks of two
-// panels 13.5-14.2 and 15.3-17.6 (two variants that differed only in the one-weight products). For those
-// (q/k/v/o/down), 512-k blocks of eight panels with the partial sums in memory (amx.cc's large plan) were
-// within the noise of whole K.
-constexpr int64_t kSmallRows = 64;
-constexpr int64_t kGatedChunkSteps = 8;  // bf16 steps: 256 k
+// kGatedChunkSteps (amx_tiles.h): a chunk of a row block's x stays in L1 while both panels' eight column tiles
+// pass over it, where whole K came from L2 for each of them. The 0.5B shape's gate/up at 1,536 rows, two copies
+// of the layer, the variants alternating call by call in one process (median of 9 calls each): whole K int4
+// 17.7 ms, int8 19.0; chunks of one panel 15.0 and 16.0; chunks of two panels 13.5-14.2 and 15.3-17.6 (two
+// variants that differed only in the one-weight products). For those (q/k/v/o/down), 512-k blocks of eight
+// panels with the partial sums in memory (amx.cc's large plan) were within the noise of whole K.
 constexpr int64_t kGatedPanels = 2;
 
 // Sums [32][64] of one 32-row block of x (a, rows lda bytes apart) against `panels` panels' widened gate and up
