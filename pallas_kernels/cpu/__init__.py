@@ -640,8 +640,9 @@ def int4_matmul_packed_cpu(x: jax.Array, packed: jax.Array, scales: jax.Array, z
                            out_dtype=None) -> jax.Array:
     """A weight-only int4 layer of a bfloat16 model on AMX-INT8 tiles: y = x @ ((u - 8) * scales[g] -
     zero_offsets[g]) + bias, u the codes (0..15) and g = k // (K / G) their group, in `out_dtype` (default
-    bfloat16, rounded once). x is written as four int8 digits per element and multiplies the codes as they are
-    (float32 accuracy; amx_int4.cc).
+    bfloat16, rounded once). Up to 4 rows x is written as four int8 digits per element against the codes on the
+    int8 tiles; 5 to 64 rows multiply the codes looked up as exact bfloat16 values (both float32 accuracy;
+    amx_int4.cc); larger calls dequantize each panel once to bfloat16 (amx_widened.cc).
 
     x: bfloat16 [M, K]. packed: `pack_int4_for_amx` of the codes ([N / 64, ceil(K / 64), 2048] uint8). scales,
     zero_offsets: [G, N] (G = 1, or K / G a multiple of 64), zero_offsets or None. bias: [N] or None. Only where

@@ -78,7 +78,7 @@ bool Int8WeightsWidenedMatmulPacked(xla::ffi::ThreadPool& pool, const Int8Weight
 
 // Weight-only int4 (amx_int4.cc): y[M, N] = x @ ((u - 8) * scales[g, n] - offsets[g, n]) + bias[n], u the 4-bit
 // codes (0..15) of the group g = k / (K / groups), x bfloat16 [M, K]: up to 4 rows as int8 digits on AMX-INT8
-// tiles, 5 to 16 against the codes as exact bfloat16 values on AMX-BF16 tiles (both float32 accuracy), each
+// tiles, 5 to 64 against the codes as exact bfloat16 values on AMX-BF16 tiles (both float32 accuracy), each
 // group's sums meeting its scales in float32. Groups: 1, or K / groups a multiple of 64.
 struct Int4Weights {
   const uint8_t* packed;  // [N / 64][ceil(K / 64)][2048] (pallas_kernels/cpu: pack_int4_for_amx)
@@ -97,7 +97,7 @@ struct Int4Call {
 };
 
 // False (y untouched): no AMX-INT8 (or no AVX-512 BF16) in this build or process, or x's copy could not be
-// allocated. Over 16 rows it is Int4WidenedMatmulPacked's.
+// allocated. Over 64 rows it is Int4WidenedMatmulPacked's.
 bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call);
 
 // The same product for prompt-sized calls (amx_widened.cc): each panel dequantized once, (u - 8) * scale - offset

@@ -1,15 +1,16 @@
 // Weight-only int4 (GPTQ and other group-quantized 4-bit layers) at decode sizes on Intel AMX tiles: y[M, N] =
 // sum over groups g of (x_g @ (u_g - 8)) * scale[g, n] - (sum_k in g x[m, k]) * offset[g, n] (+ bias), i.e.
 // x @ ((u - 8) * scale - offset) with u the stored nibbles (0..15). amx.h: Int4MatmulPacked. Prompt-sized calls
-// (over 16 rows) dequantize each panel once instead (amx_widened.cc).
+// (over 64 rows) dequantize each panel once instead (amx_widened.cc).
 //
 // Why: a decode step streams every weight once, and int4 is a quarter of bfloat16's bytes. The codes are never
 // dequantized: each group's sums of x times the codes are exact (or float32) and meet the group's scales once.
 //   - 1 to 4 rows: x as int8 digits (amx_digits.h) against the nibbles split into bytes a step at a time (two
 //     ANDs and a shift per 64 bytes), TDPBSUD (signed digits x unsigned codes, exact int32 sums): four rows of
 //     x fill one A tile, so a step is four tile products, and the walk waits on memory, not the tiles.
-//   - 5 to 16 rows: x as it is on the bf16 tiles against the codes looked up as exact bfloat16 values (below):
-//     one A tile for all 16 rows, eight tile products a step, where the digits would take sixteen.
+//   - 5 to 64 rows: x as it is on the bf16 tiles against the codes looked up as exact bfloat16 values (below):
+//     one A tile for 16 rows, eight tile products a step, where the digits would take sixteen; a panel's further
+//     blocks of 16 rows take it again from L2.
 //
 // Layout (pallas_kernels/cpu: pack_int4_for_amx): the int8 codes' layout (amx_int8.cc: [N / 64][ceil(K / 64)]
 // [4 tiles][16 quads][16 n][4]) with each 4 KB step folded into 2 KB: byte j of a step holds code j in its low
@@ -40,7 +41,13 @@ namespace {
 
 constexpr int64_t kBlockRows = 16;                 // digit rows: one A tile
 constexpr int64_t kBlockX = kBlockRows / kDigits;  // the most rows of x written as digits
-constexpr int64_t kWideRows = 16;                  // the most rows of x on the bf16 tiles: one A tile
+constexpr int64_t kWideRows = 16;                  // rows of x on the bf16 tiles a pass: one A tile
+// The most rows of x that take the lookups walk, kWideRows at a time over each panel while it is in L2: the codes
+// are read from memory once, and each further block of rows costs a pass of lookups and tile products over
+// cached codes. Up to 64 rows that beats dequantizing each panel once (amx_widened.cc, which the prompts keep):
+// the 0.5B gate/up and down, 16 copies of each, alternating call by call in one process, went 835 -> 581 and
+// 368 -> 249 us at 24 rows, 1078 -> 889 and 364 -> 272 at 48, 1185 -> 1065 and 556 -> 439 at 64.
+constexpr int64_t kLookupRows = 64;
 // Both walks request the nibbles this many steps (64 KB) ahead into L2, a step's lines at a time. The digits'
 // tile work is so short that the loads wait on memory otherwise: touching the start of the page two steps
 // ahead (as the int8 walk does) left one-row products at 48-66% of the read bandwidth; this gives 72-82%
@@ -53,7 +60,7 @@ constexpr int64_t kStreamAheadSteps = 32;
 // What a call's rows of x are, as its walk takes them.
 struct CallRows {
   const int8_t* digits;       // 1-4 rows: [kBlockRows][lda] int8 digits (amx_digits.h)
-  const uint16_t* x_tiles;    // 5-16 rows: [kWideRows][lda / 2] bfloat16 in the pairs' order
+  const uint16_t* x_tiles;    // 5-64 rows: [kLookupRows][lda / 2] bfloat16 in the pairs' order
   int64_t lda;                // bytes from one row to the next
   const float* digit_scales;  // [M][kDigits], with digits
   const float* group_sums;    // [M][groups]: float32 sums of x over each group
@@ -103,7 +110,7 @@ void panel_sums(const CallRows& x, int64_t M, const uint8_t* nibbles, const Int4
   }
 }
 
-// ---- 5 to 16 rows: bfloat16 x against the codes as exact bfloat16 values -----------------------------------
+// ---- 5 to 64 rows: bfloat16 x against the codes as exact bfloat16 values -----------------------------------
 //
 // From five rows of x, the digits' four A rows per row of x make more tile work than the stream leaves time for
 // (at 16 rows, 64 digit rows: 16 tile products per 2 KB step, and the layers' products at 23% of the read
@@ -211,10 +218,13 @@ void wide_panel_sums(const uint16_t* x_tiles, int64_t lda, int64_t count, const 
 // Panels [p_begin, p_end) of the call (and its up projection's): y's 64 columns of each.
 void int4_panels(const Int4Call& call, const CallRows& x, int64_t p_begin, int64_t p_end) {
   const int64_t steps = (call.K + kDepth - 1) / kDepth, panel_bytes = steps * kStepNibbles;
-  alignas(64) float values[kWideRows * kPanel], up_values[kWideRows * kPanel];
+  alignas(64) float values[kLookupRows * kPanel], up_values[kLookupRows * kPanel];
   auto sums = [&](const uint8_t* nibbles, const Int4Weights& w, int64_t n0, float* out) {
     if (x.x_tiles) {
-      wide_panel_sums(x.x_tiles, x.lda, call.M, x.group_sums, nibbles, w, call.K, call.N, n0, out);
+      // Each block of rows over the whole panel: the first pass streams its codes into L2, the others reuse them.
+      for (int64_t m0 = 0; m0 < call.M; m0 += kWideRows)
+        wide_panel_sums(x.x_tiles + m0 * (x.lda / 2), x.lda, std::min(kWideRows, call.M - m0),
+                        x.group_sums + m0 * w.groups, nibbles, w, call.K, call.N, n0, out + m0 * kPanel);
     } else {
       panel_sums(x, call.M, nibbles, w, call.K, call.N, n0, out);
     }
@@ -254,7 +264,7 @@ inline void pair_order_row(const uint16_t* x, int64_t K, int64_t padded_k, uint1
 
 bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call) {
   if (!Available()) return false;
-  if (call.M > kWideRows) return Int4WidenedMatmulPacked(pool, call);
+  if (call.M > kLookupRows) return Int4WidenedMatmulPacked(pool, call);
   const bool by_digits = call.M <= kBlockX;
   const int64_t padded_k = (call.K + kDepth - 1) / kDepth * kDepth, groups = call.w.groups;
   const int64_t group_size = groups == 1 ? call.K : call.K / groups;
@@ -263,7 +273,8 @@ bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call) {
   thread_local TileVector<float> digit_scales, group_sums, row_sums;
   try {
     if (by_digits && digits.size() < static_cast<size_t>(kBlockRows * padded_k)) digits.resize(kBlockRows * padded_k);
-    if (!by_digits && x_tiles.size() < static_cast<size_t>(kWideRows * padded_k)) x_tiles.resize(kWideRows * padded_k);
+    if (!by_digits && x_tiles.size() < static_cast<size_t>(kLookupRows * padded_k))
+      x_tiles.resize(kLookupRows * padded_k);
     if (by_digits && digit_scales.size() < static_cast<size_t>(kDigits * call.M)) digit_scales.resize(kDigits * call.M);
     if (group_sums.size() < static_cast<size_t>(groups * call.M)) group_sums.resize(groups * call.M);
     if (by_digits && row_sums.size() < static_cast<size_t>(call.M)) row_sums.resize(call.M);  // digit_row's x sums

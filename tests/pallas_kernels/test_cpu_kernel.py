@@ -1168,19 +1168,19 @@ def test_int4_packing_for_amx_round_trips(inner, cols):
     np.testing.assert_array_equal(packed >> 4, steps[..., 2048:])
 
 
-@pytest.mark.parametrize("rows", [1, 4, 5, 6, 12, 16, 17, 18, 40, 100])
+@pytest.mark.parametrize("rows", [1, 4, 5, 6, 12, 16, 17, 18, 40, 65, 66, 100])
 @pytest.mark.parametrize("inner, cols, groups", [(256, 128, 2), (640, 192, 5), (200, 64, 1), (1024, 128, 16)])
 def test_int4_on_amx_matches_float64(rows, inner, cols, groups):
     """Weight-only int4 on AMX, group by group, the group scales, zero offsets (against the group's sums of x)
-    and bias in float32. Up to 4 rows on the int8 tiles (x as digits against the codes), 5 to 16 on the bf16
-    tiles (x against the codes as exact bfloat16 values): float64 of x @ ((u - 8) * scale - offset) + bias,
-    closer than a float32 product. Beyond, on the bf16 tiles against the weights dequantized to bfloat16:
-    float64 of x @ those, to float32 sums' accuracy. Rows past live_rows zeros."""
+    and bias in float32. Up to 4 rows on the int8 tiles (x as digits against the codes), 5 to 64 on the bf16
+    tiles, 16 rows at a time (x against the codes as exact bfloat16 values): float64 of x @ ((u - 8) * scale -
+    offset) + bias, closer than a float32 product. Beyond, on the bf16 tiles against the weights dequantized to
+    bfloat16: float64 of x @ those, to float32 sums' accuracy. Rows past live_rows zeros."""
     _needs_int4_on_amx()
     from paged.kernels import cpu as cpu_kernel
     rng = np.random.default_rng(rows * inner)
     live = max(rows - 1, 1)  # the rows the call computes
-    qweight, scales, offsets, w = _int4_layer(rng, inner, cols, groups, bfloat16=live > 16)
+    qweight, scales, offsets, w = _int4_layer(rng, inner, cols, groups, bfloat16=live > 64)
     bias = rng.normal(size=cols)
     x = jnp.asarray(rng.normal(size=(rows, inner)), jnp.bfloat16)
     x64 = np.asarray(x, np.float64)
@@ -1195,7 +1195,7 @@ def test_int4_on_amx_matches_float64(rows, inner, cols, groups):
     assert not np.any(got[live:])
 
 
-@pytest.mark.parametrize("rows", [1, 9, 100])
+@pytest.mark.parametrize("rows", [1, 9, 40, 100])
 def test_int4_gated_on_amx_and_defaults(rows):
     """The gated call: silu(x @ gate) * (x @ up) of two int4 layers in the same groups, one with zero offsets and
     one symmetric (none), rounded once to bfloat16 by default (over 64 rows two panels at a time, K in chunks:
