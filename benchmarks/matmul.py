@@ -15,7 +15,7 @@ read once over the time make (the roof of a memory-bound decode-sized product). 
               int4 in groups of 128 rows as GPTQ) through the engine's quantized layer (on AMX: the codes
               packed beforehand, as the engine holds them); their read fraction
               counts the codes and scales they stream; their max_rel_diff is against XLA's dot on the
-              dequantized weights (which int4 on AMX rounds to bfloat16 over 16 rows).
+              dequantized weights (which int4 on AMX rounds to bfloat16 over 64 rows).
   int8-f32x, int4-f32x  the same codes with x widened to float32 (the path without AVX-512 BF16)
   w8a8        the int8 weights with x quantized per row too, as a W8A8 layer runs on the "cpu" backend: on
               AMX-INT8 tiles with the codes packed beforehand and x quantized in the call, else through the
