@@ -253,7 +253,7 @@ void int4_panels(const Int4Call& call, const CallRows& x, int64_t p_begin, int64
 // Row x (K bfloat16) in the bf16 steps' pair order, zeros past K, into its block's A tiles: 32 k a tile of 16
 // rows (512 words), the row's 32 words of the first at `out`. Each A tile is 1 KB in one piece rather than 16 rows
 // a padded K apart: at 16 rows, the 0.5B gate/up and down, 16 copies alternating call by call in one process,
-// took 1-5% less time, and 5-7% at 64 rows, whose blocks after the first run from L2.
+// took 1-5% less time, and 5-6% at 64 rows, whose blocks after the first run from L2.
 inline void pair_order_row(const uint16_t* x, int64_t K, int64_t padded_k, uint16_t* out) {
   const __m512i order = _mm512_load_si512(kQuadMiddleSwapped);
   for (int64_t k = 0; k < padded_k; k += 32) {
