@@ -61,7 +61,7 @@ constexpr int64_t kStreamAheadSteps = 32;
 struct CallRows {
   const int8_t* digits;       // 1-4 rows: [kBlockRows][lda] int8 digits (amx_digits.h)
   const uint16_t* x_tiles;    // 5-64 rows: [kLookupRows / 16][2 * steps][16][32] bfloat16 A tiles (below)
-  int64_t lda;                // digits: bytes from one row to the next; x_tiles: words from one A block to the next
+  int64_t lda;                // digits: bytes from one row to the next
   const float* digit_scales;  // [M][kDigits], with digits
   const float* group_sums;    // [M][groups]: float32 sums of x over each group
 };
@@ -221,8 +221,9 @@ void int4_panels(const Int4Call& call, const CallRows& x, int64_t p_begin, int64
   auto sums = [&](const uint8_t* nibbles, const Int4Weights& w, int64_t n0, float* out) {
     if (x.x_tiles) {
       // Each block of rows over the whole panel: the first pass streams its codes into L2, the others reuse them.
+      // A block's tiles are 2 * steps * 512 words: block m0 / 16 starts m0 * steps * kDepth words in.
       for (int64_t m0 = 0; m0 < call.M; m0 += kWideRows)
-        wide_panel_sums(x.x_tiles + m0 / kWideRows * x.lda, std::min(kWideRows, call.M - m0),
+        wide_panel_sums(x.x_tiles + m0 * steps * kDepth, std::min(kWideRows, call.M - m0),
                         x.group_sums + m0 * w.groups, nibbles, w, call.K, call.N, n0, out + m0 * kPanel);
     } else {
       panel_sums(x, call.M, nibbles, w, call.K, call.N, n0, out);
@@ -302,7 +303,7 @@ bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call) {
     }
   });
   const CallRows rows = by_digits ? CallRows{dp, nullptr, padded_k, scale_p, group_p}
-                                  : CallRows{nullptr, xp, kWideRows * padded_k, nullptr, group_p};
+                                  : CallRows{nullptr, xp, 0, nullptr, group_p};
   const int64_t num_panels = call.N / kPanel, parts = std::min(num_panels, std::max<int64_t>(1, pool.num_threads()));
   run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
     int4_panels(call, rows, part * num_panels / parts, (part + 1) * num_panels / parts);
