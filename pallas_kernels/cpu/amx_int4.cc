@@ -123,6 +123,13 @@ void panel_sums(const CallRows& x, int64_t M, const uint8_t* nibbles, const Int4
 // quad: the tile product sums over the pairs in any order, so x's copy swaps the middle two k of every four
 // to match instead of the codes being reordered.
 
+// Row m of x in its block's first A tile (x_tiles: [blocks of kWideRows rows][padded_k / 32 tiles][16][32]
+// words); for the first row of a block, where the block's tiles start.
+template <typename T>
+inline T* row_in_tiles(T* x_tiles, int64_t m, int64_t padded_k) {
+  return x_tiles + m / kWideRows * kWideRows * padded_k + m % kWideRows * 32;
+}
+
 // Pair rows of a step of bf16 tiles: [2 halves (k 0-31, 32-63)][4 column tiles][16 pair rows][32 words].
 constexpr int64_t kWideStepWords = 2 * 4 * 512;
 
@@ -187,12 +194,12 @@ void wide_panel_sums(const uint16_t* x_tiles, int64_t count, const float* group_
         if (more)
           for (int q = 4 * i; q < 4 * i + 4; ++q) nibbles_to_bf16_chunk(next_nibbles, next, table, q);
       };
-      _tile_loadd(4, x_tiles + 2 * s * 512, 64);
+      _tile_loadd(4, x_tiles + 2 * s * kTileWords, 64);
       _tile_loadd(5, b, 64); _tile_dpbf16ps(0, 4, 5); between(0);
       _tile_loadd(6, b + 512, 64); _tile_dpbf16ps(1, 4, 6); between(1);
       _tile_loadd(5, b + 1024, 64); _tile_dpbf16ps(2, 4, 5); between(2);
       _tile_loadd(6, b + 1536, 64); _tile_dpbf16ps(3, 4, 6); between(3);
-      _tile_loadd(4, x_tiles + (2 * s + 1) * 512, 64);
+      _tile_loadd(4, x_tiles + (2 * s + 1) * kTileWords, 64);
       _tile_loadd(5, b + 2048, 64); _tile_dpbf16ps(0, 4, 5); between(4);
       _tile_loadd(6, b + 2560, 64); _tile_dpbf16ps(1, 4, 6); between(5);
       _tile_loadd(5, b + 3072, 64); _tile_dpbf16ps(2, 4, 5); between(6);
@@ -221,9 +228,8 @@ void int4_panels(const Int4Call& call, const CallRows& x, int64_t p_begin, int64
   auto sums = [&](const uint8_t* nibbles, const Int4Weights& w, int64_t n0, float* out) {
     if (x.x_tiles) {
       // Each block of rows over the whole panel: the first pass streams its codes into L2, the others reuse them.
-      // A block's tiles are 2 * steps * 512 words: block m0 / 16 starts m0 * steps * kDepth words in.
       for (int64_t m0 = 0; m0 < call.M; m0 += kWideRows)
-        wide_panel_sums(x.x_tiles + m0 * steps * kDepth, std::min(kWideRows, call.M - m0),
+        wide_panel_sums(row_in_tiles(x.x_tiles, m0, steps * kDepth), std::min(kWideRows, call.M - m0),
                         x.group_sums + m0 * w.groups, nibbles, w, call.K, call.N, n0, out + m0 * kPanel);
     } else {
       panel_sums(x, call.M, nibbles, w, call.K, call.N, n0, out);
@@ -259,7 +265,8 @@ inline void pair_order_row(const uint16_t* x, int64_t K, int64_t padded_k, uint1
   const __m512i order = _mm512_load_si512(kQuadMiddleSwapped);
   for (int64_t k = 0; k < padded_k; k += 32) {
     const __mmask32 lanes = K - k >= 32 ? ~__mmask32(0) : K > k ? (__mmask32(1) << (K - k)) - 1 : 0;
-    _mm512_store_si512(out + k / 32 * 512, _mm512_permutexvar_epi16(order, _mm512_maskz_loadu_epi16(lanes, x + k)));
+    const __m512i pairs = _mm512_permutexvar_epi16(order, _mm512_maskz_loadu_epi16(lanes, x + k));
+    _mm512_store_si512(out + k / 32 * kTileWords, pairs);
   }
 }
 
@@ -293,7 +300,7 @@ bool Int4MatmulPacked(xla::ffi::ThreadPool& pool, const Int4Call& call) {
     if (by_digits) {
       digit_row(row, call.K, padded_k, dp + m * kDigits * padded_k, scale_p + m * kDigits, row_p[m]);
     } else {
-      pair_order_row(row, call.K, padded_k, xp + m / kWideRows * kWideRows * padded_k + m % kWideRows * 32);
+      pair_order_row(row, call.K, padded_k, row_in_tiles(xp, m, padded_k));
     }
     for (int64_t g = 0; g < groups; ++g) {
       __m512 sum = _mm512_setzero_ps();
