@@ -14,7 +14,8 @@ config.json and calls:
 
 and, where the class has them (PagedModel gives defaults): split_fused(name, f) (one stored tensor as
 several), precomputed(max_positions) (tables kept beside the weights, e.g. rotary cos/sin),
-greedy_head(params, last) (a fused argmax, or None), and for a pooling model classify(params, pooled).
+greedy_head(params, last) (a fused argmax, or None), head_screen(params) (arrays the greedy head reads
+beside the weights, derived from them), and for a pooling model classify(params, pooled).
 
 Inside `hidden_states` a layer writes its new K/V with `attention.write_kv(k_cache, v_cache, layer, k, v, meta)`
 and reads the sequence's keys with `attention.attend(q, k, v, k_cache, v_cache, layer, meta, scale=...)`, whatever
@@ -71,6 +72,10 @@ class PagedModel:
 
     def greedy_head(self, params, last) -> Callable[[], jax.Array] | None:
         return None
+
+    def head_screen(self, params) -> dict:
+        del params
+        return {}
 
     def forward(self, params, kv_cache, token_ids, meta, logits_indices, attention):
         """`hidden_states` then `logits`: (logits float32 [S, V], kv_cache)."""

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from paged.models.attention import AttentionMetadata, ReferenceAttention
 from paged.models.config import ModelConfig
 from paged.models.layers import Block, activation, run_layers
-from paged.models.linear import Embedding, LastHidden, Linear, tied_greedy_head
+from paged.models.linear import GREEDY_SCREEN, Embedding, LastHidden, Linear, tied_greedy_head, tied_head_screen
 
 
 class GPT2Block(Block):
@@ -140,7 +140,11 @@ class GPT2LMHeadModel:
 
     def greedy_head(self, params, last: LastHidden) -> Callable[[], jax.Array] | None:
         """See LlamaForCausalLM.greedy_head (GPT-2's LM head is always the token table)."""
-        return tied_greedy_head(self.wte, params["wte"], last, self.config)
+        return tied_greedy_head(self.wte, params["wte"], last, self.config, params.get(GREEDY_SCREEN))
+
+    def head_screen(self, params) -> dict:
+        """See LlamaForCausalLM.head_screen."""
+        return tied_head_screen(self.wte, params["wte"], self.config)
 
     def forward(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
         """See LlamaForCausalLM.forward."""

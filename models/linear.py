@@ -31,6 +31,7 @@ import numpy as np
 from paged.models import low_precision_dot
 from paged.models.quantization import WeightQuant, dequantize, dequantize_float8, quantize_activations
 from paged.kernels import cpu
+from paged.kernels.cpu import screen as greedy_screening
 
 TENSOR_AXIS = "tensor"  # the mesh axis tensor parallelism splits weights over
 PARALLEL_STYLES = ("column", "row", "replicated")
@@ -528,9 +529,13 @@ class Embedding(nn.Module):
         return (self.backend == "cpu" and self.embedding.dtype == jnp.bfloat16 and h.ndim == 2
                 and h.shape[1] % 32 == 0 and cpu.transposed_matmul_native())
 
-    def attend_argmax(self, h: jax.Array, live_rows: jax.Array | None = None) -> jax.Array:
+    def attend_argmax(self, h: jax.Array, live_rows: jax.Array | None = None, screen: dict | None = None
+                      ) -> jax.Array:
         """int32 [S]: the first argmax of `attend(h, live_rows)`'s rows (0 past live_rows), in the same pass
-        over the table and without writing the [S, V] logits. Only where `runs_natively(h)`."""
+        over the table and without writing the [S, V] logits. Only where `runs_natively(h)`. With `screen`
+        (`tied_head_screen`'s, of this table) the same tokens through the table's int8 copy."""
+        if screen is not None:
+            return greedy_screening.screened_argmax_cpu(h.astype(jnp.bfloat16), self.embedding, screen, live_rows)
         return cpu.matmul_transposed_argmax_cpu(h.astype(jnp.bfloat16), self.embedding, live_rows)
 
 
@@ -542,17 +547,35 @@ class LastHidden(NamedTuple):
     live_rows: jax.Array
 
 
-def tied_greedy_head(table: Embedding, table_params: dict, last: LastHidden, config) -> Callable[[], jax.Array] | None:
+def tied_greedy_head(table: Embedding, table_params: dict, last: LastHidden, config, screen: dict | None = None
+                     ) -> Callable[[], jax.Array] | None:
     """For a model whose LM head is `table` (tied embeddings): a function giving the first argmax of its logits
-    without them (int32 [S], `Embedding.attend_argmax`), or None where no kernel fuses them. Also None when some
-    table rows are not tokens (a padded vocabulary) or a final soft cap applies (tanh can merge distinct
-    logits into one maximum)."""
+    without them (int32 [S], `Embedding.attend_argmax`, through `screen` where given), or None where no kernel
+    fuses them. Also None when some table rows are not tokens (a padded vocabulary) or a final soft cap applies
+    (tanh can merge distinct logits into one maximum)."""
     if config.padded_vocab_size or config.final_soft_cap:
         return None
     variables = {"params": table_params}
     if not table.apply(variables, last.h, method="runs_natively"):
         return None
-    return lambda: table.apply(variables, last.h, last.live_rows, method="attend_argmax")
+    return lambda: table.apply(variables, last.h, last.live_rows, screen, method="attend_argmax")
+
+
+# The key of `tied_head_screen`'s arrays among a model's params (beside the weights, like the rotary tables).
+GREEDY_SCREEN = "greedy_screen"
+
+
+def tied_head_screen(table: Embedding, table_params: dict, config) -> dict:
+    """{GREEDY_SCREEN: the int8 screen of a tied table} where `tied_greedy_head` runs on AMX-INT8 tiles (the
+    tokens stay the full head's: pallas_kernels/cpu/screen.py), else {}. Built from the table's current values:
+    whoever replaces the table must build it again."""
+    embedding = table_params["embedding"]
+    if (config.padded_vocab_size or config.final_soft_cap or table.backend != "cpu"
+            or embedding.dtype != jnp.bfloat16 or embedding.ndim != 2 or embedding.shape[1] % 32
+            or not greedy_screening.screen_native()):
+        return {}
+    screen = greedy_screening.greedy_screen(embedding)
+    return {} if screen is None else {GREEDY_SCREEN: jax.tree.map(jnp.asarray, screen)}
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tiled: bool | None = None) -> jax.Array:

@@ -34,7 +34,7 @@ from paged.models.config import ModelConfig
 from paged.models.layers import (Block, GatedMLP, PagedSelfAttention, RMSNorm, rotary_cos_sin,
                                  rotary_cos_sin_by_length, rotary_table,
                                  run_layers)
-from paged.models.linear import Embedding, LastHidden, Linear, tied_greedy_head
+from paged.models.linear import GREEDY_SCREEN, Embedding, LastHidden, Linear, tied_greedy_head, tied_head_screen
 from paged.models.moe import SparseMoE
 
 
@@ -316,7 +316,14 @@ class LlamaForCausalLM:
         where no kernel fuses them (`paged.models.linear.tied_greedy_head`: a tied table on the native path)."""
         if not self.config.tie_word_embeddings:
             return None
-        return tied_greedy_head(self.embed, params["embed_tokens"], last, self.config)
+        return tied_greedy_head(self.embed, params["embed_tokens"], last, self.config, params.get(GREEDY_SCREEN))
+
+    def head_screen(self, params) -> dict:
+        """Arrays for `greedy_head` to read beside the weights (`paged.models.linear.tied_head_screen`): built
+        from the table's values, so again whenever it changes. {} where none applies."""
+        if not self.config.tie_word_embeddings:
+            return {}
+        return tied_head_screen(self.embed, params["embed_tokens"], self.config)
 
     def forward(self, params, kv_cache, token_ids, meta: AttentionMetadata, logits_indices, attention):
         """`hidden_states` then `logits`: (logits float32 [S, V], kv_cache)."""

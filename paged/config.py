@@ -61,6 +61,11 @@ class EngineConfig:
                                      ("auto", "xla", "cpu", "pallas", "pallas-mosaic", "pallas-tpu", "reference"))
     linear_backend: str = _option("auto", "matmul of the projections (auto: the native CPU matmul with the cpu "
                                           "attention backend, else XLA's dot)", ("auto", "xla", "cpu"))
+    # A plain-greedy step on the native CPU path finds its tokens through an int8 copy of a tied LM head's table
+    # (pallas_kernels/cpu/screen.py): the same tokens, about half the head's bytes read a step.
+    greedy_head_screen: bool = _option(True, "greedy steps read a tied LM head's table through an int8 copy (same "
+                                             "tokens; AMX-INT8 CPUs; the copy holds half the table's bytes)",
+                                       aliases=("--no-greedy-head-screen",))
     # "scan" compiles one layer and loops over stacked weights; "unroll" compiles every layer with its own
     # weights. "auto" unrolls on CPU, where XLA copies each scanned layer's weights out of the stacked arrays
     # on every step (unrolled decode steps are 10-30% faster there, compiles slower).
@@ -202,6 +207,8 @@ class EngineConfig:
               "structured_outputs_disable_any_whitespace must be True or False, got "
               f"{self.structured_outputs_disable_any_whitespace!r}")
         check(isinstance(self.enforce_eager, bool), f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        check(isinstance(self.greedy_head_screen, bool),
+              f"greedy_head_screen must be True or False, got {self.greedy_head_screen!r}")
         check(isinstance(self.async_scheduling, bool),
               f"async_scheduling must be True or False, got {self.async_scheduling!r}")
         check(self.compilation_cache_dir is None or (isinstance(self.compilation_cache_dir, str)

@@ -22,6 +22,7 @@ from paged.logit_adjustments import build_adjustments
 from paged.models import get_attention_backend, load_model
 from paged.models.attention import resolve_backends
 from paged.models.layers import unrolled_layers
+from paged.models.linear import GREEDY_SCREEN
 from paged.models.config import ModelConfig
 from paged.models.eagle import eagle3_aux_layers
 from paged.lora import LoRAAdapter, LoRARequest, read_peft_adapter
@@ -91,7 +92,12 @@ class Worker:
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.num_blocks = self._num_blocks(config)
         precomputed = self.model.precomputed(config.max_model_len)
-        self.precomputed_keys = frozenset(precomputed)  # tables beside the weights: not saved or updated
+        # The greedy head's screen: one device's kernel (sharded tables keep the full head).
+        self.screens_head = config.greedy_head_screen and self.mesh is None and channel is None
+        if self.screens_head:
+            precomputed.update(self.model.head_screen(params))
+        # Tables beside the weights: not saved or updated.
+        self.precomputed_keys = frozenset(precomputed) | ({GREEDY_SCREEN} if self.screens_head else set())
         self.load_options = dict(dtype=config.dtype, stacked_layers=not unroll, linear_backend=self.linear_backend,
                                  mesh=self.mesh, quantization=config.quantization, device=self.device,
                                  kv_cache_scales=config.kv_cache_dtype.startswith("fp8"),
@@ -244,8 +250,15 @@ class Worker:
         # Each array placed as the one it replaces (uncommitted ones stay uncommitted: a step mixing the two
         # leaves jit's fast dispatch path).
         placed = jax.tree.map(lambda old, leaf: jax.device_put(leaf, placement_of(old)), current, new)
-        # The adapters in the LoRA slots stay where they are.
-        self.runner.params = with_lora_of({**self.runner.params, **placed}, self.runner.params)
+        # The adapters in the LoRA slots stay where they are; the greedy head's screen is rebuilt from the new
+        # table (a stale one would give the old table's tokens).
+        merged = {**self.runner.params, **placed}
+        if self.screens_head:
+            merged.pop(GREEDY_SCREEN, None)  # (a table that is no longer finite has none)
+            screen = self.model.head_screen(merged)
+            where = placement(self.mesh, self.device)
+            merged.update(screen if where is None else jax.device_put(screen, where))
+        self.runner.params = with_lora_of(merged, self.runner.params)
 
     def sleep(self) -> None:
         """Releases the KV pool's device memory (its contents are lost); `wake_up` allocates it again."""

@@ -36,11 +36,12 @@ _SOURCE_DIR = Path(__file__).parent
 _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SOURCE_DIR / "matmul.cc",
             _SOURCE_DIR / "amx.cc", _SOURCE_DIR / "amx_attention.cc", _SOURCE_DIR / "argmax.cc",
             _SOURCE_DIR / "norm.cc", _SOURCE_DIR / "transposed.cc", _SOURCE_DIR / "int8_matmul.cc",
-            _SOURCE_DIR / "amx_int8.cc", _SOURCE_DIR / "amx_int4.cc", _SOURCE_DIR / "amx_widened.cc")
+            _SOURCE_DIR / "amx_int8.cc", _SOURCE_DIR / "amx_int4.cc", _SOURCE_DIR / "amx_widened.cc",
+            _SOURCE_DIR / "amx_screen.cc")
 _HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h", _SOURCE_DIR / "amx_tiles.h",
             _SOURCE_DIR / "vector_math.h", _SOURCE_DIR / "transposed.h",
             _SOURCE_DIR / "lane_argmax.h", _SOURCE_DIR / "panels.h", _SOURCE_DIR / "amx_digits.h",
-            _SOURCE_DIR / "amx_int8_walk.h")
+            _SOURCE_DIR / "amx_int8_walk.h", _SOURCE_DIR / "amx_head.h")
 _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
@@ -53,6 +54,7 @@ _INT4_PACKED_TARGET = "int4_matmul_packed_cpu"
 _INT4_GATED_TARGET = "int4_gated_matmul_packed_cpu"
 _MATMUL_TRANSPOSED_TARGET = "matmul_transposed_cpu"
 _MATMUL_TRANSPOSED_ARGMAX_TARGET = "matmul_transposed_argmax_cpu"
+_SCREENED_ARGMAX_TARGET = "screened_argmax_cpu"
 _MATMUL_PACKED_TARGET = "matmul_packed_cpu"
 _MATMUL_PACKED_ROUNDED_TARGET = "matmul_packed_rounded_cpu"
 _GATED_MATMUL_PACKED_TARGET = "gated_matmul_packed_cpu"
@@ -68,6 +70,7 @@ _PROMPTS_ON_AMX: list[bool] = []  # filled by _load(): whether its bfloat16 prom
 _W8A8_ON_AMX: list[bool] = []  # filled by _load(): whether its W8A8 layers run on AMX-INT8 tiles
 _INT8_WEIGHTS_ON_AMX: list[bool] = []  # filled by _load(): whether weight-only int8 layers run on AMX
 _TRANSPOSED_NATIVE: list[bool] = []  # filled by _load(): whether the tied LM head's transposed calls have a kernel
+_SCREEN_NATIVE: list[bool] = []  # filled by _load(): whether the greedy head's int8 screen runs (AMX-INT8)
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -149,6 +152,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                              (_INT4_GATED_TARGET, library.Int4GatedMatmulPackedCpu),
                              (_MATMUL_TRANSPOSED_TARGET, library.MatmulTransposedCpu),
                              (_MATMUL_TRANSPOSED_ARGMAX_TARGET, library.MatmulTransposedArgmaxCpu),
+                             (_SCREENED_ARGMAX_TARGET, library.ScreenedArgmaxCpu),
                              (_MATMUL_PACKED_TARGET, library.MatmulPackedCpu),
                              (_MATMUL_PACKED_ROUNDED_TARGET, library.MatmulPackedRoundedCpu),
                              (_GATED_MATMUL_PACKED_TARGET, library.GatedMatmulPackedCpu),
@@ -164,6 +168,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
             _MATMUL_ON_AMX[:] = [bool(library.MatmulCpuBf16UsesAmx())]
             _PROMPTS_ON_AMX[:] = [bool(library.PromptAttentionUsesAmx())]
             _TRANSPOSED_NATIVE[:] = [bool(library.MatmulTransposedIsAvailable())]
+            _SCREEN_NATIVE[:] = [bool(library.ScreenedArgmaxIsAvailable())]
             _W8A8_ON_AMX[:] = [bool(library.W8A8MatmulPackedIsAvailable())]
             _INT8_WEIGHTS_ON_AMX[:] = [bool(library.Int8WeightsMatmulPackedIsAvailable())]
     except Exception as error:  # noqa: BLE001 - any failure means "use the XLA path", reported by available()

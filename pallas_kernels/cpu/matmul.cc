@@ -618,6 +618,34 @@ ffi::Error MatmulTransposedArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ff
   return ffi::Error::Success();
 }
 
+// matmul_transposed_argmax_cpu's tokens through the table's int8 screen (amx_screen.cc): x [M, K] and w [N, K]
+// bfloat16, codes int8 [ceil(N / 32) * 32 * ceil(K / 64) * 64] in the screen's tile order, stats float32
+// [3, ceil(N / 32) * 32], limits float32 [2] (the largest row norm, the largest |w|), live int32 [].
+ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer codes,
+                              ffi::Buffer<ffi::F32> stats, ffi::Buffer<ffi::F32> limits, ffi::Buffer<ffi::S32> live,
+                              ffi::ResultBuffer<ffi::S32> tokens) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1] || wd[0] < 1 || x.element_type() != ffi::DataType::BF16 ||
+      w.element_type() != ffi::DataType::BF16 || live.element_count() != 1)
+    return ffi::Error::InvalidArgument(
+        "screened_argmax_cpu: expected bfloat16 x [M, K], w [N, K] with N >= 1, a scalar live");
+  const int64_t K = xd[1], N = wd[0], padded_rows = (N + 31) / 32 * 32, K64 = (K + 63) / 64 * 64;
+  if (codes.element_type() != ffi::DataType::S8 || static_cast<int64_t>(codes.element_count()) != padded_rows * K64 ||
+      static_cast<int64_t>(stats.element_count()) != 3 * padded_rows || limits.element_count() != 2)
+    return ffi::Error::InvalidArgument("screened_argmax_cpu: the screen's codes, stats or limits do not fit w");
+  int32_t* out = tokens->typed_data();
+  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
+  std::fill(out + M, out + xd[0], 0);
+  if (M == 0) return ffi::Error::Success();
+  const paged::amx::ScreenTable table{static_cast<const int8_t*>(codes.untyped_data()), stats.typed_data(), N,
+                                      padded_rows, limits.typed_data()[0], limits.typed_data()[1]};
+  if (!paged::amx::ScreenedArgmax(pool, static_cast<const uint16_t*>(x.untyped_data()),
+                                  static_cast<const uint16_t*>(w.untyped_data()), table, out, M, K))
+    return ffi::Error::InvalidArgument("screened_argmax_cpu: needs AMX-INT8, and K a multiple of 32");
+  return ffi::Error::Success();
+}
+
 // ---- quantized weights with per-group scales (GPTQ, AWQ, compressed-tensors; int8 or packed int4) -------
 //
 // y[M, N] = x[M, K] @ W with W[k, n] = code[k, n] * scales[k / group_rows, n]: each block of weight rows
@@ -767,6 +795,25 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MatmulTransposedArgmaxCpu, MatmulTransposedArgmaxI
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxCpu, ScreenedArgmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
+
+extern "C" int ScreenedArgmaxIsAvailable() {
+#if defined(__AMX_INT8__)
+  return paged::amx::Available();
+#else
+  return 0;
+#endif
+}
 
 // x and two more operands (w and bias, or gate and up), live: the arguments both packed calls below take.
 static auto ThreeOperandsAndLive() {

@@ -1,0 +1,279 @@
+// The greedy tied LM head read at half its bytes: an int8 copy of the table screens every row, and only the
+// rows that could still be the maximum are summed exactly (amx.h: ScreenedArgmax).
+//
+// Why: at decode sizes the tied head (amx.cc: MatmulTransposedArgmax) reads the whole bfloat16 table every
+// step: 272 MB at the 0.5B shape, about 40% of an int4 model's step. The screen reads 136 MB of int8 codes.
+//
+// Exactness. For row m of x and table row n the full walk gives y[m, n], the float32 sum of the bfloat16
+// products. The screen gives s = tau_m * sigma_n * (codes(x_m) . codes(w_n)), the exact int32 product of the
+// two int8 copies times their scales, and a bound e with |y - s| <= e:
+//   |x.w - x^.w^| <= ||x|| ||w - w^|| + ||x - x^|| ||w^||   (Cauchy-Schwarz on x.(w - w^) + (x - x^).w^)
+//   |y - x.w|     <= gamma_K ||x|| ||w||                      (K float32 additions of exact products)
+// plus s's own two roundings, the rounding of e and of s +- e (relative slack), and flushed denormals (an
+// absolute floor). Per table row the loader keeps sigma_n, ||w^_n|| and ||w_n - w^_n|| + gamma_K ||w_n||
+// (rounded up: pallas_kernels/cpu: greedy_screen); per row of x the call computes tau, ||x|| and ||x - x^|| in
+// float64. The first maximum of y lies among the rows whose s + e reaches the largest s - e of the row (a
+// maximum is at least every other row's lower bound), so the union of those candidates, summed with the full
+// walk's own tile steps (amx_head.h, one float32 sum per pair whatever else shares the tile), holds every
+// maximum of every row at its exact value, and the first maximum among them is the full walk's answer.
+// Where a bound could overflow, x is not finite, or the candidates outgrow their room, the call takes the
+// full walk instead.
+//
+// Layout. The codes are B tiles in the order the walk reads them: [N32 / 32][K64 / 64 steps][2 halves][16
+// quads][16 rows][4], byte (b, s, h, q, j, e) = code of w[32 b + 16 h + j, 64 s + 4 q + e], zeros past N and K.
+// x's codes are the A tiles, row-major [32 rows a chunk][K64]. C tile (t, h): x rows 16 t.., table rows 16 h..,
+// so each row of x reads its 16 table rows' sums as one vector.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "amx.h"
+#include "amx_tiles.h"
+#include "bf16.h"
+#include "parallel.h"
+
+#if defined(PAGED_AMX) && defined(__AMX_INT8__)
+#include "amx_head.h"
+#endif
+
+namespace paged::amx {
+
+#if defined(PAGED_AMX) && defined(__AMX_INT8__)
+namespace {
+
+constexpr int64_t kBlockRows = 32;     // table rows a block: two B tiles
+constexpr int64_t kStep = 64;          // int8 k a tile step
+constexpr int64_t kTileBytes = 1024;
+constexpr int64_t kCapacity = 1024;    // candidates a thread keeps for a row of x before compacting them
+constexpr int64_t kRefreshBlocks = 4;  // blocks between refreshes of each row's threshold
+constexpr float kRelativeSlack = 1.0f + 0x1p-20f;
+
+// What a row of x brings to the bound: s = scale * sigma_n * I, e = norm * b_n + residual * a_n (+ slack).
+struct RowScreen {
+  float scale, norm, residual, floor;
+};
+
+// A float not below v (v >= 0).
+inline float rounded_up(double v) { return static_cast<float>(v * (1.0 + 0x1p-20)); }
+
+// Row m of x as int8 codes (K64 bytes, zeros past K) and its screen; false when x is not finite or a bound
+// could overflow.
+bool screen_row(const uint16_t* x, int64_t K, int64_t K64, const ScreenTable& table, int8_t* codes,
+                RowScreen& row) {
+  float peak = 0.0f;
+  for (int64_t k = 0; k < K; ++k) peak = std::max(peak, std::fabs(bf16_to_float(x[k])));
+  if (!std::isfinite(peak)) return false;
+  const float scale = peak / 127.0f;
+  double norm = 0.0, residual = 0.0;
+  std::memset(codes, 0, K64);
+  for (int64_t k = 0; k < K; ++k) {
+    const double v = bf16_to_float(x[k]);
+    const float code = scale > 0.0f ? std::clamp(std::nearbyint(static_cast<float>(v) / scale), -127.0f, 127.0f) : 0.0f;
+    codes[k] = static_cast<int8_t>(code);
+    const double rest = v - static_cast<double>(scale) * code;
+    norm += v * v;
+    residual += rest * rest;
+  }
+  norm = std::sqrt(norm);
+  if (!(norm * table.norm_max <= 0x1p100)) return false;
+  // Flushed denormals: a product with a denormal factor (< 2^-126 times the other's peak) and a sum flushed
+  // to zero, at most one each a step; 2^-80 for the float32 epilogue's own underflows.
+  row = RowScreen{scale, rounded_up(norm), rounded_up(std::sqrt(residual)),
+                  rounded_up(0x1p-80 + K * 0x1p-125 * (1.0 + peak + table.peak))};
+  return true;
+}
+
+// A thread's candidates for one row of x: table rows whose upper bound reached the threshold when seen.
+struct Candidates {
+  __m512 lower_max;      // per lane, the largest lower bound seen
+  float threshold;       // the largest lower bound when last refreshed
+  int64_t count;
+  int32_t* rows;
+  float* upper;
+};
+
+float lanes_max(__m512 v) { return _mm512_reduce_max_ps(v); }
+
+// Keeps only the candidates whose upper bound reaches the refreshed threshold.
+void compact(Candidates& c) {
+  c.threshold = lanes_max(c.lower_max);
+  int64_t kept = 0;
+  for (int64_t i = 0; i < c.count; ++i)
+    if (c.upper[i] >= c.threshold) c.rows[kept] = c.rows[i], c.upper[kept++] = c.upper[i];
+  c.count = kept;
+}
+
+struct ThreadScreen {
+  std::vector<Candidates> rows;
+  TileVector<int32_t> row_ids;
+  TileVector<float> uppers;
+  bool overflow = false;
+};
+
+// Table rows [n_begin, n_end) (whole blocks) against every row of x: each row's candidates into `own`.
+void screen_rows(const ScreenTable& table, const int8_t* x_codes, const RowScreen* x_rows, int64_t M,
+                 int64_t K64, int64_t n_begin, int64_t n_end, ThreadScreen& own) {
+  configure_tiles();
+  const int64_t steps = K64 / kStep, block_bytes = steps * 2 * kTileBytes, chunks = (M + 31) / 32;
+  const int64_t N32 = table.padded_rows;
+  alignas(64) int32_t sums[4][16][16];
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  for (int64_t n0 = n_begin, block = 0; n0 < n_end; n0 += kBlockRows, ++block) {
+    const int8_t* b = table.codes + n0 / kBlockRows * block_bytes;
+    const char* ahead = n0 + kBlockRows < n_end ? reinterpret_cast<const char*>(b + block_bytes) : nullptr;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t rows_m = std::min<int64_t>(32, M - 32 * c);
+      const int8_t* a = x_codes + 32 * c * K64;
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t s = 0; s < steps; ++s) {
+        // The next block into L2 during the first chunk, a step's share at a time; step s + 2 into L1.
+        if (ahead && c == 0)
+          for (int64_t i = 0; i < 2 * kTileBytes / 64; ++i) _mm_prefetch(ahead + s * 2 * kTileBytes + 64 * i, _MM_HINT_T1);
+        if (s + 2 < steps)
+          for (int64_t i = 0; i < 2 * kTileBytes / 64; ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(b + (s + 2) * 2 * kTileBytes) + 64 * i, _MM_HINT_T0);
+        _tile_loadd(6, b + s * 2 * kTileBytes, 64);
+        _tile_loadd(7, b + s * 2 * kTileBytes + kTileBytes, 64);
+        _tile_loadd(4, a + s * kStep, K64);
+        _tile_dpbssd(0, 4, 6);
+        _tile_dpbssd(1, 4, 7);
+        if (rows_m > 16) {
+          _tile_loadd(5, a + 16 * K64 + s * kStep, K64);
+          _tile_dpbssd(2, 5, 6);
+          _tile_dpbssd(3, 5, 7);
+        }
+      }
+      _tile_stored(0, sums[0], 64);
+      _tile_stored(1, sums[1], 64);
+      _tile_stored(2, sums[2], 64);
+      _tile_stored(3, sums[3], 64);
+      for (int64_t h = 0; h < 2; ++h) {
+        const int64_t first = n0 + 16 * h;
+        const __mmask16 valid = _mm512_cmp_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(first)),
+                                                      _mm512_set1_epi32(table.rows), _MM_CMPINT_LT);
+        const __m512 sigma = _mm512_loadu_ps(table.stats + first);
+        const __m512 code_norm = _mm512_loadu_ps(table.stats + N32 + first);
+        const __m512 slack = _mm512_loadu_ps(table.stats + 2 * N32 + first);
+        for (int64_t r = 0; r < rows_m; ++r) {
+          const RowScreen& xr = x_rows[32 * c + r];
+          Candidates& cand = own.rows[32 * c + r];
+          const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[2 * (r / 16) + h][r % 16]));
+          const __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(xr.scale), sigma), sum);
+          __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(xr.norm), slack, _mm512_mul_ps(_mm512_set1_ps(xr.residual), code_norm));
+          e = _mm512_fmadd_ps(_mm512_abs_ps(s), _mm512_set1_ps(0x1p-22f), e);
+          e = _mm512_fmadd_ps(e, _mm512_set1_ps(kRelativeSlack), _mm512_set1_ps(xr.floor));
+          const __m512 upper = _mm512_add_ps(s, e);
+          cand.lower_max = _mm512_mask_max_ps(cand.lower_max, valid, cand.lower_max, _mm512_sub_ps(s, e));
+          const __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, upper, _mm512_set1_ps(cand.threshold), _CMP_GE_OQ);
+          if (!keep) continue;
+          if (cand.count + 16 > kCapacity) {
+            compact(cand);
+            if (cand.count > kCapacity / 2) own.overflow = true, cand.count = 0;
+          }
+          _mm512_mask_compressstoreu_epi32(cand.rows + cand.count, keep, _mm512_add_epi32(lane, _mm512_set1_epi32(first)));
+          _mm512_mask_compressstoreu_ps(cand.upper + cand.count, keep, upper);
+          cand.count += __builtin_popcount(keep);
+        }
+      }
+    }
+    if (block % kRefreshBlocks == kRefreshBlocks - 1)
+      for (int64_t m = 0; m < M; ++m) own.rows[m].threshold = lanes_max(own.rows[m].lower_max);
+  }
+  _tile_release();
+}
+
+// tokens[m] = the first maximum of row m's exact sums over `rows` (ascending table rows that hold every
+// maximum of every row), with the full walk's tile steps.
+void exact_among(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, const std::vector<int32_t>& rows,
+                 int32_t* tokens) {
+  configure_tiles();
+  const int64_t steps = K / head::kDepth, chunks = (M + head::kRows - 1) / head::kRows;
+  thread_local TileVector<uint16_t> xb, gathered;
+  xb.resize(chunks * steps * 2 * kTileWords);
+  for (int64_t c = 0; c < chunks; ++c)
+    head::pack_rows_as_pairs(x, M, K, c * head::kRows, xb.data() + c * steps * 2 * kTileWords);
+  std::vector<float> best(M, -INFINITY);
+  std::vector<int32_t> first(M, rows.front());
+  alignas(64) head::TransposedBlock block;
+  gathered.resize(32 * K);
+  for (size_t g = 0; g < rows.size(); g += 32) {
+    const int64_t count = std::min<int64_t>(32, rows.size() - g);
+    std::fill(gathered.begin(), gathered.end(), 0);
+    for (int64_t j = 0; j < count; ++j) std::memcpy(gathered.data() + j * K, w + rows[g + j] * K, K * 2);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const int64_t rows_m = std::min(head::kRows, M - c * head::kRows);
+      head::transposed_block(gathered.data(), xb.data() + c * steps * 2 * kTileWords, K, rows_m, nullptr, 0, block);
+      for (int64_t r = 0; r < rows_m; ++r)
+        for (int64_t j = 0; j < count; ++j) {
+          float v = block[2 * (j / 16) + r / 16][j % 16][r % 16];
+          if (std::isnan(v)) v = INFINITY;  // as first_argmax
+          if (v > best[c * head::kRows + r]) best[c * head::kRows + r] = v, first[c * head::kRows + r] = rows[g + j];
+        }
+    }
+  }
+  _tile_release();
+  std::copy(first.begin(), first.end(), tokens);
+}
+
+}  // namespace
+
+bool ScreenedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, const ScreenTable& table,
+                    int32_t* tokens, int64_t M, int64_t K) {
+  if (!Available() || K % head::kDepth) return false;
+  const int64_t K64 = (K + kStep - 1) / kStep * kStep, chunks = (M + 31) / 32;
+  thread_local TileVector<int8_t> x_codes;  // (a thread_local is each thread's own: helpers get its data())
+  x_codes.assign(chunks * 32 * K64, 0);
+  const int8_t* codes = x_codes.data();
+  std::vector<RowScreen> x_rows(chunks * 32);
+  bool screened = true;
+  for (int64_t m = 0; m < M && screened; ++m) screened = screen_row(x + m * K, K, K64, table, x_codes.data() + m * K64, x_rows[m]);
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  std::vector<ThreadScreen> parts(threads);
+  int64_t used = 0;
+  if (screened) {
+    used = head::split_table(pool, table.padded_rows, [&](int64_t part, int64_t n_begin, int64_t n_end) {
+      ThreadScreen& own = parts[part];
+      own.row_ids.resize(M * kCapacity);
+      own.uppers.resize(M * kCapacity);
+      own.rows.assign(M, Candidates{_mm512_set1_ps(-INFINITY), -INFINITY, 0, nullptr, nullptr});
+      for (int64_t m = 0; m < M; ++m)
+        own.rows[m].rows = own.row_ids.data() + m * kCapacity, own.rows[m].upper = own.uppers.data() + m * kCapacity;
+      screen_rows(table, codes, x_rows.data(), M, K64, n_begin, n_end, own);
+    });
+  }
+  // Every thread's candidates that reach their row's largest lower bound over all threads.
+  std::vector<int32_t> rows;
+  for (int64_t part = 0; part < used && screened; ++part) screened = !parts[part].overflow;
+  for (int64_t m = 0; m < M && screened; ++m) {
+    float threshold = -INFINITY;
+    for (int64_t part = 0; part < used; ++part) threshold = std::max(threshold, lanes_max(parts[part].rows[m].lower_max));
+    for (int64_t part = 0; part < used; ++part) {
+      const Candidates& c = parts[part].rows[m];
+      for (int64_t i = 0; i < c.count; ++i)
+        if (c.upper[i] >= threshold) rows.push_back(c.rows[i]);
+    }
+    screened = static_cast<int64_t>(rows.size()) <= table.rows / 8;
+  }
+  if (!screened || rows.empty()) return MatmulTransposedArgmax(pool, x, w, tokens, M, K, table.rows);
+  std::sort(rows.begin(), rows.end());
+  rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
+  exact_among(x, w, M, K, rows, tokens);
+  return true;
+}
+
+#else
+
+bool ScreenedArgmax(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, const ScreenTable&, int32_t*, int64_t,
+                    int64_t) {
+  return false;
+}
+
+#endif
+
+}  // namespace paged::amx
