@@ -9,7 +9,8 @@
 // two int8 copies times their scales, and a bound e with |y - s| <= e:
 //   |x.w - x^.w^| <= ||x|| ||w - w^|| + ||x - x^|| ||w^||   (Cauchy-Schwarz on x.(w - w^) + (x - x^).w^)
 //   |y - x.w|     <= gamma_K ||x|| ||w||                      (K float32 additions of exact products)
-// plus s's own two roundings, the rounding of e and of s +- e (relative slack), and flushed denormals (an
+// plus s's own two roundings and those of s +- e (each below 2^-23 |s| <= 2^-23 ||x^|| ||w^||: charged to the
+// ||w^|| term), the rounding of e (its per-row factors carry a relative 2^-20 over), and flushed denormals (an
 // absolute floor). Per table row the loader keeps sigma_n, ||w^_n|| and ||w_n - w^_n|| + gamma_K ||w_n||
 // (rounded up: pallas_kernels/cpu: greedy_screen); per row of x the call computes tau, ||x|| and ||x - x^|| in
 // float64. The first maximum of y lies among the rows whose s + e reaches the largest s - e of the row (a
@@ -49,9 +50,9 @@ constexpr int64_t kStep = 64;          // int8 k a tile step
 constexpr int64_t kTileBytes = 1024;
 constexpr int64_t kCapacity = 1024;    // candidates a thread keeps for a row of x before compacting them
 constexpr int64_t kRefreshBlocks = 4;  // blocks between refreshes of each row's threshold
-constexpr float kRelativeSlack = 1.0f + 0x1p-20f;
 
-// What a row of x brings to the bound: s = scale * sigma_n * I, e = norm * b_n + residual * a_n (+ slack).
+// What a row of x brings to the bound: s = scale * sigma_n * I, e = norm * b_n + residual * a_n + floor, the
+// three factors carrying every slack (screen_row).
 struct RowScreen {
   float scale, norm, residual, floor;
 };
@@ -79,16 +80,20 @@ bool screen_row(const uint16_t* x, int64_t K, int64_t K64, const ScreenTable& ta
   }
   norm = std::sqrt(norm);
   if (!(norm * table.norm_max <= 0x1p100)) return false;
+  // ||x^|| <= ||x|| + ||x - x^||: s's roundings and those of s +- e, 2^-21 ||x^|| in all, join x - x^'s factor.
+  const double residual_norm = std::sqrt(residual), coded_norm = norm + residual_norm;
   // Flushed denormals: a product with a denormal factor (< 2^-126 times the other's peak) and a sum flushed
   // to zero, at most one each a step; 2^-80 for the float32 epilogue's own underflows.
-  row = RowScreen{scale, rounded_up(norm), rounded_up(std::sqrt(residual)),
+  row = RowScreen{scale, rounded_up(norm), rounded_up(residual_norm + 0x1p-21 * coded_norm),
                   rounded_up(0x1p-80 + K * 0x1p-125 * (1.0 + peak + table.peak))};
   return true;
 }
 
-// A thread's candidates for one row of x: table rows whose upper bound reached the threshold when seen.
+// A thread's candidates for one row of x: table rows whose upper bound reached the threshold when seen. The
+// row with the largest lower bound is always among them (its upper bound is above every lower one), so the
+// candidates' lower bounds are enough to raise the threshold.
 struct Candidates {
-  __m512 lower_max;      // per lane, the largest lower bound seen
+  __m512 lower_max;      // per lane, the largest lower bound among the candidates
   float threshold;       // the largest lower bound when last refreshed
   int64_t count;
   int32_t* rows;
@@ -165,13 +170,13 @@ void screen_rows(const ScreenTable& table, const int8_t* x_codes, const RowScree
           Candidates& cand = own.rows[32 * c + r];
           const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[2 * (r / 16) + h][r % 16]));
           const __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(xr.scale), sigma), sum);
-          __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(xr.norm), slack, _mm512_mul_ps(_mm512_set1_ps(xr.residual), code_norm));
-          e = _mm512_fmadd_ps(_mm512_abs_ps(s), _mm512_set1_ps(0x1p-22f), e);
-          e = _mm512_fmadd_ps(e, _mm512_set1_ps(kRelativeSlack), _mm512_set1_ps(xr.floor));
+          const __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(xr.norm), slack,
+                                           _mm512_fmadd_ps(_mm512_set1_ps(xr.residual), code_norm,
+                                                           _mm512_set1_ps(xr.floor)));
           const __m512 upper = _mm512_add_ps(s, e);
-          cand.lower_max = _mm512_mask_max_ps(cand.lower_max, valid, cand.lower_max, _mm512_sub_ps(s, e));
           const __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, upper, _mm512_set1_ps(cand.threshold), _CMP_GE_OQ);
           if (!keep) continue;
+          cand.lower_max = _mm512_mask_max_ps(cand.lower_max, keep, cand.lower_max, _mm512_sub_ps(s, e));
           if (cand.count + 16 > kCapacity) {
             compact(cand);
             if (cand.count > kCapacity / 2) own.overflow = true, cand.count = 0;
@@ -189,36 +194,48 @@ void screen_rows(const ScreenTable& table, const int8_t* x_codes, const RowScree
 }
 
 // tokens[m] = the first maximum of row m's exact sums over `rows` (ascending table rows that hold every
-// maximum of every row), with the full walk's tile steps.
-void exact_among(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K, const std::vector<int32_t>& rows,
-                 int32_t* tokens) {
-  configure_tiles();
+// maximum of every row), with the full walk's tile steps; the rows in 32-row groups, a run of groups a thread.
+void exact_among(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, int64_t M, int64_t K,
+                 const std::vector<int32_t>& rows, int32_t* tokens) {
   const int64_t steps = K / head::kDepth, chunks = (M + head::kRows - 1) / head::kRows;
-  thread_local TileVector<uint16_t> xb, gathered;
-  xb.resize(chunks * steps * 2 * kTileWords);
+  TileVector<uint16_t> xb(chunks * steps * 2 * kTileWords);
   for (int64_t c = 0; c < chunks; ++c)
     head::pack_rows_as_pairs(x, M, K, c * head::kRows, xb.data() + c * steps * 2 * kTileWords);
-  std::vector<float> best(M, -INFINITY);
-  std::vector<int32_t> first(M, rows.front());
-  alignas(64) head::TransposedBlock block;
-  gathered.resize(32 * K);
-  for (size_t g = 0; g < rows.size(); g += 32) {
-    const int64_t count = std::min<int64_t>(32, rows.size() - g);
-    std::fill(gathered.begin(), gathered.end(), 0);
-    for (int64_t j = 0; j < count; ++j) std::memcpy(gathered.data() + j * K, w + rows[g + j] * K, K * 2);
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int64_t rows_m = std::min(head::kRows, M - c * head::kRows);
-      head::transposed_block(gathered.data(), xb.data() + c * steps * 2 * kTileWords, K, rows_m, nullptr, 0, block);
-      for (int64_t r = 0; r < rows_m; ++r)
-        for (int64_t j = 0; j < count; ++j) {
-          float v = block[2 * (j / 16) + r / 16][j % 16][r % 16];
-          if (std::isnan(v)) v = INFINITY;  // as first_argmax
-          if (v > best[c * head::kRows + r]) best[c * head::kRows + r] = v, first[c * head::kRows + r] = rows[g + j];
-        }
+  const int64_t groups = (static_cast<int64_t>(rows.size()) + 31) / 32;
+  const int64_t parts = std::min(groups, std::max<int64_t>(1, pool.num_threads()));
+  std::vector<std::vector<float>> best(parts, std::vector<float>(M, -INFINITY));
+  std::vector<std::vector<int32_t>> first(parts, std::vector<int32_t>(M, rows.front()));
+  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
+    configure_tiles();
+    TileVector<uint16_t> gathered(32 * K);
+    alignas(64) head::TransposedBlock block;
+    for (int64_t g = part * groups / parts * 32; g < (part + 1) * groups / parts * 32; g += 32) {
+      const int64_t count = std::min<int64_t>(32, rows.size() - g);
+      for (int64_t j = 0; j < 32; ++j)
+        if (j < count) std::memcpy(gathered.data() + j * K, w + rows[g + j] * K, K * sizeof(uint16_t));
+        else std::memset(gathered.data() + j * K, 0, K * sizeof(uint16_t));
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t rows_m = std::min(head::kRows, M - c * head::kRows);
+        head::transposed_block(gathered.data(), xb.data() + c * steps * 2 * kTileWords, K, rows_m, nullptr, 0,
+                               block);
+        for (int64_t r = 0; r < rows_m; ++r)
+          for (int64_t j = 0; j < count; ++j) {
+            float v = block[2 * (j / 16) + r / 16][j % 16][r % 16];
+            if (std::isnan(v)) v = INFINITY;  // as first_argmax
+            const int64_t m = c * head::kRows + r;
+            if (v > best[part][m]) best[part][m] = v, first[part][m] = rows[g + j];
+          }
+      }
     }
+    _tile_release();
+  });
+  // Parts in table order: a later part's row replaces an earlier one's only where it is greater.
+  for (int64_t m = 0; m < M; ++m) {
+    int64_t winner = 0;
+    for (int64_t part = 1; part < parts; ++part)
+      if (best[part][m] > best[winner][m]) winner = part;
+    tokens[m] = first[winner][m];
   }
-  _tile_release();
-  std::copy(first.begin(), first.end(), tokens);
 }
 
 }  // namespace
@@ -263,7 +280,7 @@ bool ScreenedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_
   if (!screened || rows.empty()) return MatmulTransposedArgmax(pool, x, w, tokens, M, K, table.rows);
   std::sort(rows.begin(), rows.end());
   rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
-  exact_among(x, w, M, K, rows, tokens);
+  exact_among(pool, x, w, M, K, rows, tokens);
   return true;
 }
 
