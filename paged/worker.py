@@ -92,8 +92,10 @@ class Worker:
         self.max_blocks_per_seq = -(-config.max_model_len // config.block_size)
         self.num_blocks = self._num_blocks(config)
         precomputed = self.model.precomputed(config.max_model_len)
-        # The greedy head's screen: one device's kernel (sharded tables keep the full head).
-        self.screens_head = config.greedy_head_screen and self.mesh is None and channel is None
+        # The greedy head's screen: one device's kernel (sharded tables keep the full head); pooling models
+        # have no LM head to screen.
+        self.screens_head = (config.greedy_head_screen and self.mesh is None and channel is None
+                             and pooling is None)
         if self.screens_head:
             precomputed.update(self.model.head_screen(params))
         # Tables beside the weights: not saved or updated.

@@ -95,6 +95,8 @@ def test_the_screened_greedy_head_gives_the_logits_tokens(wide_tied_dir):
     plain = _tied_llm(wide_tied_dir, greedy_head_screen=False)
     assert GREEDY_SCREEN not in plain.engine.worker.runner.params
     assert _fused_and_logits_tokens(plain, prompts)[0] == fused
+    # A pooling engine over the same checkpoint has no LM head step to screen.
+    assert GREEDY_SCREEN not in _tied_llm(wide_tied_dir, runner="pooling").engine.worker.runner.params
 
 
 def test_updated_weights_rebuild_the_screen(wide_tied_dir):
