@@ -139,7 +139,8 @@ void screen_rows(const ScreenTable& table, const int8_t* x_codes, const RowScree
       for (int64_t s = 0; s < steps; ++s) {
         // The next block into L2 during the first chunk, a step's share at a time; step s + 2 into L1.
         if (ahead && c == 0)
-          for (int64_t i = 0; i < 2 * kTileBytes / 64; ++i) _mm_prefetch(ahead + s * 2 * kTileBytes + 64 * i, _MM_HINT_T1);
+          for (int64_t i = 0; i < 2 * kTileBytes / 64; ++i)
+            _mm_prefetch(ahead + s * 2 * kTileBytes + 64 * i, _MM_HINT_T1);
         if (s + 2 < steps)
           for (int64_t i = 0; i < 2 * kTileBytes / 64; ++i)
             _mm_prefetch(reinterpret_cast<const char*>(b + (s + 2) * 2 * kTileBytes) + 64 * i, _MM_HINT_T0);
@@ -181,7 +182,8 @@ void screen_rows(const ScreenTable& table, const int8_t* x_codes, const RowScree
             compact(cand);
             if (cand.count > kCapacity / 2) own.overflow = true, cand.count = 0;
           }
-          _mm512_mask_compressstoreu_epi32(cand.rows + cand.count, keep, _mm512_add_epi32(lane, _mm512_set1_epi32(first)));
+          _mm512_mask_compressstoreu_epi32(cand.rows + cand.count, keep,
+                                           _mm512_add_epi32(lane, _mm512_set1_epi32(first)));
           _mm512_mask_compressstoreu_ps(cand.upper + cand.count, keep, upper);
           cand.count += __builtin_popcount(keep);
         }
@@ -249,7 +251,8 @@ bool ScreenedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_
   const int8_t* codes = x_codes.data();
   std::vector<RowScreen> x_rows(chunks * 32);
   bool screened = true;
-  for (int64_t m = 0; m < M && screened; ++m) screened = screen_row(x + m * K, K, K64, table, x_codes.data() + m * K64, x_rows[m]);
+  for (int64_t m = 0; m < M && screened; ++m)
+    screened = screen_row(x + m * K, K, K64, table, x_codes.data() + m * K64, x_rows[m]);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   std::vector<ThreadScreen> parts(threads);
   int64_t used = 0;
@@ -269,7 +272,8 @@ bool ScreenedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_
   for (int64_t part = 0; part < used && screened; ++part) screened = !parts[part].overflow;
   for (int64_t m = 0; m < M && screened; ++m) {
     float threshold = -INFINITY;
-    for (int64_t part = 0; part < used; ++part) threshold = std::max(threshold, lanes_max(parts[part].rows[m].lower_max));
+    for (int64_t part = 0; part < used; ++part)
+      threshold = std::max(threshold, lanes_max(parts[part].rows[m].lower_max));
     for (int64_t part = 0; part < used; ++part) {
       const Candidates& c = parts[part].rows[m];
       for (int64_t i = 0; i < c.count; ++i)
