@@ -55,6 +55,7 @@ _INT4_GATED_TARGET = "int4_gated_matmul_packed_cpu"
 _MATMUL_TRANSPOSED_TARGET = "matmul_transposed_cpu"
 _MATMUL_TRANSPOSED_ARGMAX_TARGET = "matmul_transposed_argmax_cpu"
 _SCREENED_ARGMAX_TARGET = "screened_argmax_cpu"
+_BUILD_SCREEN_TARGET = "greedy_screen_cpu"
 _MATMUL_PACKED_TARGET = "matmul_packed_cpu"
 _MATMUL_PACKED_ROUNDED_TARGET = "matmul_packed_rounded_cpu"
 _GATED_MATMUL_PACKED_TARGET = "gated_matmul_packed_cpu"
@@ -153,6 +154,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                              (_MATMUL_TRANSPOSED_TARGET, library.MatmulTransposedCpu),
                              (_MATMUL_TRANSPOSED_ARGMAX_TARGET, library.MatmulTransposedArgmaxCpu),
                              (_SCREENED_ARGMAX_TARGET, library.ScreenedArgmaxCpu),
+                             (_BUILD_SCREEN_TARGET, library.BuildScreenCpu),
                              (_MATMUL_PACKED_TARGET, library.MatmulPackedCpu),
                              (_MATMUL_PACKED_ROUNDED_TARGET, library.MatmulPackedRoundedCpu),
                              (_GATED_MATMUL_PACKED_TARGET, library.GatedMatmulPackedCpu),

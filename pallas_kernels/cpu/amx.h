@@ -125,6 +125,11 @@ struct ScreenTable {
   float peak;            // the largest |w|
 };
 
+// The screen of w [N, K] bfloat16 into codes (ScreenTable's order), stats and limits [2] (norm_max, peak), on
+// any CPU. False: w is not finite (no screen bounds it; the outputs are then partly written).
+bool BuildScreen(xla::ffi::ThreadPool& pool, const uint16_t* w, int64_t N, int64_t K, int8_t* codes, float* stats,
+                 float* limits);
+
 // MatmulTransposedArgmax's tokens for w [table.rows, K] (the same first maximum of the same float32 sums),
 // reading the int8 screen and then only the rows that could hold a maximum (or, where the screen cannot
 // decide, the whole table). False: no AMX-INT8 here, or K is not a multiple of 32.

@@ -297,4 +297,62 @@ bool ScreenedArgmax(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, con
 
 #endif
 
+// The screen of a table (any CPU): each 32-row block of rows on one thread, each row in one pass, float64 sums.
+// sigma_n = float32(max|w_n| / 127) and codes round(w_n / sigma_n) (ties to even, clipped to +-127) are
+// numpy's float64 arithmetic on the same values, so the codes are what the reference builder gives.
+bool BuildScreen(xla::ffi::ThreadPool& pool, const uint16_t* w, int64_t N, int64_t K, int8_t* codes, float* stats,
+                 float* limits) {
+  const int64_t padded_rows = (N + 31) / 32 * 32, K64 = (K + 63) / 64 * 64, steps = K64 / 64;
+  const int64_t blocks = padded_rows / 32;
+  const double gamma = K * 0x1p-24 / (1.0 - K * 0x1p-24);
+  std::vector<double> norm_max(blocks, 0.0), peak_max(blocks, 0.0);
+  std::vector<char> finite(blocks, 1);
+  run_parallel(&pool, blocks, 16, blocks - 1, [&](int64_t b) {
+    std::vector<double> row(K);
+    for (int64_t n = 32 * b; n < 32 * b + 32; ++n) {
+      const int64_t h = (n % 32) / 16, j = n % 16;
+      // Byte (b, s, h, q, j, e) of the tile order is the code of w[n, 64 s + 4 q + e].
+      auto code_at = [&](int64_t k) -> int8_t& {
+        return codes[((((b * steps + k / 64) * 2 + h) * 16 + (k % 64) / 4) * 16 + j) * 4 + k % 4];
+      };
+      if (n >= N) {
+        for (int64_t k = 0; k < K64; ++k) code_at(k) = 0;
+        for (int i = 0; i < 3; ++i) stats[i * padded_rows + n] = 0.0f;
+        continue;
+      }
+      double peak = 0.0;
+      bool row_finite = true;
+      for (int64_t k = 0; k < K; ++k) {
+        row[k] = bf16_to_float(w[n * K + k]);
+        row_finite = row_finite && std::isfinite(row[k]);
+        peak = std::max(peak, std::fabs(row[k]));
+      }
+      if (!row_finite) {
+        finite[b] = 0;
+        continue;
+      }
+      const float sigma = static_cast<float>(peak / 127.0);
+      double approx_sq = 0.0, error_sq = 0.0, norm_sq = 0.0;
+      for (int64_t k = 0; k < K64; ++k) {
+        const double code = k < K && sigma > 0.0f ? std::clamp(std::nearbyint(row[k] / sigma), -127.0, 127.0) : 0.0;
+        code_at(k) = static_cast<int8_t>(code);
+        if (k >= K) continue;
+        const double approx = code * sigma;
+        approx_sq += approx * approx;
+        error_sq += (row[k] - approx) * (row[k] - approx);
+        norm_sq += row[k] * row[k];
+      }
+      stats[n] = sigma;
+      stats[padded_rows + n] = static_cast<float>(std::sqrt(approx_sq) * (1.0 + 0x1p-20));
+      const double slack = std::sqrt(error_sq) + gamma * std::sqrt(norm_sq);
+      stats[2 * padded_rows + n] = static_cast<float>(slack * (1.0 + 0x1p-20));
+      norm_max[b] = std::max(norm_max[b], std::sqrt(norm_sq)), peak_max[b] = std::max(peak_max[b], peak);
+    }
+  });
+  if (std::find(finite.begin(), finite.end(), 0) != finite.end()) return false;
+  limits[0] = static_cast<float>(*std::max_element(norm_max.begin(), norm_max.end()) * (1.0 + 0x1p-20));
+  limits[1] = static_cast<float>(*std::max_element(peak_max.begin(), peak_max.end()));
+  return true;
+}
+
 }  // namespace paged::amx

@@ -28,6 +28,7 @@
 // the model to keep XLA's dot.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -646,6 +647,24 @@ ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
   return ffi::Error::Success();
 }
 
+// The screen of a table w [N, K] bfloat16 (amx_screen.cc: BuildScreen): codes int8 [ceil(N / 32) * 32 *
+// ceil(K / 64) * 64], stats float32 [3, ceil(N / 32) * 32], limits float32 [2] (both NaN where w is not finite).
+ffi::Error BuildScreenImpl(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::S8> codes,
+                           ffi::ResultBuffer<ffi::F32> stats, ffi::ResultBuffer<ffi::F32> limits) {
+  const auto wd = w.dimensions();
+  if (wd.size() != 2 || wd[0] < 1 || w.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("greedy_screen_cpu: expected a bfloat16 table [N, K] with N >= 1");
+  const int64_t N = wd[0], K = wd[1], padded_rows = (N + 31) / 32 * 32, K64 = (K + 63) / 64 * 64;
+  if (static_cast<int64_t>(codes->element_count()) != padded_rows * K64 ||
+      static_cast<int64_t>(stats->element_count()) != 3 * padded_rows || limits->element_count() != 2)
+    return ffi::Error::InvalidArgument("greedy_screen_cpu: the outputs do not fit the table");
+  float* out_limits = limits->typed_data();
+  if (!paged::amx::BuildScreen(pool, static_cast<const uint16_t*>(w.untyped_data()), N, K, codes->typed_data(),
+                               stats->typed_data(), out_limits))
+    out_limits[0] = out_limits[1] = NAN;
+  return ffi::Error::Success();
+}
+
 // ---- quantized weights with per-group scales (GPTQ, AWQ, compressed-tensors; int8 or packed int4) -------
 //
 // y[M, N] = x[M, K] @ W with W[k, n] = code[k, n] * scales[k / group_rows, n]: each block of weight rows
@@ -806,6 +825,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(ScreenedArgmaxCpu, ScreenedArgmaxImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(BuildScreenCpu, BuildScreenImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S8>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 extern "C" int ScreenedArgmaxIsAvailable() {
 #if defined(__AMX_INT8__)

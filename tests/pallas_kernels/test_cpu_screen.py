@@ -115,13 +115,23 @@ def test_the_bounds_hold_in_float64():
     rng = np.random.default_rng(5)
     vocab, inner = 333, 96
     w = jnp.asarray(rng.normal(size=(vocab, inner)) * np.exp(rng.normal(size=(vocab, 1))), jnp.bfloat16)
-    screen = screening.greedy_screen(w)
+    screen = jax.tree.map(np.asarray, screening.greedy_screen(w))
     padded, depth = 352, 128
     tiles = screen["codes"].reshape(padded // 32, depth // 64, 2, 16, 16, 4)
-    codes = tiles.transpose(0, 2, 4, 1, 3, 5).reshape(padded, depth)[:vocab, :inner].astype(np.float64)
+    all_codes = tiles.transpose(0, 2, 4, 1, 3, 5).reshape(padded, depth)
+    assert not all_codes[vocab:].any() and not all_codes[:, inner:].any() and not screen["stats"][:, vocab:].any()
+    codes = all_codes[:vocab, :inner].astype(np.float64)
     sigma, code_norm, slack = (screen["stats"][i, :vocab].astype(np.float64) for i in range(3))
     wide = np.asarray(w, np.float64)
+    np.testing.assert_array_equal(sigma, (np.abs(wide).max(axis=1) / 127).astype(np.float32))
     np.testing.assert_array_equal(codes, np.clip(np.rint(wide / sigma[:, None]), -127, 127))
+    # The per-row factors and the limits: never below their float64 values, and only just above them.
+    gamma = inner * 2.0**-24 / (1 - inner * 2.0**-24)
+    norms = np.linalg.norm(wide, axis=1)
+    for got, want in ((code_norm, np.linalg.norm(codes * sigma[:, None], axis=1)),
+                      (slack, np.linalg.norm(wide - codes * sigma[:, None], axis=1) + gamma * norms),
+                      (screen["limits"][0], norms.max()), (screen["limits"][1], np.abs(wide).max())):
+        assert np.all(got >= want) and np.all(got <= want * (1 + 2.0**-18))
     for _ in range(20):
         x = np.asarray(jnp.asarray(rng.normal(size=inner) * 3, jnp.bfloat16), np.float64)
         scale = np.float32(np.abs(x).max() / np.float32(127))
@@ -131,8 +141,11 @@ def test_the_bounds_hold_in_float64():
         assert np.all(np.abs(wide @ x - s) <= e)
 
 
-def test_greedy_screen_refuses_what_it_cannot_bound():
-    assert screening.greedy_screen(jnp.asarray(np.full((40, 32), np.inf), jnp.bfloat16)) is None
+@pytest.mark.parametrize("value", [np.inf, -np.inf, np.nan])
+def test_greedy_screen_refuses_what_it_cannot_bound(value):
+    table = np.random.default_rng(7).normal(size=(70, 32)).astype(np.float32)
+    table[66, 3] = value  # in the last, partial block of rows
+    assert screening.greedy_screen(jnp.asarray(table, jnp.bfloat16)) is None
     with pytest.raises(ValueError, match="bfloat16 table"):
         screening.greedy_screen(np.zeros((40, 32), np.float32))
     with pytest.raises(ValueError, match="multiple of 32"):
