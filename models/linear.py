@@ -575,7 +575,7 @@ def tied_head_screen(table: Embedding, table_params: dict, config) -> dict:
             or not greedy_screening.screen_native()):
         return {}
     screen = greedy_screening.greedy_screen(embedding)
-    return {} if screen is None else {GREEDY_SCREEN: jax.tree.map(jnp.asarray, screen)}
+    return {} if screen is None else {GREEDY_SCREEN: screen}
 
 
 def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, tiled: bool | None = None) -> jax.Array:

@@ -254,13 +254,13 @@ class Worker:
         placed = jax.tree.map(lambda old, leaf: jax.device_put(leaf, placement_of(old)), current, new)
         # The adapters in the LoRA slots stay where they are; the greedy head's screen is rebuilt from the new
         # table (a stale one would give the old table's tokens).
-        merged = {**self.runner.params, **placed}
+        merged = with_lora_of({**self.runner.params, **placed}, self.runner.params)
         if self.screens_head:
             merged.pop(GREEDY_SCREEN, None)  # (a table that is no longer finite has none)
             screen = self.model.head_screen(merged)
             where = placement(self.mesh, self.device)
             merged.update(screen if where is None else jax.device_put(screen, where))
-        self.runner.params = with_lora_of(merged, self.runner.params)
+        self.runner.params = merged
 
     def sleep(self) -> None:
         """Releases the KV pool's device memory (its contents are lost); `wake_up` allocates it again."""
