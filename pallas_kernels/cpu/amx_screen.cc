@@ -42,6 +42,12 @@
 
 namespace paged::amx {
 
+// A float not below v (v >= 0): what the screen's bounds are rounded with, where it is built and where x's part
+// is formed.
+namespace {
+inline float rounded_up(double v) { return static_cast<float>(v * (1.0 + 0x1p-20)); }
+}  // namespace
+
 #if defined(PAGED_AMX) && defined(__AMX_INT8__)
 namespace {
 
@@ -56,9 +62,6 @@ constexpr int64_t kRefreshBlocks = 4;  // blocks between refreshes of each row's
 struct RowScreen {
   float scale, norm, residual, floor;
 };
-
-// A float not below v (v >= 0).
-inline float rounded_up(double v) { return static_cast<float>(v * (1.0 + 0x1p-20)); }
 
 // Row m of x as int8 codes (K64 bytes, zeros past K) and its screen; false when x is not finite or a bound
 // could overflow.
@@ -299,7 +302,7 @@ bool ScreenedArgmax(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, con
 
 // The screen of a table (any CPU): each 32-row block of rows on one thread, each row in one pass, float64 sums.
 // sigma_n = float32(max|w_n| / 127) and codes round(w_n / sigma_n) (ties to even, clipped to +-127) are
-// numpy's float64 arithmetic on the same values, so the codes are what the reference builder gives.
+// numpy's float64 arithmetic on the same values (the tests check the codes against it).
 bool BuildScreen(xla::ffi::ThreadPool& pool, const uint16_t* w, int64_t N, int64_t K, int8_t* codes, float* stats,
                  float* limits) {
   const int64_t padded_rows = (N + 31) / 32 * 32, K64 = (K + 63) / 64 * 64, steps = K64 / 64;
@@ -343,14 +346,14 @@ bool BuildScreen(xla::ffi::ThreadPool& pool, const uint16_t* w, int64_t N, int64
         norm_sq += row[k] * row[k];
       }
       stats[n] = sigma;
-      stats[padded_rows + n] = static_cast<float>(std::sqrt(approx_sq) * (1.0 + 0x1p-20));
+      stats[padded_rows + n] = rounded_up(std::sqrt(approx_sq));
       const double slack = std::sqrt(error_sq) + gamma * std::sqrt(norm_sq);
-      stats[2 * padded_rows + n] = static_cast<float>(slack * (1.0 + 0x1p-20));
+      stats[2 * padded_rows + n] = rounded_up(slack);
       norm_max[b] = std::max(norm_max[b], std::sqrt(norm_sq)), peak_max[b] = std::max(peak_max[b], peak);
     }
   });
   if (std::find(finite.begin(), finite.end(), 0) != finite.end()) return false;
-  limits[0] = static_cast<float>(*std::max_element(norm_max.begin(), norm_max.end()) * (1.0 + 0x1p-20));
+  limits[0] = rounded_up(*std::max_element(norm_max.begin(), norm_max.end()));
   limits[1] = static_cast<float>(*std::max_element(peak_max.begin(), peak_max.end()));
   return true;
 }
