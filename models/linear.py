@@ -526,8 +526,13 @@ class Embedding(nn.Module):
 
     def runs_natively(self, h: jax.Array) -> bool:
         """Whether `attend` runs on the native transposed matmul for h (the condition `attend_argmax` needs)."""
-        return (self.backend == "cpu" and self.embedding.dtype == jnp.bfloat16 and h.ndim == 2
-                and h.shape[1] % 32 == 0 and cpu.transposed_matmul_native())
+        return h.ndim == 2 and h.shape[1] % 32 == 0 and self.table_runs_natively()
+
+    def table_runs_natively(self) -> bool:
+        """Whether this table is one the native transposed matmul reads (bfloat16, a width of 32s, the cpu
+        backend on a CPU with AMX or AVX-512 BF16): `runs_natively` for any h of its width."""
+        return (self.backend == "cpu" and self.embedding.dtype == jnp.bfloat16 and self.embedding.ndim == 2
+                and self.embedding.shape[1] % 32 == 0 and cpu.transposed_matmul_native())
 
     def attend_argmax(self, h: jax.Array, live_rows: jax.Array | None = None, screen: dict | None = None
                       ) -> jax.Array:
@@ -553,12 +558,18 @@ def tied_greedy_head(table: Embedding, table_params: dict, last: LastHidden, con
     without them (int32 [S], `Embedding.attend_argmax`, through `screen` where given), or None where no kernel
     fuses them. Also None when some table rows are not tokens (a padded vocabulary) or a final soft cap applies
     (tanh can merge distinct logits into one maximum)."""
-    if config.padded_vocab_size or config.final_soft_cap:
+    if not _argmax_is_the_tokens(config):
         return None
     variables = {"params": table_params}
     if not table.apply(variables, last.h, method="runs_natively"):
         return None
     return lambda: table.apply(variables, last.h, last.live_rows, screen, method="attend_argmax")
+
+
+def _argmax_is_the_tokens(config) -> bool:
+    """Whether the table's first argmax is the greedy token: every table row a token (no padded vocabulary) and
+    no final soft cap (tanh can merge distinct logits into one maximum)."""
+    return not (config.padded_vocab_size or config.final_soft_cap)
 
 
 # The key of `tied_head_screen`'s arrays among a model's params (beside the weights, like the rotary tables).
@@ -569,12 +580,10 @@ def tied_head_screen(table: Embedding, table_params: dict, config) -> dict:
     """{GREEDY_SCREEN: the int8 screen of a tied table} where `tied_greedy_head` runs on AMX-INT8 tiles (the
     tokens stay the full head's: pallas_kernels/cpu/screen.py), else {}. Built from the table's current values:
     whoever replaces the table must build it again."""
-    embedding = table_params["embedding"]
-    if (config.padded_vocab_size or config.final_soft_cap or table.backend != "cpu"
-            or embedding.dtype != jnp.bfloat16 or embedding.ndim != 2 or embedding.shape[1] % 32
-            or not greedy_screening.screen_native()):
+    if not (_argmax_is_the_tokens(config) and greedy_screening.screen_native()
+            and table.apply({"params": table_params}, method="table_runs_natively")):
         return {}
-    screen = greedy_screening.greedy_screen(embedding)
+    screen = greedy_screening.greedy_screen(table_params["embedding"])
     return {} if screen is None else {GREEDY_SCREEN: screen}
 
 
