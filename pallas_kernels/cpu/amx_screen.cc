@@ -257,11 +257,16 @@ bool ScreenedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_
   for (int64_t m = 0; m < M && screened; ++m)
     screened = screen_row(x + m * K, K, K64, table, x_codes.data() + m * K64, x_rows[m]);
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  std::vector<ThreadScreen> parts(threads);
+  // Kept from call to call on the calling thread (every greedy step comes here): the candidate lists of 64 rows
+  // are 512 KB a thread, which a fresh allocation would fault in again each step.
+  thread_local std::vector<ThreadScreen> kept;
+  if (static_cast<int64_t>(kept.size()) < threads) kept.resize(threads);
+  std::vector<ThreadScreen>& parts = kept;
   int64_t used = 0;
   if (screened) {
     used = head::split_table(pool, table.padded_rows, [&](int64_t part, int64_t n_begin, int64_t n_end) {
       ThreadScreen& own = parts[part];
+      own.overflow = false;
       own.row_ids.resize(M * kCapacity);
       own.uppers.resize(M * kCapacity);
       own.rows.assign(M, Candidates{_mm512_set1_ps(-INFINITY), -INFINITY, 0, nullptr, nullptr});
