@@ -37,11 +37,11 @@ _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SO
             _SOURCE_DIR / "amx.cc", _SOURCE_DIR / "amx_attention.cc", _SOURCE_DIR / "argmax.cc",
             _SOURCE_DIR / "norm.cc", _SOURCE_DIR / "transposed.cc", _SOURCE_DIR / "int8_matmul.cc",
             _SOURCE_DIR / "amx_int8.cc", _SOURCE_DIR / "amx_int4.cc", _SOURCE_DIR / "amx_widened.cc",
-            _SOURCE_DIR / "amx_screen.cc")
+            _SOURCE_DIR / "head_screen.cc")
 _HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h", _SOURCE_DIR / "amx_tiles.h",
             _SOURCE_DIR / "vector_math.h", _SOURCE_DIR / "transposed.h",
             _SOURCE_DIR / "lane_argmax.h", _SOURCE_DIR / "panels.h", _SOURCE_DIR / "amx_digits.h",
-            _SOURCE_DIR / "amx_int8_walk.h", _SOURCE_DIR / "amx_head.h")
+            _SOURCE_DIR / "amx_int8_walk.h", _SOURCE_DIR / "amx_head.h", _SOURCE_DIR / "head_screen.h")
 _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
@@ -71,7 +71,8 @@ _PROMPTS_ON_AMX: list[bool] = []  # filled by _load(): whether its bfloat16 prom
 _W8A8_ON_AMX: list[bool] = []  # filled by _load(): whether its W8A8 layers run on AMX-INT8 tiles
 _INT8_WEIGHTS_ON_AMX: list[bool] = []  # filled by _load(): whether weight-only int8 layers run on AMX
 _TRANSPOSED_NATIVE: list[bool] = []  # filled by _load(): whether the tied LM head's transposed calls have a kernel
-_SCREEN_NATIVE: list[bool] = []  # filled by _load(): whether the greedy head's int8 screen runs (AMX-INT8)
+# filled by _load(), for each build (target): whether its greedy head's int8 screen runs (AMX-INT8 or AVX-512 VNNI)
+_SCREEN_NATIVE: dict[str, bool] = {}
 _FLAGS = ("-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC")
 
 
@@ -161,6 +162,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                              (_ARGMAX_ROWS_TARGET, library.ArgmaxRowsCpu),
                              (_ADD_RMS_NORM_TARGET, library.AddRmsNormCpu)):
             jax.ffi.register_ffi_target(f"{name}{target[len(_TARGET):]}", jax.ffi.pycapsule(symbol), platform="cpu")
+        _SCREEN_NATIVE[target] = bool(library.ScreenedArgmaxIsAvailable())
         if target == _TARGET:
             _VECTORIZED_MATMUL.update(float32=bool(library.MatmulCpuIsVectorized()),
                                       bfloat16=bool(library.MatmulCpuBf16IsVectorized()),
@@ -170,7 +172,6 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
             _MATMUL_ON_AMX[:] = [bool(library.MatmulCpuBf16UsesAmx())]
             _PROMPTS_ON_AMX[:] = [bool(library.PromptAttentionUsesAmx())]
             _TRANSPOSED_NATIVE[:] = [bool(library.MatmulTransposedIsAvailable())]
-            _SCREEN_NATIVE[:] = [bool(library.ScreenedArgmaxIsAvailable())]
             _W8A8_ON_AMX[:] = [bool(library.W8A8MatmulPackedIsAvailable())]
             _INT8_WEIGHTS_ON_AMX[:] = [bool(library.Int8WeightsMatmulPackedIsAvailable())]
     except Exception as error:  # noqa: BLE001 - any failure means "use the XLA path", reported by available()

@@ -444,7 +444,7 @@ bool GatedMatmulPacked(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint
 bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, float* y, int64_t M,
                       int64_t K, int64_t N) {
   if (K % kDepth) return false;
-  using head::block_column, head::block_lanes, head::split_table, head::transposed_rows, head::TransposedBlock;
+  using head::block_column, head::block_lanes, head::transposed_rows, head::TransposedBlock;
   split_table(pool, N, [&](int64_t, int64_t n_begin, int64_t n_end) {
     transposed_rows(x, w, M, K, n_begin, n_end,
                     [&](const TransposedBlock& block, int64_t n0, int64_t rows, int64_t m0, int64_t rows_m) {
@@ -460,7 +460,7 @@ bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint1
 bool MatmulTransposedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, int32_t* tokens,
                             int64_t M, int64_t K, int64_t N) {
   if (K % kDepth) return false;
-  using head::block_column, head::block_lanes, head::split_table, head::transposed_rows, head::TransposedBlock;
+  using head::block_column, head::block_lanes, head::transposed_rows, head::TransposedBlock;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // Per thread, row of x and lane (w rows n0 + 16 half + lane of each block): the lane's best value over the
   // thread's run of w (a NaN counting as +inf, as first_argmax) and the first w row that reached it. Lanes

@@ -114,28 +114,6 @@ bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint1
 bool MatmulTransposedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, int32_t* tokens,
                             int64_t M, int64_t K, int64_t N);
 
-// The int8 screen of a tied LM head's table (amx_screen.cc; built at load by pallas_kernels/cpu: greedy_screen).
-struct ScreenTable {
-  const int8_t* codes;   // [padded_rows / 32][ceil(K / 64)][2][16][16][4]: B tiles of each row's int8 codes
-  const float* stats;    // [3][padded_rows]: sigma_n (codes * sigma_n ~ w_n), ||w^_n||, ||w_n - w^_n|| +
-                         // gamma_K ||w_n|| (the last two rounded up); zeros past `rows`
-  int64_t rows;          // N, the table's rows
-  int64_t padded_rows;   // N rounded up to 32
-  float norm_max;        // the largest ||w_n||, rounded up
-  float peak;            // the largest |w|
-};
-
-// The screen of w [N, K] bfloat16 into codes (ScreenTable's order), stats and limits [2] (norm_max, peak), on
-// any CPU. False: w is not finite (no screen bounds it; the outputs are then partly written).
-bool BuildScreen(xla::ffi::ThreadPool& pool, const uint16_t* w, int64_t N, int64_t K, int8_t* codes, float* stats,
-                 float* limits);
-
-// MatmulTransposedArgmax's tokens for w [table.rows, K] (the same first maximum of the same float32 sums),
-// reading the int8 screen and then only the rows that could hold a maximum (or, where the screen cannot
-// decide, the whole table). False: no AMX-INT8 here, or K is not a multiple of 32.
-bool ScreenedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, const ScreenTable& table,
-                    int32_t* tokens, int64_t M, int64_t K);
-
 // One KV head's attention for a run of tokens of one sequence (a prompt chunk), bfloat16 in and out, float32
 // scores, softmax and accumulation; probabilities are rounded to bfloat16 for the PV product. Pages of 16 keys.
 struct PromptRun {

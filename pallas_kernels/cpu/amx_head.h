@@ -1,5 +1,5 @@
 // The tied LM head on AMX tiles, y = x @ w^T with w [N, K] the embedding table as stored: what its full walk
-// (amx.cc: MatmulTransposed, MatmulTransposedArgmax) and the screened greedy head (amx_screen.cc) share. Both
+// (amx.cc: MatmulTransposed, MatmulTransposedArgmax) and the screened greedy head (head_screen.cc) share. Both
 // must give each (row of x, row of w) the same float32 sum, so they share these tile steps.
 //
 // Rows of w are 32 consecutive k apiece per tile row, so w's tiles are A operands loaded in place (no packing
@@ -117,17 +117,6 @@ void transposed_rows(const uint16_t* x, const uint16_t* w, int64_t M, int64_t K,
     }
   }
   _tile_release();
-}
-
-// Each thread's contiguous run of w's 32-row blocks: fn(part, n_begin, n_end).
-template <typename Fn>
-int64_t split_table(xla::ffi::ThreadPool& pool, int64_t N, const Fn& fn) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t blocks = (N + 31) / 32, parts = std::min(blocks, threads);
-  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
-    fn(part, part * blocks / parts * 32, std::min(N, (part + 1) * blocks / parts * 32));
-  });
-  return parts;
 }
 
 }  // namespace paged::amx::head

@@ -6,20 +6,7 @@
 #include <new>
 #include <vector>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
-#define PAGED_AMX 1
-#include <immintrin.h>
-
 namespace paged::amx {
-
-constexpr int64_t kTileWords = 512;  // one tile: 16 rows x 64 bytes (32 bf16 or 16 float32 a row)
-
-// The bfloat16 walks (amx.cc, and amx_widened.cc's widened codes): calls over kSmallRows rows are prompt-sized,
-// and their gated (gate/up) calls sum K in chunks of kGatedChunkSteps bf16 tile steps (256 k), so a chunk of
-// a 32-row block of x (16 KB) stays in L1 while the column tiles pass over it; whole K (56 KB at the 0.5B
-// shape) came from L2 each time (one thread, 512 rows, 896 x 4864 x 2: 1.21 -> 1.39 TFLOP/s).
-constexpr int64_t kSmallRows = 64;
-constexpr int64_t kGatedChunkSteps = 8;
 
 // Memory for tile loads and stores starts on a cache line: malloc's 16-byte alignment splits every 64-byte
 // tile row over two lines, and the prompt-sized matmul ran at a third of its speed (one thread, 512 rows of
@@ -39,6 +26,23 @@ struct LineAligned {
 };
 template <typename T>
 using TileVector = std::vector<T, LineAligned<T>>;
+
+}  // namespace paged::amx
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BW__)
+#define PAGED_AMX 1
+#include <immintrin.h>
+
+namespace paged::amx {
+
+constexpr int64_t kTileWords = 512;  // one tile: 16 rows x 64 bytes (32 bf16 or 16 float32 a row)
+
+// The bfloat16 walks (amx.cc, and amx_widened.cc's widened codes): calls over kSmallRows rows are prompt-sized,
+// and their gated (gate/up) calls sum K in chunks of kGatedChunkSteps bf16 tile steps (256 k), so a chunk of
+// a 32-row block of x (16 KB) stays in L1 while the column tiles pass over it; whole K (56 KB at the 0.5B
+// shape) came from L2 each time (one thread, 512 rows, 896 x 4864 x 2: 1.21 -> 1.39 TFLOP/s).
+constexpr int64_t kSmallRows = 64;
+constexpr int64_t kGatedChunkSteps = 8;
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;

@@ -6,6 +6,7 @@
 #include <climits>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -42,6 +43,18 @@ void first_maximum_of_lanes(int64_t parts, int64_t M, int64_t lanes, const Best&
       for (int64_t l = 0; l < lanes; ++l)
         if (best(part, m, l) == top) first = std::min(first, index(part, m, l));
     tokens[m] = first;
+  }
+}
+
+// tokens[m] = first[p][m] of the first part p whose best[p][m] is the greatest: each part one thread's run of
+// candidate rows, the parts in table order, so a later part's row wins only where its value is greater.
+inline void first_of_parts(const std::vector<std::vector<float>>& best, const std::vector<std::vector<int32_t>>& first,
+                           int64_t M, int32_t* tokens) {
+  for (int64_t m = 0; m < M; ++m) {
+    size_t winner = 0;
+    for (size_t part = 1; part < best.size(); ++part)
+      if (best[part][m] > best[winner][m]) winner = part;
+    tokens[m] = first[winner][m];
   }
 }
 

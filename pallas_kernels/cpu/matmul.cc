@@ -39,6 +39,7 @@
 
 #include "amx.h"
 #include "bf16.h"
+#include "head_screen.h"
 #include "panels.h"
 #include "parallel.h"
 #include "transposed.h"
@@ -619,7 +620,7 @@ ffi::Error MatmulTransposedArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ff
   return ffi::Error::Success();
 }
 
-// matmul_transposed_argmax_cpu's tokens through the table's int8 screen (amx_screen.cc): x [M, K] and w [N, K]
+// matmul_transposed_argmax_cpu's tokens through the table's int8 screen (head_screen.cc): x [M, K] and w [N, K]
 // bfloat16, codes int8 [ceil(N / 32) * 32 * ceil(K / 64) * 64] in the screen's tile order, stats float32
 // [3, ceil(N / 32) * 32], limits float32 [2] (the largest row norm, the largest |w|), live int32 [].
 ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer codes,
@@ -639,15 +640,15 @@ ffi::Error ScreenedArgmaxImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBu
   const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);
   std::fill(out + M, out + xd[0], 0);
   if (M == 0) return ffi::Error::Success();
-  const paged::amx::ScreenTable table{static_cast<const int8_t*>(codes.untyped_data()), stats.typed_data(), N,
+  const paged::screen::ScreenTable table{static_cast<const int8_t*>(codes.untyped_data()), stats.typed_data(), N,
                                       padded_rows, limits.typed_data()[0], limits.typed_data()[1]};
-  if (!paged::amx::ScreenedArgmax(pool, static_cast<const uint16_t*>(x.untyped_data()),
+  if (!paged::screen::ScreenedArgmax(pool, static_cast<const uint16_t*>(x.untyped_data()),
                                   static_cast<const uint16_t*>(w.untyped_data()), table, out, M, K))
-    return ffi::Error::InvalidArgument("screened_argmax_cpu: needs AMX-INT8, and K a multiple of 32");
+    return ffi::Error::InvalidArgument("screened_argmax_cpu: needs AMX-INT8 or AVX-512 VNNI and BF16, and K a multiple of 32");
   return ffi::Error::Success();
 }
 
-// The screen of a table w [N, K] bfloat16 (amx_screen.cc: BuildScreen): codes int8 [ceil(N / 32) * 32 *
+// The screen of a table w [N, K] bfloat16 (head_screen.cc: BuildScreen): codes int8 [ceil(N / 32) * 32 *
 // ceil(K / 64) * 64], stats float32 [3, ceil(N / 32) * 32], limits float32 [2] (both NaN where w is not finite).
 ffi::Error BuildScreenImpl(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::S8> codes,
                            ffi::ResultBuffer<ffi::F32> stats, ffi::ResultBuffer<ffi::F32> limits) {
@@ -659,7 +660,7 @@ ffi::Error BuildScreenImpl(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::ResultBu
       static_cast<int64_t>(stats->element_count()) != 3 * padded_rows || limits->element_count() != 2)
     return ffi::Error::InvalidArgument("greedy_screen_cpu: the outputs do not fit the table");
   float* out_limits = limits->typed_data();
-  if (!paged::amx::BuildScreen(pool, static_cast<const uint16_t*>(w.untyped_data()), N, K, codes->typed_data(),
+  if (!paged::screen::BuildScreen(pool, static_cast<const uint16_t*>(w.untyped_data()), N, K, codes->typed_data(),
                                stats->typed_data(), out_limits))
     out_limits[0] = out_limits[1] = NAN;
   return ffi::Error::Success();
@@ -834,13 +835,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(BuildScreenCpu, BuildScreenImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-extern "C" int ScreenedArgmaxIsAvailable() {
-#if defined(__AMX_INT8__)
-  return paged::amx::Available();
-#else
-  return 0;
-#endif
-}
+extern "C" int ScreenedArgmaxIsAvailable() { return paged::screen::Available(); }
 
 // x and two more operands (w and bias, or gate and up), live: the arguments both packed calls below take.
 static auto ThreeOperandsAndLive() {

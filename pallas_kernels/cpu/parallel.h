@@ -38,4 +38,15 @@ void run_parallel(xla::ffi::ThreadPool* pool, int64_t n, int64_t chunk, int64_t 
   while (state->active.load() > 0) std::this_thread::yield();
 }
 
+// Each thread's contiguous run of a table's 32-row blocks (N rows): fn(part, n_begin, n_end); returns the parts.
+template <typename Fn>
+int64_t split_table(xla::ffi::ThreadPool& pool, int64_t N, const Fn& fn) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t blocks = (N + 31) / 32, parts = std::min(blocks, threads);
+  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
+    fn(part, part * blocks / parts * 32, std::min(N, (part + 1) * blocks / parts * 32));
+  });
+  return parts;
+}
+
 }  // namespace paged

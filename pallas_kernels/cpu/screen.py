@@ -1,10 +1,12 @@
-"""The greedy tied LM head through an int8 screen of its table (amx_screen.cc).
+"""The greedy tied LM head through an int8 screen of its table (head_screen.cc).
 
 A plain-greedy decode step on the native path reads the whole bfloat16 embedding table to find each row's first
 maximum (`matmul_transposed_argmax_cpu`). `greedy_screen` builds, once per table, an int8 copy with the per-row
 norms that bound its error; `screened_argmax_cpu` then reads the copy (half the bytes), keeps the rows whose
-upper bound reaches the best lower bound, and sums only those exactly with the full walk's own tile steps. Its
+upper bound reaches the best lower bound, and sums only those exactly with the full walk's own arithmetic. Its
 tokens are `matmul_transposed_argmax_cpu`'s, always: where the bounds cannot decide, it reads the whole table.
+The screen's products run on AMX-INT8 tiles, or on CPUs without them on AVX-512 VNNI (the same codes, in the
+same layout).
 
 The bounds are summed in float64 and rounded up when the screen is built, so that the kernel's float32 arithmetic
 only ever adds slack.
@@ -19,14 +21,15 @@ import numpy as np
 from paged.kernels import cpu
 
 
-def screen_native() -> bool:
-    """Whether the default build runs the screened head (AMX-INT8 tiles, and the OS lets this process use them)."""
-    return cpu.available()[0] and bool(cpu._SCREEN_NATIVE and cpu._SCREEN_NATIVE[0])
+def screen_native(_build: str = cpu._TARGET) -> bool:
+    """Whether the default build (or `_build`, one `cpu._load` made) runs the screened head: on AMX-INT8 tiles
+    the OS lets this process use, or on AVX-512 VNNI and BF16."""
+    return cpu.available()[0] and cpu._SCREEN_NATIVE.get(_build, False)
 
 
 def greedy_screen(table) -> dict | None:
     """The int8 screen of a table [N, K] (bfloat16, K a multiple of 32), built natively in one pass over the table
-    (amx_screen.cc: BuildScreen; 0.3 s for the 0.5B table on two cores, where numpy took 1.6): {"codes": int8
+    (head_screen.cc: BuildScreen; 0.3 s for the 0.5B table on two cores, where numpy took 1.6): {"codes": int8
     [ceil(N / 32) * 32 * ceil(K / 64) * 64] in the kernel's tile order, "stats": float32 [3, ceil(N / 32) * 32],
     "limits": float32 [2]}; None when the table is not finite (the kernel's bounds would not hold).
 
@@ -55,6 +58,7 @@ def screened_argmax_cpu(x: jax.Array, w: jax.Array, screen: dict, live_rows: jax
     arrays, built from this very table: a screen of other weights gives wrong tokens)."""
     live = cpu._check_transposed("screened_argmax_cpu", x, w, live_rows, _target)
     if _target == cpu._SCREENED_ARGMAX_TARGET and not screen_native():
-        raise ValueError("screened_argmax_cpu runs on AMX-INT8 tiles, and this CPU (or OS) offers none")
+        raise ValueError("screened_argmax_cpu runs on AMX-INT8 tiles or AVX-512 VNNI and BF16, and this CPU (or OS) "
+                         "offers neither")
     call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0],), jnp.int32))
     return call(x, w, screen["codes"], screen["stats"], screen["limits"], live)

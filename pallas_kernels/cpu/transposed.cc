@@ -167,6 +167,36 @@ bool MatmulTransposedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const
   return true;
 }
 
+bool ArgmaxAmong(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, int64_t M, int64_t K,
+                 const int32_t* rows, int64_t count, int32_t* tokens) {
+  if (K % 32 || count < 1) return false;
+  // The rows gathered 16 at a time into a block (zeros past count), each summed by block_dots: a lane's sum
+  // depends only on its own table row, so it is the full walk's (whose row pairs reduce in the same order).
+  const int64_t groups = (count + kBlock - 1) / kBlock;
+  const int64_t parts = std::min(groups, std::max<int64_t>(1, pool.num_threads()));
+  std::vector<std::vector<float>> best(parts, std::vector<float>(M, -INFINITY));
+  std::vector<std::vector<int32_t>> first(parts, std::vector<int32_t>(M, rows[0]));
+  run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
+    std::vector<uint16_t> gathered(kBlock * K);
+    alignas(64) float dots[kBlock];
+    for (int64_t g = part * groups / parts; g < (part + 1) * groups / parts; ++g) {
+      const int64_t in_group = std::min(kBlock, count - g * kBlock);
+      for (int64_t j = 0; j < kBlock; ++j)
+        if (j < in_group) std::copy(w + rows[g * kBlock + j] * K, w + (rows[g * kBlock + j] + 1) * K, &gathered[j * K]);
+        else std::fill(gathered.begin() + j * K, gathered.begin() + (j + 1) * K, 0);
+      for (int64_t m = 0; m < M; ++m) {
+        _mm512_store_ps(dots, block_dots<true>(x + m * K, gathered.data(), K, kBlock, nullptr));
+        for (int64_t j = 0; j < in_group; ++j) {
+          const float v = std::isnan(dots[j]) ? INFINITY : dots[j];  // as first_argmax
+          if (v > best[part][m]) best[part][m] = v, first[part][m] = rows[g * kBlock + j];
+        }
+      }
+    }
+  });
+  first_of_parts(best, first, M, tokens);
+  return true;
+}
+
 #else
 
 bool Available() { return false; }
@@ -177,6 +207,11 @@ bool MatmulTransposed(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, f
 
 bool MatmulTransposedArgmax(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, int32_t*, int64_t, int64_t,
                             int64_t) {
+  return false;
+}
+
+bool ArgmaxAmong(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, int64_t, int64_t, const int32_t*, int64_t,
+                 int32_t*) {
   return false;
 }
 

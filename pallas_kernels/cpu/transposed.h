@@ -21,4 +21,10 @@ bool MatmulTransposed(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint1
 bool MatmulTransposedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, int32_t* tokens,
                             int64_t M, int64_t K, int64_t N);
 
+// tokens[m] = the first maximum of row m's sums over the table rows `rows` (count of them, ascending: rows
+// that hold every maximum of every row), each sum MatmulTransposedArgmax's own, bit for bit: the screened head's
+// last step (head_screen.cc). As MatmulTransposed otherwise.
+bool ArgmaxAmong(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, int64_t M, int64_t K,
+                 const int32_t* rows, int64_t count, int32_t* tokens);
+
 }  // namespace paged::avx512bf16

@@ -1,50 +1,67 @@
-"""The greedy tied LM head through the table's int8 screen (pallas_kernels/cpu/screen.py, amx_screen.cc): its
+"""The greedy tied LM head through the table's int8 screen (pallas_kernels/cpu/screen.py, head_screen.cc): its
 tokens are the full fused head's (`matmul_transposed_argmax_cpu`) in every case, screened or not, and its bounds
-hold against float64."""
+hold against float64. Each case runs on the default build (AMX-INT8 tiles where the CPU has them, else AVX-512
+VNNI) and, on a CPU with AMX, also on the build without AMX, so that the VNNI path is tested there too."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from paged.kernels import cpu
 from paged.kernels.cpu import matmul_transposed_argmax_cpu, matmul_transposed_cpu
 from paged.kernels.cpu import screen as screening
 
 pytestmark = pytest.mark.skipif(not screening.screen_native(),
-                                reason="no AMX-INT8 here: the greedy head reads the whole table")
+                                reason="no AMX-INT8 or AVX-512 VNNI here: the greedy head reads the whole table")
+
+
+@pytest.fixture(params=["default", "without_amx"])
+def build(request):
+    """The suffix of the FFI targets under test: "" for the default build, else the build without AMX's."""
+    if request.param == "default":
+        return ""
+    if not cpu.matmul_on_amx():
+        pytest.skip("the default build already runs without AMX here")
+    suffix = cpu.matmul_target_without_amx()[len(cpu._MATMUL_TARGET):]
+    if not screening.screen_native(cpu._TARGET + suffix):
+        pytest.skip("the build without AMX has no AVX-512 VNNI screen on this CPU")
+    return suffix
 
 
 def _screen(w):
     return jax.tree.map(jnp.asarray, screening.greedy_screen(w))
 
 
-def _both(x, w, live=None):
-    """(the full head's tokens, the screened head's), jitted as the engine runs them."""
+def _both(x, w, live=None, build=""):
+    """(the full head's tokens, the screened head's), jitted as the engine runs them, on one build."""
     live = x.shape[0] if live is None else live
-    full = jax.jit(matmul_transposed_argmax_cpu)(x, w, jnp.int32(live))
-    screened = jax.jit(screening.screened_argmax_cpu)(x, w, _screen(w), jnp.int32(live))
+    full = jax.jit(lambda *a: matmul_transposed_argmax_cpu(
+        *a, _target=cpu._MATMUL_TRANSPOSED_ARGMAX_TARGET + build))(x, w, jnp.int32(live))
+    screened = jax.jit(lambda *a: screening.screened_argmax_cpu(
+        *a, _target=cpu._SCREENED_ARGMAX_TARGET + build))(x, w, _screen(w), jnp.int32(live))
     return np.asarray(full), np.asarray(screened)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 16, 17, 33, 40])
 @pytest.mark.parametrize("inner, vocab", [(32, 1), (64, 100), (96, 333), (896, 4001)])
-def test_screened_tokens_are_the_full_heads(rows, inner, vocab):
+def test_screened_tokens_are_the_full_heads(rows, inner, vocab, build):
     """Row chunks of 16 and 32 and a partial one, K not a multiple of 64 (96, 32), a table of one row and ones
     whose last 32-row block is partial, split over threads."""
     rng = np.random.default_rng(rows * 13 + inner + vocab)
     x = jnp.asarray(rng.normal(size=(rows, inner)) * 2, jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(vocab, inner)) * 0.05, jnp.bfloat16)
-    full, screened = _both(x, w)
+    full, screened = _both(x, w, build=build)
     np.testing.assert_array_equal(screened, full)
 
 
-def test_live_rows():
+def test_live_rows(build):
     rng = np.random.default_rng(1)
     x = rng.normal(size=(40, 64)).astype(np.float32)
     x[17:] = np.nan  # padding rows: never read
     x = jnp.asarray(x, jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(500, 64)), jnp.bfloat16)
-    full, screened = _both(x, w, live=17)
+    full, screened = _both(x, w, live=17, build=build)
     assert not screened[17:].any()
     np.testing.assert_array_equal(screened, full)
 
@@ -54,19 +71,19 @@ def test_live_rows():
     ({3: 40.0, 9: 40.0}, 3),        # a tie inside one block
     ({999: 30.0}, 999),             # the table's last row, in its partial last block
 ])
-def test_ties_take_the_first_row(special, want):
+def test_ties_take_the_first_row(special, want, build):
     """x is e_0, so row n's sum is w[n, 0] exactly: equal maxima can only be told apart by their index."""
     w = np.random.default_rng(0).normal(size=(1000, 64)).astype(np.float32)
     for row, value in special.items():
         w[row, 0] = value
     x = np.zeros((2, 64), np.float32)
     x[:, 0] = 1.0
-    full, screened = _both(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16))
+    full, screened = _both(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16), build=build)
     np.testing.assert_array_equal(full, [want, want])
     np.testing.assert_array_equal(screened, full)
 
 
-def test_rows_the_int8_copy_cannot_tell_apart():
+def test_rows_the_int8_copy_cannot_tell_apart(build):
     """Three rows that differ by one, two and three last-place steps of one bfloat16 element (x's largest):
     their screened sums lie well inside each other's error, so only the exact sums decide, and they decide
     as the full head's do."""
@@ -80,31 +97,31 @@ def test_rows_the_int8_copy_cannot_tell_apart():
         w[row] = base
         w[row, int(np.argmax(np.abs(x[0])))] *= 1 + i * 2.0**-7  # bf16 keeps 8 bits: 1, 2, 3 steps up
     xb, wb = jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16)
-    full, screened = _both(xb, wb)
+    full, screened = _both(xb, wb, build=build)
     assert full[0] == near[-1]
     np.testing.assert_array_equal(screened, full)
 
 
 @pytest.mark.parametrize("value", [np.nan, np.inf, 1e30])
-def test_inputs_the_bounds_cannot_take_go_to_the_full_head(value):
+def test_inputs_the_bounds_cannot_take_go_to_the_full_head(value, build):
     """A non-finite x, or one whose bounds could overflow, takes the whole table: still the full head's tokens
     (a NaN counting as +inf)."""
     rng = np.random.default_rng(3)
     x = rng.normal(size=(3, 64)).astype(np.float32)
     x[1, 5] = value
     w = jnp.asarray(rng.normal(size=(700, 64)), jnp.bfloat16)
-    full, screened = _both(jnp.asarray(x, jnp.bfloat16), w)
+    full, screened = _both(jnp.asarray(x, jnp.bfloat16), w, build=build)
     np.testing.assert_array_equal(screened, full)
 
 
-def test_a_table_of_near_copies_overflows_the_candidates_and_reads_everything():
+def test_a_table_of_near_copies_overflows_the_candidates_and_reads_everything(build):
     """Every row within the screen's error of every other: more candidates than the screen keeps, so the call
     reads the whole table; the tokens are still the full head's."""
     rng = np.random.default_rng(4)
     row = rng.normal(size=64).astype(np.float32)
     w = row + rng.normal(size=(6000, 64)).astype(np.float32) * 1e-3
     x = jnp.asarray(rng.normal(size=(5, 64)), jnp.bfloat16)
-    full, screened = _both(x, jnp.asarray(w, jnp.bfloat16))
+    full, screened = _both(x, jnp.asarray(w, jnp.bfloat16), build=build)
     np.testing.assert_array_equal(screened, full)
 
 
@@ -152,9 +169,10 @@ def test_greedy_screen_refuses_what_it_cannot_bound(value):
         screening.greedy_screen(jnp.zeros((40, 48), jnp.bfloat16))
 
 
-def test_matmul_transposed_is_what_the_screen_reproduces():
+def test_matmul_transposed_is_what_the_screen_reproduces(build):
     """The reference itself: the full head's tokens are the first argmax of the float32 logits."""
     rng = np.random.default_rng(6)
     x = jnp.asarray(rng.normal(size=(9, 64)), jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(300, 64)), jnp.bfloat16)
-    np.testing.assert_array_equal(_both(x, w)[1], np.argmax(np.asarray(matmul_transposed_cpu(x, w)), axis=1))
+    transposed = matmul_transposed_cpu(x, w, _target=cpu._MATMUL_TRANSPOSED_TARGET + build)
+    np.testing.assert_array_equal(_both(x, w, build=build)[1], np.argmax(np.asarray(transposed), axis=1))

@@ -1,29 +1,41 @@
 // The greedy tied LM head read at half its bytes: an int8 copy of the table screens every row, and only the
-// rows that could still be the maximum are summed exactly (amx.h: ScreenedArgmax).
+// rows that could still be the maximum are summed exactly (head_screen.h: ScreenedArgmax).
 //
-// Why: at decode sizes the tied head (amx.cc: MatmulTransposedArgmax) reads the whole bfloat16 table every
-// step: 272 MB at the 0.5B shape, about 40% of an int4 model's step. The screen reads 136 MB of int8 codes.
+// Why: at decode sizes the fused greedy head (amx.cc or transposed.cc: MatmulTransposedArgmax) reads the whole
+// bfloat16 table every step: 272 MB at the 0.5B shape, about 40% of an int4 model's step. The screen reads 136
+// MB of int8 codes.
 //
 // Exactness. For row m of x and table row n the full walk gives y[m, n], the float32 sum of the bfloat16
 // products. The screen gives s = tau_m * sigma_n * (codes(x_m) . codes(w_n)), the exact int32 product of the
 // two int8 copies times their scales, and a bound e with |y - s| <= e:
 //   |x.w - x^.w^| <= ||x|| ||w - w^|| + ||x - x^|| ||w^||   (Cauchy-Schwarz on x.(w - w^) + (x - x^).w^)
-//   |y - x.w|     <= gamma_K ||x|| ||w||                      (K float32 additions of exact products)
+//   |y - x.w|     <= gamma_K ||x|| ||w||                      (K float32 additions of exact products, in any
+//                                                              order: the tiles' and vdpbf16ps's alike)
 // plus s's own two roundings and those of s +- e (each below 2^-23 |s| <= 2^-23 ||x^|| ||w^||: charged to the
 // ||w^|| term), the rounding of e (its per-row factors carry a relative 2^-20 over), and flushed denormals (an
 // absolute floor). Per table row the loader keeps sigma_n, ||w^_n|| and ||w_n - w^_n|| + gamma_K ||w_n||
 // (rounded up: pallas_kernels/cpu: greedy_screen); per row of x the call computes tau, ||x|| and ||x - x^|| in
 // float64. The first maximum of y lies among the rows whose s + e reaches the largest s - e of the row (a
 // maximum is at least every other row's lower bound), so the union of those candidates, summed with the full
-// walk's own tile steps (amx_head.h, one float32 sum per pair whatever else shares the tile), holds every
-// maximum of every row at its exact value, and the first maximum among them is the full walk's answer.
-// Where a bound could overflow, x is not finite, or the candidates outgrow their room, the call takes the
-// full walk instead.
+// walk's own arithmetic, holds every maximum of every row at its exact value, and the first maximum among them
+// is the full walk's answer. Where a bound could overflow, x is not finite, or the candidates outgrow their
+// room, the call takes the full walk instead.
 //
-// Layout. The codes are B tiles in the order the walk reads them: [N32 / 32][K64 / 64 steps][2 halves][16
-// quads][16 rows][4], byte (b, s, h, q, j, e) = code of w[32 b + 16 h + j, 64 s + 4 q + e], zeros past N and K.
-// x's codes are the A tiles, row-major [32 rows a chunk][K64]. C tile (t, h): x rows 16 t.., table rows 16 h..,
-// so each row of x reads its 16 table rows' sums as one vector.
+// Two ways to the int32 products, by what the CPU has:
+// - AMX-INT8: the codes are B tiles in the order the walk reads them, x's codes the A tiles (row-major, 32 rows
+//   a chunk); C tile (t, h) holds x rows 16 t.., table rows 16 h.., so each row of x reads its 16 table rows'
+//   sums as one vector. The candidates are summed with the full walk's tile steps (amx_head.h).
+// - AVX-512 VNNI (CPUs without AMX): the same bytes are what vpdpbusd takes. A 64-byte run (b, s, h, q) holds
+//   four k of 16 table rows, one row a 32-bit lane, so one vpdpbusd against x's four codes at those k
+//   (broadcast) adds to each table row's sum in its own lane: 16 rows' sums in one vector, no reduction. It
+//   multiplies unsigned by signed bytes, so the table's codes go in offset by 128 (their sign bit flipped as
+//   they are loaded), and 128 * sum(x's codes) comes off each sum. The candidates are summed with
+//   transposed.cc's block walk (ArgmaxAmong).
+//
+// Layout (head_screen.h: ScreenTable): [N32 / 32][K64 / 64 steps][2 halves][16 quads][16 rows][4], byte (b, s, h,
+// q, j, e) = code of w[32 b + 16 h + j, 64 s + 4 q + e], zeros past N and K.
+
+#include "head_screen.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,16 +43,26 @@
 #include <cstring>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "amx.h"
 #include "amx_tiles.h"
 #include "bf16.h"
+#include "lane_argmax.h"
 #include "parallel.h"
+#include "transposed.h"
 
 #if defined(PAGED_AMX) && defined(__AMX_INT8__)
 #include "amx_head.h"
+#define PAGED_SCREEN_AMX 1
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BF16__)
+#define PAGED_SCREEN_VNNI 1
 #endif
 
-namespace paged::amx {
+namespace paged::screen {
 
 // A float not below v (v >= 0): what the screen's bounds are rounded with, where it is built and where x's part
 // is formed.
@@ -48,19 +70,22 @@ namespace {
 inline float rounded_up(double v) { return static_cast<float>(v * (1.0 + 0x1p-20)); }
 }  // namespace
 
-#if defined(PAGED_AMX) && defined(__AMX_INT8__)
+#if defined(PAGED_SCREEN_AMX) || defined(PAGED_SCREEN_VNNI)
 namespace {
 
-constexpr int64_t kBlockRows = 32;     // table rows a block: two B tiles
-constexpr int64_t kStep = 64;          // int8 k a tile step
-constexpr int64_t kTileBytes = 1024;
+constexpr int64_t kBlockRows = 32;     // table rows a block: two halves of 16
+constexpr int64_t kStep = 64;          // int8 k a step: a tile step, or 16 quads of four
+constexpr int64_t kHalfBytes = 1024;   // a half block's step: 16 quads x 16 rows x 4
 constexpr int64_t kCapacity = 1024;    // candidates a thread keeps for a row of x before compacting them
 constexpr int64_t kRefreshBlocks = 4;  // blocks between refreshes of each row's threshold
 
+using amx::TileVector;
+
 // What a row of x brings to the bound: s = scale * sigma_n * I, e = norm * b_n + residual * a_n + floor, the
-// three factors carrying every slack (screen_row).
+// three factors carrying every slack (screen_row); code_sum, the sum of its codes (VNNI's offset).
 struct RowScreen {
   float scale, norm, residual, floor;
+  int32_t code_sum;
 };
 
 // Row m of x as int8 codes (K64 bytes, zeros past K) and its screen; false when x is not finite or a bound
@@ -72,11 +97,13 @@ bool screen_row(const uint16_t* x, int64_t K, int64_t K64, const ScreenTable& ta
   if (!std::isfinite(peak)) return false;
   const float scale = peak / 127.0f;
   double norm = 0.0, residual = 0.0;
+  int32_t code_sum = 0;
   std::memset(codes, 0, K64);
   for (int64_t k = 0; k < K; ++k) {
     const double v = bf16_to_float(x[k]);
     const float code = scale > 0.0f ? std::clamp(std::nearbyint(static_cast<float>(v) / scale), -127.0f, 127.0f) : 0.0f;
     codes[k] = static_cast<int8_t>(code);
+    code_sum += codes[k];
     const double rest = v - static_cast<double>(scale) * code;
     norm += v * v;
     residual += rest * rest;
@@ -88,7 +115,7 @@ bool screen_row(const uint16_t* x, int64_t K, int64_t K64, const ScreenTable& ta
   // Flushed denormals: a product with a denormal factor (< 2^-126 times the other's peak) and a sum flushed
   // to zero, at most one each a step; 2^-80 for the float32 epilogue's own underflows.
   row = RowScreen{scale, rounded_up(norm), rounded_up(residual_norm + 0x1p-21 * coded_norm),
-                  rounded_up(0x1p-80 + K * 0x1p-125 * (1.0 + peak + table.peak))};
+                  rounded_up(0x1p-80 + K * 0x1p-125 * (1.0 + peak + table.peak)), code_sum};
   return true;
 }
 
@@ -121,17 +148,61 @@ struct ThreadScreen {
   bool overflow = false;
 };
 
-// Table rows [n_begin, n_end) (whole blocks) against every row of x: each row's candidates into `own`.
-void screen_rows(const ScreenTable& table, const int8_t* x_codes, const RowScreen* x_rows, int64_t M,
-                 int64_t K64, int64_t n_begin, int64_t n_end, ThreadScreen& own) {
-  configure_tiles();
-  const int64_t steps = K64 / kStep, block_bytes = steps * 2 * kTileBytes, chunks = (M + 31) / 32;
-  const int64_t N32 = table.padded_rows;
-  alignas(64) int32_t sums[4][16][16];
+// The table's factors for its 16 rows from `first` (a half block), loaded once for every row of x.
+struct HalfRows {
+  int32_t first;
+  __mmask16 valid;  // rows below table.rows
+  __m512 sigma, code_norm, slack;
+};
+
+HalfRows half_rows(const ScreenTable& table, int64_t first) {
   const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const int64_t N32 = table.padded_rows;
+  return HalfRows{static_cast<int32_t>(first),
+                  _mm512_cmp_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(static_cast<int32_t>(first))),
+                                        _mm512_set1_epi32(static_cast<int32_t>(table.rows)), _MM_CMPINT_LT),
+                  _mm512_loadu_ps(table.stats + first), _mm512_loadu_ps(table.stats + N32 + first),
+                  _mm512_loadu_ps(table.stats + 2 * N32 + first)};
+}
+
+// One row of x's 16 int32 products with a half block's rows into its candidates: those whose upper bound
+// reaches the row's threshold.
+inline void consider(__m512i products, const HalfRows& half, const RowScreen& xr, Candidates& cand, bool& overflow) {
+  const __m512i lane = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __m512 sum = _mm512_cvtepi32_ps(products);
+  const __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(xr.scale), half.sigma), sum);
+  const __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(xr.norm), half.slack,
+                                   _mm512_fmadd_ps(_mm512_set1_ps(xr.residual), half.code_norm,
+                                                   _mm512_set1_ps(xr.floor)));
+  const __m512 upper = _mm512_add_ps(s, e);
+  const __mmask16 keep = _mm512_mask_cmp_ps_mask(half.valid, upper, _mm512_set1_ps(cand.threshold), _CMP_GE_OQ);
+  if (!keep) return;
+  cand.lower_max = _mm512_mask_max_ps(cand.lower_max, keep, cand.lower_max, _mm512_sub_ps(s, e));
+  if (cand.count + 16 > kCapacity) {
+    compact(cand);
+    if (cand.count > kCapacity / 2) overflow = true, cand.count = 0;
+  }
+  _mm512_mask_compressstoreu_epi32(cand.rows + cand.count, keep, _mm512_add_epi32(lane, _mm512_set1_epi32(half.first)));
+  _mm512_mask_compressstoreu_ps(cand.upper + cand.count, keep, upper);
+  cand.count += __builtin_popcount(keep);
+}
+
+inline void refresh_thresholds(ThreadScreen& own, int64_t M) {
+  for (int64_t m = 0; m < M; ++m) own.rows[m].threshold = lanes_max(own.rows[m].lower_max);
+}
+
+#if defined(PAGED_SCREEN_AMX)
+// Table rows [n_begin, n_end) (whole blocks) against every row of x on AMX-INT8 tiles: each row's candidates
+// into `own`.
+void screen_rows_amx(const ScreenTable& table, const int8_t* x_codes, const RowScreen* x_rows, int64_t M,
+                     int64_t K64, int64_t n_begin, int64_t n_end, ThreadScreen& own) {
+  amx::configure_tiles();
+  const int64_t steps = K64 / kStep, block_bytes = steps * 2 * kHalfBytes, chunks = (M + 31) / 32;
+  alignas(64) int32_t sums[4][16][16];
   for (int64_t n0 = n_begin, block = 0; n0 < n_end; n0 += kBlockRows, ++block) {
     const int8_t* b = table.codes + n0 / kBlockRows * block_bytes;
     const char* ahead = n0 + kBlockRows < n_end ? reinterpret_cast<const char*>(b + block_bytes) : nullptr;
+    const HalfRows halves[2] = {half_rows(table, n0), half_rows(table, n0 + 16)};
     for (int64_t c = 0; c < chunks; ++c) {
       const int64_t rows_m = std::min<int64_t>(32, M - 32 * c);
       const int8_t* a = x_codes + 32 * c * K64;
@@ -142,13 +213,13 @@ void screen_rows(const ScreenTable& table, const int8_t* x_codes, const RowScree
       for (int64_t s = 0; s < steps; ++s) {
         // The next block into L2 during the first chunk, a step's share at a time; step s + 2 into L1.
         if (ahead && c == 0)
-          for (int64_t i = 0; i < 2 * kTileBytes / 64; ++i)
-            _mm_prefetch(ahead + s * 2 * kTileBytes + 64 * i, _MM_HINT_T1);
+          for (int64_t i = 0; i < 2 * kHalfBytes / 64; ++i)
+            _mm_prefetch(ahead + s * 2 * kHalfBytes + 64 * i, _MM_HINT_T1);
         if (s + 2 < steps)
-          for (int64_t i = 0; i < 2 * kTileBytes / 64; ++i)
-            _mm_prefetch(reinterpret_cast<const char*>(b + (s + 2) * 2 * kTileBytes) + 64 * i, _MM_HINT_T0);
-        _tile_loadd(6, b + s * 2 * kTileBytes, 64);
-        _tile_loadd(7, b + s * 2 * kTileBytes + kTileBytes, 64);
+          for (int64_t i = 0; i < 2 * kHalfBytes / 64; ++i)
+            _mm_prefetch(reinterpret_cast<const char*>(b + (s + 2) * 2 * kHalfBytes) + 64 * i, _MM_HINT_T0);
+        _tile_loadd(6, b + s * 2 * kHalfBytes, 64);
+        _tile_loadd(7, b + s * 2 * kHalfBytes + kHalfBytes, 64);
         _tile_loadd(4, a + s * kStep, K64);
         _tile_dpbssd(0, 4, 6);
         _tile_dpbssd(1, 4, 7);
@@ -162,46 +233,22 @@ void screen_rows(const ScreenTable& table, const int8_t* x_codes, const RowScree
       _tile_stored(1, sums[1], 64);
       _tile_stored(2, sums[2], 64);
       _tile_stored(3, sums[3], 64);
-      for (int64_t h = 0; h < 2; ++h) {
-        const int64_t first = n0 + 16 * h;
-        const __mmask16 valid = _mm512_cmp_epi32_mask(_mm512_add_epi32(lane, _mm512_set1_epi32(first)),
-                                                      _mm512_set1_epi32(table.rows), _MM_CMPINT_LT);
-        const __m512 sigma = _mm512_loadu_ps(table.stats + first);
-        const __m512 code_norm = _mm512_loadu_ps(table.stats + N32 + first);
-        const __m512 slack = _mm512_loadu_ps(table.stats + 2 * N32 + first);
-        for (int64_t r = 0; r < rows_m; ++r) {
-          const RowScreen& xr = x_rows[32 * c + r];
-          Candidates& cand = own.rows[32 * c + r];
-          const __m512 sum = _mm512_cvtepi32_ps(_mm512_load_si512(sums[2 * (r / 16) + h][r % 16]));
-          const __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(xr.scale), sigma), sum);
-          const __m512 e = _mm512_fmadd_ps(_mm512_set1_ps(xr.norm), slack,
-                                           _mm512_fmadd_ps(_mm512_set1_ps(xr.residual), code_norm,
-                                                           _mm512_set1_ps(xr.floor)));
-          const __m512 upper = _mm512_add_ps(s, e);
-          const __mmask16 keep = _mm512_mask_cmp_ps_mask(valid, upper, _mm512_set1_ps(cand.threshold), _CMP_GE_OQ);
-          if (!keep) continue;
-          cand.lower_max = _mm512_mask_max_ps(cand.lower_max, keep, cand.lower_max, _mm512_sub_ps(s, e));
-          if (cand.count + 16 > kCapacity) {
-            compact(cand);
-            if (cand.count > kCapacity / 2) own.overflow = true, cand.count = 0;
-          }
-          _mm512_mask_compressstoreu_epi32(cand.rows + cand.count, keep,
-                                           _mm512_add_epi32(lane, _mm512_set1_epi32(first)));
-          _mm512_mask_compressstoreu_ps(cand.upper + cand.count, keep, upper);
-          cand.count += __builtin_popcount(keep);
-        }
-      }
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t r = 0; r < rows_m; ++r)
+          consider(_mm512_load_si512(sums[2 * (r / 16) + h][r % 16]), halves[h], x_rows[32 * c + r],
+                   own.rows[32 * c + r], own.overflow);
     }
-    if (block % kRefreshBlocks == kRefreshBlocks - 1)
-      for (int64_t m = 0; m < M; ++m) own.rows[m].threshold = lanes_max(own.rows[m].lower_max);
+    if (block % kRefreshBlocks == kRefreshBlocks - 1) refresh_thresholds(own, M);
   }
   _tile_release();
 }
 
 // tokens[m] = the first maximum of row m's exact sums over `rows` (ascending table rows that hold every
 // maximum of every row), with the full walk's tile steps; the rows in 32-row groups, a run of groups a thread.
-void exact_among(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, int64_t M, int64_t K,
-                 const std::vector<int32_t>& rows, int32_t* tokens) {
+void exact_among_amx(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, int64_t M, int64_t K,
+                     const std::vector<int32_t>& rows, int32_t* tokens) {
+  using amx::kTileWords;
+  namespace head = amx::head;
   const int64_t steps = K / head::kDepth, chunks = (M + head::kRows - 1) / head::kRows;
   TileVector<uint16_t> xb(chunks * steps * 2 * kTileWords);
   for (int64_t c = 0; c < chunks; ++c)
@@ -211,7 +258,7 @@ void exact_among(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* 
   std::vector<std::vector<float>> best(parts, std::vector<float>(M, -INFINITY));
   std::vector<std::vector<int32_t>> first(parts, std::vector<int32_t>(M, rows.front()));
   run_parallel(&pool, parts, 1, parts - 1, [&](int64_t part) {
-    configure_tiles();
+    amx::configure_tiles();
     TileVector<uint16_t> gathered(32 * K);
     alignas(64) head::TransposedBlock block;
     for (int64_t g = part * groups / parts * 32; g < (part + 1) * groups / parts * 32; g += 32) {
@@ -234,21 +281,107 @@ void exact_among(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* 
     }
     _tile_release();
   });
-  // Parts in table order: a later part's row replaces an earlier one's only where it is greater.
-  for (int64_t m = 0; m < M; ++m) {
-    int64_t winner = 0;
-    for (int64_t part = 1; part < parts; ++part)
-      if (best[part][m] > best[winner][m]) winner = part;
-    tokens[m] = first[winner][m];
+  first_of_parts(best, first, M, tokens);
+}
+#endif
+
+#if defined(PAGED_SCREEN_VNNI)
+// Rows [0, MR) of x (codes at x, row stride K64) against both halves of a block (`b`, steps of 2 KB): the int32
+// products into acc[r][h], table row 16 h + j in lane j. With `ahead`, the next block is requested into L2.
+template <int MR>
+inline void block_products_vnni(const int8_t* b, const int8_t* x, int64_t K64, const char* ahead, __m512i acc[MR][2]) {
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // signed code + 128, as vpdpbusd's unsigned
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_si512();
+  for (int64_t s = 0; s < K64 / kStep; ++s) {
+    const int8_t* t = b + s * 2 * kHalfBytes;
+    if (ahead)
+      for (int64_t i = 0; i < 2 * kHalfBytes / 64; ++i) _mm_prefetch(ahead + s * 2 * kHalfBytes + 64 * i, _MM_HINT_T1);
+    for (int64_t q = 0; q < 16; ++q) {
+      const __m512i low = _mm512_xor_si512(_mm512_loadu_si512(t + 64 * q), flip);
+      const __m512i high = _mm512_xor_si512(_mm512_loadu_si512(t + kHalfBytes + 64 * q), flip);
+      for (int r = 0; r < MR; ++r) {
+        int32_t quad;  // x's codes at k = 64 s + 4 q .. + 3
+        std::memcpy(&quad, x + r * K64 + s * kStep + 4 * q, sizeof quad);
+        const __m512i xq = _mm512_set1_epi32(quad);
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], low, xq);
+        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], high, xq);
+      }
+    }
   }
 }
 
+// The most rows of x a pass over a block keeps in registers: 2 accumulators a row, and the two table vectors.
+constexpr int kVnniRows = 12;
+
+template <int MR>
+void pass_vnni(const int8_t* b, const int8_t* x_codes, const RowScreen* x_rows, int64_t m0, int64_t K64,
+               const char* ahead, const HalfRows halves[2], ThreadScreen& own) {
+  __m512i acc[MR][2];
+  block_products_vnni<MR>(b, x_codes + m0 * K64, K64, ahead, acc);
+  for (int r = 0; r < MR; ++r) {
+    const RowScreen& xr = x_rows[m0 + r];
+    const __m512i offset = _mm512_set1_epi32(128 * xr.code_sum);
+    for (int h = 0; h < 2; ++h)
+      consider(_mm512_sub_epi32(acc[r][h], offset), halves[h], xr, own.rows[m0 + r], own.overflow);
+  }
+}
+
+template <int MR = kVnniRows>
+void pass_vnni_rows(int64_t rows, const int8_t* b, const int8_t* x_codes, const RowScreen* x_rows, int64_t m0,
+                    int64_t K64, const char* ahead, const HalfRows halves[2], ThreadScreen& own) {
+  if constexpr (MR > 1)
+    if (rows < MR) return pass_vnni_rows<MR - 1>(rows, b, x_codes, x_rows, m0, K64, ahead, halves, own);
+  pass_vnni<MR>(b, x_codes, x_rows, m0, K64, ahead, halves, own);
+}
+
+// As screen_rows_amx, on AVX-512 VNNI: each block's rows of x in passes of up to kVnniRows, even in size.
+void screen_rows_vnni(const ScreenTable& table, const int8_t* x_codes, const RowScreen* x_rows, int64_t M,
+                      int64_t K64, int64_t n_begin, int64_t n_end, ThreadScreen& own) {
+  const int64_t block_bytes = K64 / kStep * 2 * kHalfBytes;
+  const int64_t passes = (M + kVnniRows - 1) / kVnniRows;
+  for (int64_t n0 = n_begin, block = 0; n0 < n_end; n0 += kBlockRows, ++block) {
+    const int8_t* b = table.codes + n0 / kBlockRows * block_bytes;
+    const char* ahead = n0 + kBlockRows < n_end ? reinterpret_cast<const char*>(b + block_bytes) : nullptr;
+    const HalfRows halves[2] = {half_rows(table, n0), half_rows(table, n0 + 16)};
+    for (int64_t p = 0, m0 = 0; p < passes; ++p) {
+      const int64_t rows = (M - m0) / (passes - p);
+      pass_vnni_rows(rows, b, x_codes, x_rows, m0, K64, p == 0 ? ahead : nullptr, halves, own);
+      m0 += rows;
+    }
+    if (block % kRefreshBlocks == kRefreshBlocks - 1) refresh_thresholds(own, M);
+  }
+}
+#endif
+
 }  // namespace
+
+bool Available() {
+#if defined(PAGED_SCREEN_AMX)
+  if (amx::Available()) return true;
+#endif
+#if defined(PAGED_SCREEN_VNNI)
+  return true;
+#else
+  return false;
+#endif
+}
 
 bool ScreenedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_t* w, const ScreenTable& table,
                     int32_t* tokens, int64_t M, int64_t K) {
-  if (!Available() || K % head::kDepth) return false;
+  if (!Available() || K % 32) return false;
+  bool tiles = false;
+#if defined(PAGED_SCREEN_AMX)
+  tiles = amx::Available();
+#endif
+  auto full_walk = [&] {
+#if defined(PAGED_SCREEN_AMX)
+    if (tiles) return amx::MatmulTransposedArgmax(pool, x, w, tokens, M, K, table.rows);
+#endif
+    return avx512bf16::MatmulTransposedArgmax(pool, x, w, tokens, M, K, table.rows);
+  };
   const int64_t K64 = (K + kStep - 1) / kStep * kStep, chunks = (M + 31) / 32;
+  // vpdpbusd's sums of (code + 128) * x code stay within int32 up to K64 = 65,536 (255 * 127 * K64 < 2^31).
+  if (!tiles && K64 > 65536) return full_walk();
   thread_local TileVector<int8_t> x_codes;  // (a thread_local is each thread's own: helpers get its data())
   x_codes.assign(chunks * 32 * K64, 0);
   const int8_t* codes = x_codes.data();
@@ -264,7 +397,7 @@ bool ScreenedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_
   std::vector<ThreadScreen>& parts = kept;
   int64_t used = 0;
   if (screened) {
-    used = head::split_table(pool, table.padded_rows, [&](int64_t part, int64_t n_begin, int64_t n_end) {
+    used = split_table(pool, table.padded_rows, [&](int64_t part, int64_t n_begin, int64_t n_end) {
       ThreadScreen& own = parts[part];
       own.overflow = false;
       own.row_ids.resize(M * kCapacity);
@@ -272,7 +405,12 @@ bool ScreenedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_
       own.rows.assign(M, Candidates{_mm512_set1_ps(-INFINITY), -INFINITY, 0, nullptr, nullptr});
       for (int64_t m = 0; m < M; ++m)
         own.rows[m].rows = own.row_ids.data() + m * kCapacity, own.rows[m].upper = own.uppers.data() + m * kCapacity;
-      screen_rows(table, codes, x_rows.data(), M, K64, n_begin, n_end, own);
+#if defined(PAGED_SCREEN_AMX)
+      if (tiles) return screen_rows_amx(table, codes, x_rows.data(), M, K64, n_begin, n_end, own);
+#endif
+#if defined(PAGED_SCREEN_VNNI)
+      screen_rows_vnni(table, codes, x_rows.data(), M, K64, n_begin, n_end, own);
+#endif
     });
   }
   // Every thread's candidates that reach their row's largest lower bound over all threads.
@@ -289,14 +427,18 @@ bool ScreenedArgmax(xla::ffi::ThreadPool& pool, const uint16_t* x, const uint16_
     }
     screened = static_cast<int64_t>(rows.size()) <= table.rows / 8;
   }
-  if (!screened || rows.empty()) return MatmulTransposedArgmax(pool, x, w, tokens, M, K, table.rows);
+  if (!screened || rows.empty()) return full_walk();
   std::sort(rows.begin(), rows.end());
   rows.erase(std::unique(rows.begin(), rows.end()), rows.end());
-  exact_among(pool, x, w, M, K, rows, tokens);
-  return true;
+#if defined(PAGED_SCREEN_AMX)
+  if (tiles) return exact_among_amx(pool, x, w, M, K, rows, tokens), true;
+#endif
+  return avx512bf16::ArgmaxAmong(pool, x, w, M, K, rows.data(), static_cast<int64_t>(rows.size()), tokens);
 }
 
 #else
+
+bool Available() { return false; }
 
 bool ScreenedArgmax(xla::ffi::ThreadPool&, const uint16_t*, const uint16_t*, const ScreenTable&, int32_t*, int64_t,
                     int64_t) {
@@ -363,4 +505,4 @@ bool BuildScreen(xla::ffi::ThreadPool& pool, const uint16_t* w, int64_t N, int64
   return true;
 }
 
-}  // namespace paged::amx
+}  // namespace paged::screen
