@@ -200,13 +200,17 @@ def run(shape: str, dtype_name: str, rows_list: list[int], layers: int, repeats:
 
 
 def run_lm_head(shape: str, rows_list: list[int], repeats: int, read_bytes_per_s: float) -> list[dict]:
-    """The tied LM head of `shape` (bfloat16 table [vocab, hidden]) as the engine calls it (`Embedding.attend`):
-    the "xla" linear backend's einsum against the "cpu" backend's native transposed matmul (AMX tiles or
-    AVX-512 BF16, where the CPU has either; else the same einsum). Milliseconds and the table's bytes read once
-    over the time as a fraction of the read bandwidth."""
+    """The tied LM head of `shape` (bfloat16 table [vocab, hidden]) as the engine calls it: the logits
+    (`Embedding.attend`) of the "xla" linear backend's einsum and of the "cpu" backend's native transposed matmul
+    (AMX tiles or AVX-512 BF16, where the CPU has either; else the same einsum), and, where the native head
+    runs, the greedy heads: the fused argmax over the whole table (`attend_argmax`, "argmax") and the same
+    tokens through the table's int8 screen ("screened", where the CPU has AMX-INT8 or AVX-512 VNNI). The
+    calls alternate within each repeat. Milliseconds and the table's bytes read once over the time as a
+    fraction of the read bandwidth."""
     import jax
     import jax.numpy as jnp
 
+    from paged.kernels.cpu import screen as screening
     from paged.models.linear import Embedding
 
     config = MODEL_SHAPES[shape]
@@ -216,25 +220,36 @@ def run_lm_head(shape: str, rows_list: list[int], repeats: int, read_bytes_per_s
     params = {"params": {"embedding": table}}
     heads = {name: jax.jit(lambda p, h, e=Embedding(vocab, hidden, jnp.bfloat16, backend=name): e.apply(
         p, h, method="attend")) for name in ("xla", "cpu")}
+    native = Embedding(vocab, hidden, jnp.bfloat16, backend="cpu")
+    if native.apply(params, method="table_runs_natively"):
+        heads["argmax"] = jax.jit(lambda p, h: native.apply(p, h, method="attend_argmax"))
+        if screening.screen_native():
+            screen = jax.tree.map(jnp.asarray, screening.greedy_screen(table))
+            heads["screened"] = jax.jit(lambda p, h: native.apply(p, h, screen=screen, method="attend_argmax"))
     results = []
     for rows in rows_list:
         h = jnp.asarray(rng.standard_normal((rows, hidden), np.float32), jnp.bfloat16)
         row: dict = {"rows": rows}
-        outs = {}
-        for name, head in heads.items():
-            outs[name] = np.asarray(jax.block_until_ready(head(params, h)))
-            times = []
-            for _ in range(repeats):
+        outs = {name: np.asarray(jax.block_until_ready(head(params, h))) for name, head in heads.items()}
+        times: dict[str, list[float]] = {name: [] for name in heads}
+        for _ in range(repeats):
+            for name, head in heads.items():
                 start = time.perf_counter()
                 jax.block_until_ready(head(params, h))
-                times.append(time.perf_counter() - start)
-            row[f"{name}_ms"] = float(np.median(times)) * 1e3
-            row[f"{name}_read_fraction"] = table.nbytes / float(np.median(times)) / read_bytes_per_s
+                times[name].append(time.perf_counter() - start)
+        for name in heads:
+            row[f"{name}_ms"] = float(np.median(times[name])) * 1e3
+            row[f"{name}_read_fraction"] = table.nbytes / float(np.median(times[name])) / read_bytes_per_s
         row["cpu_max_rel_diff"] = float(np.abs(outs["cpu"] - outs["xla"]).max() / np.abs(outs["xla"]).max())
+        if "argmax" in heads:
+            # The greedy heads' tokens: the native logits' first maxima (the screened head's are the same).
+            row["argmax_tokens_match"] = bool((outs["argmax"] == np.argmax(outs["cpu"], axis=1)).all())
+            row["screened_tokens_match"] = bool((outs.get("screened", outs["argmax"]) == outs["argmax"]).all())
         results.append(row)
-        print(f"{rows:>6}  LM head: xla {row['xla_ms']:6.1f} ms ({row['xla_read_fraction']:.0%} of read)  "
-              f"cpu {row['cpu_ms']:6.1f} ms ({row['cpu_read_fraction']:.0%} of read)  "
-              f"xla/cpu {row['xla_ms'] / row['cpu_ms']:.2f}x")
+        print(f"{rows:>6}  LM head: " + "  ".join(f"{name} {row[name + '_ms']:6.1f} ms "
+                                                  f"({row[name + '_read_fraction']:.0%} of read)" for name in heads)
+              + f"  xla/cpu {row['xla_ms'] / row['cpu_ms']:.2f}x"
+              + (f"  argmax/screened {row['argmax_ms'] / row['screened_ms']:.2f}x" if "screened" in heads else ""))
     return results
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from paged.kernels import cpu
+from paged.kernels.cpu import screen as screening
 from paged.serving.cli import main
 
 
@@ -31,3 +32,10 @@ def test_matmul_benchmark_times_every_backend_on_the_same_products(tmp_path):
     # The tied LM head: both backends' logits agree to the rounding of their float32 sums.
     assert [row["rows"] for row in report["lm_head"]] == [3, 40]
     assert all(row["xla_ms"] > 0 and row["cpu_ms"] > 0 and row["cpu_max_rel_diff"] < 1e-5 for row in report["lm_head"])
+    # The greedy heads where the native head runs: the fused argmax's tokens are the native logits' first maxima,
+    # and the screened head (where the CPU has it) gives the same tokens.
+    for row in report["lm_head"]:
+        assert ("argmax_ms" in row) == cpu.transposed_matmul_native()
+        assert ("screened_ms" in row) == (cpu.transposed_matmul_native() and screening.screen_native())
+        if "argmax_ms" in row:
+            assert row["argmax_tokens_match"] and row["screened_tokens_match"], row
