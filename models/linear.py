@@ -577,7 +577,7 @@ GREEDY_SCREEN = "greedy_screen"
 
 
 def tied_head_screen(table: Embedding, table_params: dict, config) -> dict:
-    """{GREEDY_SCREEN: the int8 screen of a tied table} where `tied_greedy_head` runs on AMX-INT8 tiles (the
+    """{GREEDY_SCREEN: the int8 screen of a tied table} where the screen runs (AMX-INT8 tiles or AVX-512 VNNI: the
     tokens stay the full head's: pallas_kernels/cpu/screen.py), else {}. Built from the table's current values:
     whoever replaces the table must build it again."""
     if not (_argmax_is_the_tokens(config) and greedy_screening.screen_native()

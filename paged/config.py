@@ -64,7 +64,8 @@ class EngineConfig:
     # A plain-greedy step on the native CPU path finds its tokens through an int8 copy of a tied LM head's table
     # (pallas_kernels/cpu/screen.py): the same tokens, about half the head's bytes read a step.
     greedy_head_screen: bool = _option(True, "greedy steps read a tied LM head's table through an int8 copy (same "
-                                             "tokens; AMX-INT8 CPUs; the copy holds half the table's bytes)",
+                                             "tokens; CPUs with AMX-INT8 or AVX-512 VNNI; the copy holds half the "
+                                             "table's bytes)",
                                        aliases=("--no-greedy-head-screen",))
     # "scan" compiles one layer and loops over stacked weights; "unroll" compiles every layer with its own
     # weights. "auto" unrolls on CPU, where XLA copies each scanned layer's weights out of the stacked arrays
