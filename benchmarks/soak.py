@@ -3,8 +3,8 @@
     paged bench soak [--model paged-demo-docstrings] [--duration-s 300] [--clients 8] [--json out.json]
         [-- extra flags for paged serve]
 
-Starts `paged serve` on the model, then runs --clients loops until the deadline. Each picks one of these at
-random: a completion, a chat, a stream read to its end, a stream left after its first chunk, a request left
+Starts `paged serve` on the model, then runs --clients loops until the deadline. Each takes these in turns, in
+a random order each turn: a completion, a chat, a stream read to its end, a stream left after its first chunk, a request left
 before its reply (the client gives up after 50 ms), a constrained (JSON schema) completion, a batch of prompts
 with n=2 and logprobs, and a request the server must refuse (400). Every 2 s it samples the server's
 resident memory (VmRSS of its process) and the time `/health` takes. At the end it waits for the engine to go
@@ -89,9 +89,11 @@ async def _request(client: httpx.AsyncClient, kind: str, rng: random.Random, mod
 
 async def _client(base_url: str, model: str, deadline: float, seed: int, counts: collections.Counter) -> None:
     rng = random.Random(seed)
+    turn: list[str] = []  # every kind once per turn, in a random order: a short run still meets them all
     async with httpx.AsyncClient(base_url=base_url, timeout=120) as client:
         while time.monotonic() < deadline:
-            kind = rng.choice(list(EXPECTED))
+            turn = turn or rng.sample(list(EXPECTED), len(EXPECTED))
+            kind = turn.pop()
             try:
                 status = await _request(client, kind, rng, model)
             except httpx.HTTPError as exc:
