@@ -351,12 +351,16 @@ inline void direct_tile(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_
 // The panels that one direct tile of M rows takes side by side.
 inline int64_t direct_panels(int64_t M) { return M == 1 ? 4 : M == 2 ? 2 : 1; }
 
-// M <= 6 rows over `width` panels (direct_panels(M), or 1 for a last short group).
+// M <= 6 rows over `width` panels (direct_panels(M), or fewer for a thread's last panels: one row over three
+// panels rather than three single ones, which read each weight row in 64-byte pieces at a stride of N; the
+// 0.5B down projection (4,864 x 896, int4 in groups of 128), one row: 1.2x).
 template <int Bits>
 inline void direct_tiles(const uint16_t* x, int64_t ldx, const uint8_t* w, int64_t ldw, float* y, int64_t ldy,
                          int64_t M, int64_t width, int64_t kc, bool first, const float* scale, const uint8_t* next) {
-  if (width == 4) return direct_tile<Bits, 1, 4>(x, ldx, w, ldw, y, ldy, kc, first, scale, next);
-  if (width == 2) return direct_tile<Bits, 2, 2>(x, ldx, w, ldw, y, ldy, kc, first, scale, next);
+  if (M == 1 && width == 4) return direct_tile<Bits, 1, 4>(x, ldx, w, ldw, y, ldy, kc, first, scale, next);
+  if (M == 1 && width == 3) return direct_tile<Bits, 1, 3>(x, ldx, w, ldw, y, ldy, kc, first, scale, next);
+  if (M == 1 && width == 2) return direct_tile<Bits, 1, 2>(x, ldx, w, ldw, y, ldy, kc, first, scale, next);
+  if (M == 2 && width == 2) return direct_tile<Bits, 2, 2>(x, ldx, w, ldw, y, ldy, kc, first, scale, next);
   over_row_tiles(M, [&](auto rows, int64_t) {  // M <= 6: one tile
     direct_tile<Bits, decltype(rows)::value, 1>(x, ldx, w, ldw, y, ldy, kc, first, scale, next);
   });
@@ -696,7 +700,7 @@ void quant_panels(const X* x, const uint8_t* w, const float* scales, float* y, i
       // Panels a tile at a time (several for the direct tiles of one or two rows).
       const int64_t group = bf16 && M <= 6 ? direct_panels(M) : 1;
       for (int64_t p = p_begin; p < p_end;) {
-        const int64_t width = p + group <= p_end ? group : 1;
+        const int64_t width = std::min(group, p_end - p);
         const int64_t n0 = p * kPanel;
         // The next panels' block, or after the last panel the first panel's next block (as panels() does).
         const uint8_t* next = p + width < p_end ? block_rows + n0 + width * kPanel

@@ -861,6 +861,17 @@ def test_quant_matmul_bfloat16_x_matches_float64(rows, bits, inner, groups):
     np.testing.assert_allclose(got, want, atol=2e-4 * 8, rtol=2e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 2])
+@pytest.mark.parametrize("panels", [3, 7, 9, 14])
+@pytest.mark.parametrize("bits, inner, groups", [(8, 512, 1), (4, 384, 3)])
+def test_quant_matmul_bfloat16_x_takes_panels_side_by_side(rows, panels, bits, inner, groups):
+    """One row takes a thread's panels up to four at a time, two rows two at a time, and the run's last ones
+    together (three, two or one): 3 to 14 panels over the pool's threads end their runs in every width."""
+    x, w, scales, want = _bf16_quant_case(rows, inner, 64 * panels, bits, groups, rows * 10 + panels + bits)
+    got = np.asarray(quant_matmul_cpu(x, w, scales), np.float64)
+    np.testing.assert_allclose(got, want, atol=2e-4 * 8, rtol=2e-5)
+
+
 def test_quant_matmul_portable_build_and_live_rows(portable_target):
     target = portable_target.replace("paged_attention_cpu", "quant_matmul_cpu")
     for case in (_quant_case, _bf16_quant_case):
