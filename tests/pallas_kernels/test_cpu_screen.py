@@ -43,11 +43,12 @@ def _both(x, w, live=None, build=""):
     return np.asarray(full), np.asarray(screened)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 17, 33, 40])
+@pytest.mark.parametrize("rows", [1, 3, 16, 17, 32, 33, 40])
 @pytest.mark.parametrize("inner, vocab", [(32, 1), (64, 100), (96, 333), (896, 4001)])
 def test_screened_tokens_are_the_full_heads(rows, inner, vocab, build):
-    """Row chunks of 16 and 32 and a partial one, K not a multiple of 64 (96, 32), a table of one row and ones
-    whose last 32-row block is partial, split over threads."""
+    """Row chunks of 16 and 32 and a partial one (AMX), passes of up to 12 rows (VNNI, which takes up to 32 rows
+    and leaves more to the full head), K not a multiple of 64 (96, 32), a table of one row and ones whose last
+    32-row block is partial, split over threads."""
     rng = np.random.default_rng(rows * 13 + inner + vocab)
     x = jnp.asarray(rng.normal(size=(rows, inner)) * 2, jnp.bfloat16)
     w = jnp.asarray(rng.normal(size=(vocab, inner)) * 0.05, jnp.bfloat16)
