@@ -338,7 +338,8 @@ void pass_vnni_rows(int64_t rows, const int8_t* b, const int8_t* x_codes, const 
   pass_vnni<MR>(b, x_codes, x_rows, m0, K64, ahead, halves, own);
 }
 
-// As screen_rows_amx, on AVX-512 VNNI: each block's rows of x in passes of up to kVnniRows, even in size.
+// As screen_rows_amx, on AVX-512 VNNI: each block's rows of x in passes of up to kVnniRows rows (their sizes
+// differing by one at most); the first pass requests the next block.
 void screen_rows_vnni(const ScreenTable& table, const int8_t* x_codes, const RowScreen* x_rows, int64_t M,
                       int64_t K64, int64_t n_begin, int64_t n_end, ThreadScreen& own) {
   const int64_t block_bytes = K64 / kStep * 2 * kHalfBytes;
