@@ -38,4 +38,6 @@ def test_matmul_benchmark_times_every_backend_on_the_same_products(tmp_path):
         assert ("argmax_ms" in row) == cpu.transposed_matmul_native()
         assert ("screened_ms" in row) == (cpu.transposed_matmul_native() and screening.screen_native())
         if "argmax_ms" in row:
-            assert row["argmax_tokens_match"] and row["screened_tokens_match"], row
+            assert row["argmax_tokens_match"], row
+        if "screened_ms" in row:
+            assert row["screened_tokens_match"], row
