@@ -29,6 +29,10 @@ check-packaging: install-runtime
 
 # The slowest tests stay in view: CI prints them, against its 45-minute budget.
 PYTEST_ARGS ?= -q -ra --durations=30
+# The suite spends its time compiling on one core, so two worker processes (pytest-xdist) nearly halve it on a
+# 2-core machine. Whole files go to one worker, so a module's fixtures are built once.
+PYTEST_WORKERS ?= 2
+PARALLEL_ARGS := -n $(PYTEST_WORKERS) --dist loadfile
 # The newest jax runs what depends on the jax version: the kernels and their lowering, the models' layers and
 # matmul backends, sharding (the core tensor-parallel cases), several processes, the jitted step and sampler,
 # the compilation cache and the backends end to end. The rest (HTTP, scheduling, parsing, deployment, docs, the
@@ -47,7 +51,7 @@ JAX_VERSION_TESTS := tests/pallas_kernels tests/models/test_linear.py tests/mode
 # The TPU kernels under jax's TPU interpreter (minutes of emulation) run on the newest jax only (test312), as
 # TPU users run the newest jax; their lowering to Mosaic is checked on both.
 test311: install
-	.venv/bin/python -m pytest $(PYTEST_ARGS) --ignore=tests/clients -m "not tpu_interpreter"
+	.venv/bin/python -m pytest $(PARALLEL_ARGS) $(PYTEST_ARGS) --ignore=tests/clients -m "not tpu_interpreter"
 
 # Third-party clients (instructor, langchain-openai, litellm, openai's parse helpers) against `paged serve`, in
 # an environment of their own: they pin their dependencies (openai, jiter) apart from the test environment's.
@@ -65,7 +69,7 @@ install312:
 
 test312: install312
 	@if [ -z "$(PY312)" ]; then echo "no Python >= 3.12 on this machine: skipping the newest-jax run"; exit 0; fi; \
-	.venv312/bin/python -m pytest $(PYTEST_ARGS) $(JAX_VERSION_TESTS)
+	.venv312/bin/python -m pytest $(PARALLEL_ARGS) $(PYTEST_ARGS) $(JAX_VERSION_TESTS)
 
 # The other two environments install while the 3.11 suite runs (pip mostly waits on downloads, the suite on
 # the CPU); their log is shown if they fail. Then the clients and the newest jax run.
