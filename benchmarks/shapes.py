@@ -33,6 +33,17 @@ MODEL_SHAPES = {
         "attention_bias": False, "tie_word_embeddings": True, "hidden_act": "silu", "bos_token_id": 0,
         "eos_token_id": 1, "sliding_window": None, "use_sliding_window": False, "torch_dtype": "bfloat16",
     },
+    # Llama-3.1-8B: its published config. 16 GB in bfloat16: time it with load_format="dummy", which draws the
+    # weights on the devices from `model_shape_config_dir`'s config alone.
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False, "hidden_act": "silu",
+        "bos_token_id": 0, "eos_token_id": 1, "torch_dtype": "bfloat16",
+    },
 }
 
 # Random weights at the scale of trained ones (std 0.02, HF's initializer_range): activations stay in
@@ -68,6 +79,24 @@ def _tensors(config: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
         if config["model_type"] == "qwen3":  # per-head RMSNorm of q and k
             tensors.update({p + "self_attn.q_norm.weight": ones(head_dim), p + "self_attn.k_norm.weight": ones(head_dim)})
     return tensors
+
+
+def model_shape_config_dir(name: str) -> str:
+    """A directory with shape `name`'s config.json and the tokenizer, no weights: for load_format="dummy"."""
+    from paged.kernels.cache import cache_root
+    from paged.models.tiny import _train_tokenizer
+    if name not in MODEL_SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; choose one of {sorted(MODEL_SHAPES)}")
+    directory = str(cache_root() / "benchmarks" / f"{name}-config")
+    config = os.path.join(directory, "config.json")
+    if os.path.exists(config):
+        return directory
+    os.makedirs(directory, exist_ok=True)
+    _train_tokenizer(directory, 512)
+    with open(config + ".partial", "w") as f:
+        json.dump(MODEL_SHAPES[name], f, indent=2)
+    os.replace(config + ".partial", config)  # last: a directory with a config is whole
+    return directory
 
 
 def model_shape_dir(name: str, seed: int = 0) -> str:

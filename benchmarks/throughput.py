@@ -32,7 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from paged.benchmarks.common import (copy_bandwidth, copy_workload, default_model_dir, jsonl_workload, matmul_rate,
                                      pyplot, random_workload, warmup_twin, workload_flops)
-from paged.benchmarks.shapes import MODEL_SHAPES, model_shape_dir
+from paged.benchmarks.shapes import MODEL_SHAPES, model_shape_config_dir, model_shape_dir
 from paged.config import add_engine_arguments, engine_kwargs_from_cli_args
 
 
@@ -352,7 +352,10 @@ def main(argv=None) -> int:
     from paged.models import load_model_config
     if args.model and args.model_shape:
         raise SystemExit("give --model or --model-shape, not both")
-    model_dir = model_shape_dir(args.model_shape) if args.model_shape else args.model or default_model_dir()
+    if args.model_shape:  # with load_format dummy, the config alone (the weights are drawn on the devices)
+        model_dir = (model_shape_config_dir if args.load_format == "dummy" else model_shape_dir)(args.model_shape)
+    else:
+        model_dir = args.model or default_model_dir()
     config = load_model_config(model_dir)
     if args.dataset or args.copy_workload:
         from transformers import AutoTokenizer
@@ -409,7 +412,10 @@ def main(argv=None) -> int:
     except ImportError:
         have_torch = False
         print("torch is not installed: Hugging Face baselines skipped", file=sys.stderr)
-    if have_torch:
+    if have_torch and args.load_format == "dummy" and (args.hf_batch_sizes or not args.no_hf_continuous):
+        print("load_format dummy: no weights for transformers to load, Hugging Face baselines skipped",
+              file=sys.stderr)
+    elif have_torch:
         for size in args.hf_batch_sizes:
             n = len(workload.prompts) if size == "all" else int(size)
             seconds, warmup, extra = run_hf_static(model_dir, workload, n, sampling)

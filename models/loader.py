@@ -23,6 +23,7 @@ from safetensors import safe_open
 from paged.models.progress import progress
 
 from paged.models.config import ModelConfig, load_model_config
+from paged.models.dummy_weights import dummy_params
 from paged.models.gemma_checkpoint import HFTensors, is_gemma_checkpoint, read_arrays as read_gemma_arrays
 from paged.models.linear import LORA_FACTORS, to_declared_layout
 from paged.models.orbax_checkpoint import SavedLayout, is_orbax_checkpoint, read_layout, restore_params
@@ -62,8 +63,8 @@ def resolve_dtype(dtype: Any, config: ModelConfig) -> np.dtype:
     return resolved
 
 
-def resolve_model_path(model: str) -> str:
-    """A local directory, else a hub id downloaded (config, tokenizer, safetensors only)."""
+def resolve_model_path(model: str, weights: bool = True) -> str:
+    """A local directory, else a hub id downloaded (config, tokenizer, and with `weights` the safetensors)."""
     if os.path.isdir(model):
         if not os.path.exists(os.path.join(model, "config.json")) and not is_gemma_checkpoint(model):
             raise ValueError(f"model directory {model!r} has no config.json")
@@ -74,7 +75,8 @@ def resolve_model_path(model: str) -> str:
         raise ValueError(f"model path {model!r} does not exist")
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(model, allow_patterns=_HUB_PATTERNS)
+        return snapshot_download(model, allow_patterns=[p for p in _HUB_PATTERNS
+                                                        if weights or not p.endswith(".safetensors")])
     except Exception as exc:  # noqa: BLE001 - any hub failure becomes one clear message
         raise ValueError(f"model {model!r} is not a local directory and could not be fetched from the "
                          f"Hugging Face hub: {type(exc).__name__}: {exc}") from exc
@@ -329,18 +331,24 @@ def _get_layer0(tree: dict, key: tuple[str, ...]):
 
 def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stacked_layers: bool = True,
                linear_backend: str = "xla", mesh=None, quantization: str | None = None, device=None,
-               kv_cache_scales: bool = False, hf_overrides: dict | None = None, lora=None):
+               kv_cache_scales: bool = False, hf_overrides: dict | None = None, lora=None,
+               load_format: str = "auto"):
     """Returns (model_dir, config, model, params, numpy dtype); see load_params for `stacked_layers`, `mesh` and
     `device`, paged.models.linear for `linear_backend`, models/quantized_checkpoints.py for `quantization` (None: the
     checkpoint's own `quantization_config`, if any). `kv_cache_scales`: the KV pool is fp8, so the checkpoint's
     per-layer k/v scales are read where it has them (paged.models.llama.LlamaForCausalLM.KV_SCALE_RE). `lora`
-    (paged.lora.LoRAConfig): every adapted projection gets its `max_loras` slots of LoRA factors, zeroed."""
-    model_dir = resolve_model_path(model)
+    (paged.lora.LoRAConfig): every adapted projection gets its `max_loras` slots of LoRA factors, zeroed.
+    `load_format`: "auto" (or vLLM's "safetensors") reads the checkpoint's weights; "dummy" draws random ones from
+    config.json alone (models/dummy_weights.py)."""
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
+    dummy = load_format == "dummy"
+    model_dir = resolve_model_path(model, weights=not dummy)
     config = load_model_config(model_dir, hf_overrides)
     cls = model_class(config.architecture)
     if config.classifier_from_tokens:
         config = dataclasses.replace(config, classifier_token_ids=_token_ids(model_dir, config.classifier_from_tokens))
-    saved = read_layout(model_dir) if is_orbax_checkpoint(model_dir) else None
+    saved = read_layout(model_dir) if is_orbax_checkpoint(model_dir) and not dummy else None
     if saved is not None:  # paged's own Orbax checkpoint: its quantization is in its codes already
         scheme = WeightQuant(**saved.weight_quant) if saved.weight_quant is not None else None
         if quantization is not None and (scheme is None or quantization != scheme.method.split("-")[0]):
@@ -351,6 +359,9 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
     else:
         scheme = weight_quant(_quantization_config(model_dir), quantization)
     if scheme is not None:
+        if dummy:
+            raise ValueError(f"load_format='dummy' draws float weights; {scheme.method} quantization needs its "
+                             "checkpoint (use load_format='auto')")
         if cls.__name__ != "LlamaForCausalLM":
             raise NotImplementedError(f"quantized {config.architecture} models are not implemented yet")
         config = dataclasses.replace(config, weight_quant=scheme)
@@ -362,7 +373,8 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
             raise ValueError("this checkpoint was saved with fp8 KV cache scales: restore it with kv_cache_dtype "
                              "fp8 (or load the original checkpoint)")
         config = dataclasses.replace(config, kv_scales=saved.kv_scales)
-    elif kv_cache_scales and cls.__name__ == "LlamaForCausalLM" and _has_kv_scales(model_dir, cls.KV_SCALE_RE):
+    elif kv_cache_scales and cls.__name__ == "LlamaForCausalLM" and not dummy and \
+            _has_kv_scales(model_dir, cls.KV_SCALE_RE):
         config = dataclasses.replace(config, kv_scales=True)
     if lora is not None:
         if cls.__name__ != "LlamaForCausalLM" or config.num_experts or config.encoder_only:
@@ -374,7 +386,11 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
         config = dataclasses.replace(config, num_kv_heads=config.num_kv_heads * replicas, kv_head_replicas=replicas)
     np_dtype = resolve_dtype(dtype, config)
     instance = cls(config, np_dtype, linear_backend=linear_backend)
-    if saved is not None:
+    if dummy:
+        params = dummy_params(parameter_shapes(instance), partition_specs(instance) if mesh is not None else {},
+                              functools.partial(_target_sharding, mesh, device), config.norm_plus_one,
+                              stacked_layers, config.num_layers, (config.vocab_size, config.padded_vocab_size))
+    elif saved is not None:
         expected = parameter_shapes(instance)
         specs = partition_specs(instance) if mesh is not None else {}
         shardings = {key: _target_sharding(mesh, device, specs.get(key), shape) for key, (shape, _) in

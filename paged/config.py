@@ -36,6 +36,10 @@ class EngineConfig:
     dtype: Any = _option("auto", "weights and activations: auto keeps the checkpoint's; float32/float, "
                                  "bfloat16, float16/half")
     seed: int = _option(0, "seed of the engine's per-request sampling streams")
+    # vLLM's --load-format dummy: a model timed at its real size from config.json alone (models/dummy_weights.py).
+    load_format: str = _option("auto", "auto (or safetensors) reads the checkpoint's weights; dummy draws random "
+                                       "ones on the devices from config.json alone (for benchmarks: nothing to "
+                                       "download or write)", ("auto", "safetensors", "dummy"))
     block_size: int = _option(16, "tokens per KV cache block", (1, 2, 4, 8, 16, 32, 64, 128))
     num_kv_blocks: int | None = _option(None, "KV cache blocks (default: from the memory budget)")
     gpu_memory_utilization: float = _option(0.9, "fraction of device memory (host memory on CPU) for weights "
@@ -196,6 +200,8 @@ class EngineConfig:
               f"max_model_len must be None or an integer >= 1, got {self.max_model_len!r}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES,
               f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got {self.kv_cache_dtype!r}")
+        check(self.load_format in ("auto", "safetensors", "dummy"),
+              f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         check(self.preemption_mode in ("recompute", "swap"),
               f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
         check(self.layer_loop in ("auto", "scan", "unroll"),

@@ -84,7 +84,8 @@ def summary(engine, seconds: float) -> str:
     lines = [
         f"model {model}" + (f" ({description})" if description else "")
         + f": {mc.architecture}, {mc.num_layers} layers, weights {_mib(engine.weight_bytes['total'])} "
-          f"in {engine.dtype.name}" + (f", quantization {cfg.quantization}" if cfg.quantization else ""),
+          f"in {engine.dtype.name}" + (f", quantization {cfg.quantization}" if cfg.quantization else "")
+        + (", random (load_format=dummy)" if cfg.load_format == "dummy" else ""),
         f"devices {placed}; attention backend {engine.attention_name}, linear backend {engine.linear_backend}",
         *([f"pooling runner ({engine.pooling_task}): {engine.pooler_config.pooling_type} pooling, "
            f"{'with' if engine.pooler_config.use_activation else 'without'} "

@@ -77,7 +77,7 @@ class Worker:
             model_dir, config.dtype, show_progress, stacked_layers=not unroll, linear_backend=self.linear_backend,
             mesh=self.mesh, quantization=config.quantization, device=self.device,
             kv_cache_scales=config.kv_cache_dtype.startswith("fp8"), hf_overrides=config.parsed_hf_overrides(),
-            lora=self.lora)
+            lora=self.lora, load_format=config.load_format)
         # What every parameter's shape is (LoRA adapters are checked against it when they are read).
         self.expected_params = parameter_shapes(self.model)
         self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)

@@ -19,7 +19,6 @@ ACCEPTED = {
     "--disable-log-requests": (False, "paged does not log request contents"),
     "--disable-log-stats": (False, "paged logs no periodic stats; /metrics has them"),
     "--disable-frontend-multiprocessing": (False, "the server and the engine share one process here"),
-    "--load-format": (True, "checkpoints load from safetensors"),
     "--device": (True, "jax chooses the platform (JAX_PLATFORMS picks one)"),
     "--convert": (True, "a pooling runner on a causal LM embeds (--runner pooling); classifiers come from their "
                         "checkpoint or --hf-overrides"),
@@ -52,8 +51,6 @@ def check_vllm_flags(args: argparse.Namespace) -> None:
         value = getattr(args, _dest(flag), None)
         if value is None:
             continue
-        if flag == "--load-format" and value not in ("auto", "safetensors"):
-            raise ValueError(f"--load-format {value}: only safetensors checkpoints load (auto or safetensors)")
         if flag == "--convert":
             if value not in ("auto", "none", "embed"):
                 raise ValueError(f"--convert {value}: a causal LM becomes a classifier through --hf-overrides "

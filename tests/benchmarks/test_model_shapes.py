@@ -78,3 +78,30 @@ def test_shape_checkpoint_reads_the_same_in_transformers(shape, request):
         out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=8, eos_token_id=None,
                              pad_token_id=0)
     assert got == out[0, len(prompt):].tolist()
+
+
+def test_the_llama_8b_shape_has_the_published_size():
+    """The engine's own parameter tree for the config: Llama-3.1-8B's published 8,030,261,248 parameters."""
+    from paged.models.config import load_model_config
+    from paged.models.loader import parameter_shapes
+    from paged.models.registry import model_class
+    directory = shapes.model_shape_config_dir("llama-3.1-8b")
+    config = load_model_config(directory)
+    model = model_class(config.architecture)(config, np.dtype("bfloat16"))
+    assert sum(int(np.prod(shape)) for shape, _ in parameter_shapes(model).values()) == 8_030_261_248
+
+
+def test_a_config_only_shape_has_no_weights_and_loads_dummy_ones(monkeypatch, tmp_path):
+    import os
+    from paged.models.loader import load_model
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
+    config = dict(shapes.MODEL_SHAPES["llama-3.1-8b"], vocab_size=600, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=256)
+    monkeypatch.setitem(shapes.MODEL_SHAPES, "tiny-llama3", config)
+    directory = shapes.model_shape_config_dir("tiny-llama3")
+    assert not [f for f in os.listdir(directory) if f.endswith(".safetensors")]
+    assert shapes.model_shape_config_dir("tiny-llama3") == directory
+    params = load_model(directory, show_progress=False, load_format="dummy")[3]
+    assert params["embed_tokens"]["embedding"].shape == (600, 64)
+    assert params["lm_head"]["kernel"].shape == (64, 600)  # not tied

@@ -126,3 +126,18 @@ def test_throughput_benchmark_reports_speculation_beside_the_same_run_without(ti
     assert results["paged"]["compilations_in_timed_run"] == 0
     workload = json.loads(out.read_text())["workload"]
     assert workload["requests"] == 3 and workload["output_tokens"] == 30
+
+
+def test_throughput_benchmark_times_a_model_from_its_config_alone(tiny_model_dir, tmp_path):
+    """--load-format dummy: the weights are drawn on the devices; transformers has none to load, so its
+    baselines are skipped, not failed."""
+    import shutil
+    config_only = tmp_path / "config-only"
+    shutil.copytree(tiny_model_dir, config_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    out = tmp_path / "throughput.json"
+    assert main(["bench", "throughput", "--model", str(config_only), "--load-format", "dummy", "--num-requests", "3",
+                 "--input-len", "4", "8", "--output-len", "4", "8", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["system"] for r in report["results"]] == ["paged"]
+    assert report["engine"]["load_format"] == "dummy"
+    assert report["results"][0]["output_tokens"] == report["workload"]["output_tokens"]

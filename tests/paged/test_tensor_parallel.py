@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -134,6 +135,16 @@ def test_a_gptq_checkpoint_splits_too(model_dir, tmp_path):
     results = _run(quantized, "xla", [1, 4])
     for size in (4,):
         assert results[size]["tokens"] == results[1]["tokens"], size
+
+
+def test_dummy_weights_are_the_same_on_every_mesh(model_dir, tmp_path):
+    """load_format="dummy" draws each shard on its own device, from config.json alone: the weights, so the
+    greedy tokens, are those one device draws."""
+    config_only = str(tmp_path / "config-only")
+    shutil.copytree(model_dir, config_only, ignore=shutil.ignore_patterns("*.safetensors"))
+    results = _run(config_only, "xla", [1, 4], load_format="dummy", greedy_only=True)
+    assert results[4]["tokens"] == results[1]["tokens"]
+    assert results[4]["q_shard_cols"] == [16] * 4 and results[4]["kv_shard_heads"] == [1] * 4
 
 
 def test_a_vocabulary_the_size_does_not_divide_is_padded_and_split(tmp_path):
