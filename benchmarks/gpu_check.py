@@ -12,6 +12,12 @@ Every section writes as it finishes, so a run cut short still returns what it me
   kernels_gpu.json    `paged bench kernels --preset gpu` (rewritten after every point), and its .png
   gpu_check.log       everything printed
 
+The last section, `throughput` in gpu_check.json (benchmarks/gpu_throughput.py), runs the engine on GPU-sized
+work: random weights in Llama-3.1-8B's and Qwen2.5-0.5B's shapes drawn on the device (load_format="dummy"),
+256 requests of 512 prompt and 256 output tokens, output tokens/s and each decode step's time against its
+byte floor (weights + K/V read, over the sweep's copy bandwidth). It has --throughput-s of the budget; the
+sweep gets what the checks before it leave.
+
 The summary table is printed last (a device call returns the end of the output).
 """
 
@@ -31,6 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+
+from paged.benchmarks import gpu_throughput  # noqa: E402
 
 # The decode goal's shapes (batch >= 32, context >= 2048, bf16): where "auto" must pick the fastest kernel.
 GOAL = dict(min_batch=32, min_context=2048, dtype="bfloat16")
@@ -257,12 +265,50 @@ def fastest_at_goal(sweep: dict) -> dict:
                 auto_should_pick=max(wins, key=wins.get) if wins else None)
 
 
+def throughput(args, report: Report, on_cpu: bool, deadline: float) -> list[dict]:
+    """The engine on GPU-sized work (benchmarks/gpu_throughput.py), each shape in turn until the deadline; on
+    CPU (a dry run) a tiny Llama's config and a small batch."""
+    from paged.benchmarks.common import copy_bandwidth
+    from paged.benchmarks.shapes import model_shape_config_dir
+    copy_bw = report.data.get("ceilings", {}).get("copy_bytes_per_s") or copy_bandwidth(
+        megabytes=256 if on_cpu else 2048)
+    shapes = args.throughput_shapes if args.throughput_shapes is not None else (
+        ["tiny"] if on_cpu else list(gpu_throughput.SHAPES))
+    requests, prompt_len, output_len = (8, 24, 8) if on_cpu else (256, 512, 256)
+    entries = []
+    for name in shapes:
+        if time.monotonic() > deadline:
+            entries.append(dict(error=f"throughput {name}: not run, the budget was spent"))
+            continue
+        try:
+            if name == "tiny":
+                from paged.models.tiny import create_tiny_llama
+                directory = create_tiny_llama(tempfile.mkdtemp(), hidden_size=128, num_layers=2, num_heads=4,
+                                              num_kv_heads=2, model_vocab_size=512)
+            else:
+                directory = model_shape_config_dir(name)
+            entry = gpu_throughput.run_shape(directory, name, requests, prompt_len, output_len, copy_bw, deadline)
+        except Exception:
+            print(f"FAIL throughput {name}: raised\n{traceback.format_exc()[-3000:]}", flush=True)
+            entry = dict(error=f"throughput {name}: raised", traceback=traceback.format_exc()[-3000:])
+        entry["copy_bytes_per_s"] = copy_bw
+        entries.append(entry)
+        print(gpu_throughput.summary_line(entry) if "shape" in entry else entry["error"], flush=True)
+        report.set("throughput", entries)  # each shape as it ends
+    return entries
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
     parser.add_argument("--budget-s", type=float, default=420.0,
                         help="the whole run's seconds; the kernel sweep gets what the checks leave")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["correctness", "engine", "sweep"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["correctness", "engine", "sweep", "throughput"])
+    parser.add_argument("--throughput-s", type=float, default=180.0,
+                        help="seconds of the budget kept for the throughput section, which runs last")
+    parser.add_argument("--throughput-shapes", nargs="*", default=None,
+                        help="model shapes for the throughput section (default: llama-3.1-8b, then qwen2.5-0.5b, on "
+                             "a GPU; a tiny Llama on CPU)")
     args = parser.parse_args()
     start = time.monotonic()
     os.makedirs(args.out, exist_ok=True)
@@ -289,7 +335,8 @@ def main() -> int:
     if "sweep" not in args.skip:
         from paged.benchmarks import kernels
         path = os.path.join(args.out, "kernels_gpu.json")
-        left = max(30.0, args.budget_s - (time.monotonic() - start))
+        reserve = 0.0 if "throughput" in args.skip else args.throughput_s
+        left = max(30.0, args.budget_s - reserve - (time.monotonic() - start))
         try:  # on CPU the smoke preset: a dry run of this path
             kernels.main(["--preset", "smoke" if on_cpu else "gpu", "--budget-s", f"{left:.0f}", "--json", path,
                           "--png", os.path.join(args.out, "kernels_gpu.png")])
@@ -309,11 +356,15 @@ def main() -> int:
                         for n, f in goal["fraction_of_copy"].items()]
             summary.append(f"fastest at the goal shapes: {goal['wins']} -> auto should pick "
                            f"{goal['auto_should_pick']}")
+    if "throughput" not in args.skip:
+        entries = throughput(args, report, on_cpu, deadline=start + args.budget_s)
+        report.set("throughput", entries)
+        summary += [gpu_throughput.summary_line(e) if "shape" in e else e["error"] for e in entries]
     summary.append(f"{time.monotonic() - start:.0f} s in all")
     report.set("summary", summary)
     print("\n== summary ==\n" + "\n".join(summary), flush=True)
     failed = [c for c in report.data.get("correctness", []) + report.data.get("engine", [])
-              if c.get("passed") is False]
+              if c.get("passed") is False] + [e for e in report.data.get("throughput", []) if "traceback" in e]
     return 1 if failed else 0
 
 

@@ -31,6 +31,7 @@ class StepRecord:
     prompt_tokens: int  # prompt tokens computed (not prefix-cache hits); sums to engine.num_computed_prompt_tokens
     preempted: tuple[str, ...]  # requests preempted to make room for this step
     blocks_used: int  # KV blocks held once the step was scheduled
+    context_tokens: int  # K/V positions the step's attention reads, over its rows (with the new tokens')
     read_back_at: float | None = None  # s from the trace's start: its tokens were on the host
     device_wait_s: float | None = None  # host time blocked waiting for them
     postprocess_s: float | None = None
@@ -51,7 +52,7 @@ def record_step(trace: "EngineTrace", batch, blocks_used: int) -> StepRecord:
         prefill_tokens=tuple(0 if d else n for d, (_, n) in zip(decode, rows)), decode_tokens=decode,
         sampled=tuple(int(r.num_computed_tokens + n >= r.num_tokens) for r, n in rows),
         prompt_tokens=sum(batch.prompt_tokens_per_row()), preempted=tuple(r.request_id for r in batch.preempted),
-        blocks_used=blocks_used)
+        blocks_used=blocks_used, context_tokens=sum(r.num_computed_tokens + n for r, n in rows))
     trace.records.append(record)
     return record
 

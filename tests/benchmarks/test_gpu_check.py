@@ -53,3 +53,39 @@ def test_the_profile_program_runs_each_named_kernel(monkeypatch, capsys):
     assert gpu_profile.main() == 0
     err = capsys.readouterr().err
     assert "pallas: 1 calls" in err and "xla: 1 calls" in err and "cpu" not in err
+
+
+def step(read_back_at, prefill, context, rows=2):
+    return types.SimpleNamespace(read_back_at=read_back_at, prefill_tokens=(prefill,) + (0,) * (rows - 1),
+                                 context_tokens=context, request_ids=tuple(range(rows)))
+
+
+def test_decode_steps_time_each_decode_step_against_its_byte_floor():
+    from paged.benchmarks.gpu_throughput import decode_steps
+    records = [step(0.0, 16, 20), step(1.0, 0, 22),  # after a prompt step: its gap is not a decode step's
+               step(1.5, 0, 24), step(2.5, 0, 26), step(3.0, 4, 30), step(3.2, 0, 32), step(None, 0, 34)]
+    # Decode steps after decode steps: gaps 0.5 s (context 24), 1.0 s (26); after the prompt step, none.
+    got = decode_steps(records, weight_bytes=1000, kv_bytes_per_token=10, copy_bytes_per_s=100.0)
+    floors = [(1000 + 24 * 10) / 100.0, (1000 + 26 * 10) / 100.0]
+    assert got["steps"] == 2 and got["median_batch"] == 2
+    assert got["median_step_s"] == 0.75 and got["median_floor_s"] == sum(floors) / 2
+    assert abs(got["median_over_floor"] - (0.5 / floors[0] + 1.0 / floors[1]) / 2) < 1e-12
+    assert decode_steps(records[:2], 1000, 10, 100.0) == {"steps": 0}
+
+
+def test_the_throughput_section_runs_a_shape_to_its_end(tmp_path):
+    """On CPU, a tiny Llama's config with dummy weights: every output token made, the K/V bytes a token holds
+    as its config says (2 x layers x KV heads x head_dim x 2 bytes), nothing compiled in the timed run."""
+    import time
+    from paged.benchmarks.gpu_throughput import run_shape, summary_line
+    from paged.models.tiny import create_tiny_llama
+    directory = create_tiny_llama(str(tmp_path / "tiny"), hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+    entry = run_shape(directory, "tiny", requests=4, prompt_len=12, output_len=6, copy_bytes_per_s=1e10,
+                      deadline=time.monotonic() + 600)
+    assert entry["output_tokens"] == 4 * 6 and "cut_short" not in entry
+    assert entry["kv_bytes_per_token"] == 2 * 2 * 2 * (128 // 4) * 2
+    assert entry["compilations_in_timed_run"] == 0 and entry["decode"]["steps"] > 0
+    assert "output tok/s" in summary_line(entry)
+    cut = run_shape(directory, "tiny", requests=4, prompt_len=12, output_len=6, copy_bytes_per_s=1e10,
+                    deadline=time.monotonic())
+    assert cut["cut_short"] == "during the warm-up" and "nothing timed" in summary_line(cut)

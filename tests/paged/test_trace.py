@@ -59,3 +59,22 @@ def test_dataframe_and_chrome_trace(traced, tmp_path):
 def test_stop_without_start_says_so(tiny_llm):
     with pytest.raises(RuntimeError, match="start_trace"):
         tiny_llm.engine.stop_trace()
+
+
+def test_context_tokens_are_what_each_row_has_computed(tiny_model_dir):
+    """A step's context_tokens (what its attention reads) is the sum over its rows of each request's tokens
+    computed so far, counted from the trace's own prefill and decode tokens (no preemption, no prefix hits)."""
+    llm = LLM(tiny_model_dir, block_size=8, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128,
+              enable_prefix_caching=False, show_progress=False)
+    llm.engine.start_trace()
+    llm.generate([{"prompt_token_ids": list(range(5, 5 + n))} for n in (40, 3, 9)],
+                 SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    trace = llm.engine.stop_trace()
+    computed: dict[str, int] = {}
+    for record in trace.records:
+        expected = 0
+        for request_id, prefill, decode in zip(record.request_ids, record.prefill_tokens, record.decode_tokens):
+            computed[request_id] = computed.get(request_id, 0) + prefill + decode
+            expected += computed[request_id]
+        assert record.context_tokens == expected, record.step
+    assert any(sum(r.prefill_tokens) and sum(r.decode_tokens) for r in trace.records)  # mixed steps too
