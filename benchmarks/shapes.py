@@ -81,37 +81,39 @@ def _tensors(config: dict, rng: np.random.Generator) -> dict[str, np.ndarray]:
     return tensors
 
 
-def model_shape_config_dir(name: str) -> str:
-    """A directory with shape `name`'s config.json and the tokenizer, no weights: for load_format="dummy"."""
+def _shape_directory(name: str, folder: str, last_file: str) -> tuple[str, bool]:
+    """(shape `name`'s directory `folder` under the cache root, whether it is whole: `last_file`, written last,
+    is there). One that is not is made, with the tokenizer in it."""
     from paged.kernels.cache import cache_root
     from paged.models.tiny import _train_tokenizer
     if name not in MODEL_SHAPES:
         raise ValueError(f"unknown model shape {name!r}; choose one of {sorted(MODEL_SHAPES)}")
-    directory = str(cache_root() / "benchmarks" / f"{name}-config")
-    config = os.path.join(directory, "config.json")
-    if os.path.exists(config):
-        return directory
+    directory = str(cache_root() / "benchmarks" / folder)
+    if os.path.exists(os.path.join(directory, last_file)):
+        return directory, True
     os.makedirs(directory, exist_ok=True)
     _train_tokenizer(directory, 512)
-    with open(config + ".partial", "w") as f:
-        json.dump(MODEL_SHAPES[name], f, indent=2)
-    os.replace(config + ".partial", config)  # last: a directory with a config is whole
+    return directory, False
+
+
+def model_shape_config_dir(name: str) -> str:
+    """A directory with shape `name`'s config.json and the tokenizer, no weights: for load_format="dummy"."""
+    directory, whole = _shape_directory(name, f"{name}-config", "config.json")
+    if not whole:
+        config = os.path.join(directory, "config.json")
+        with open(config + ".partial", "w") as f:
+            json.dump(MODEL_SHAPES[name], f, indent=2)
+        os.replace(config + ".partial", config)  # last: a directory with a config is whole
     return directory
 
 
 def model_shape_dir(name: str, seed: int = 0) -> str:
     """The checkpoint directory for shape `name` under the cache root, written on first use (~1 GB for 0.5B)."""
     from paged.models.builtin import RANDOM_WEIGHTS_KEY
-    from paged.models.tiny import _train_tokenizer
-    from paged.kernels.cache import cache_root
-    if name not in MODEL_SHAPES:
-        raise ValueError(f"unknown model shape {name!r}; choose one of {sorted(MODEL_SHAPES)}")
-    directory = str(cache_root() / "benchmarks" / f"{name}-random-seed{seed}")
-    weights = os.path.join(directory, "model.safetensors")
-    if os.path.exists(weights):
+    directory, whole = _shape_directory(name, f"{name}-random-seed{seed}", "model.safetensors")
+    if whole:
         return directory
-    os.makedirs(directory, exist_ok=True)
-    _train_tokenizer(directory, 512)
+    weights = os.path.join(directory, "model.safetensors")
     config = MODEL_SHAPES[name]
     tensors = _tensors(config, np.random.default_rng(seed))
     save_file(tensors, weights + ".partial", metadata={"format": "pt"})

@@ -10,24 +10,25 @@ import pytest
 from paged.benchmarks import shapes
 
 
+def _register_small(monkeypatch, tmp_path, like: str, name: str, **changes) -> None:
+    """An entry `name` shaped like `like` but small enough for a test, built under a temporary cache root."""
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
+    config = dict(shapes.MODEL_SHAPES[like], vocab_size=600, hidden_size=64, intermediate_size=128,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    monkeypatch.setitem(shapes.MODEL_SHAPES, name, {**config, **changes})
+
+
 @pytest.fixture
 def tiny_shape(monkeypatch, tmp_path):
-    """A Qwen2-shaped entry small enough for a test, built under a temporary cache root."""
-    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
-    config = dict(shapes.MODEL_SHAPES["qwen2.5-0.5b"], vocab_size=600, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    monkeypatch.setitem(shapes.MODEL_SHAPES, "tiny-qwen2", config)
+    """A Qwen2-shaped entry."""
+    _register_small(monkeypatch, tmp_path, "qwen2.5-0.5b", "tiny-qwen2")
     return shapes.model_shape_dir("tiny-qwen2")
 
 
 @pytest.fixture
 def tiny_qwen3_shape(monkeypatch, tmp_path):
-    """A Qwen3-shaped entry (head_dim given apart from hidden_size, q/k norms, no biases), small."""
-    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
-    config = dict(shapes.MODEL_SHAPES["qwen3-0.6b"], vocab_size=600, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
-                  max_position_embeddings=256)
-    monkeypatch.setitem(shapes.MODEL_SHAPES, "tiny-qwen3", config)
+    """A Qwen3-shaped entry (head_dim given apart from hidden_size, q/k norms, no biases)."""
+    _register_small(monkeypatch, tmp_path, "qwen3-0.6b", "tiny-qwen3", head_dim=32)
     return shapes.model_shape_dir("tiny-qwen3")
 
 
@@ -94,11 +95,7 @@ def test_the_llama_8b_shape_has_the_published_size():
 def test_a_config_only_shape_has_no_weights_and_loads_dummy_ones(monkeypatch, tmp_path):
     import os
     from paged.models.loader import load_model
-    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
-    config = dict(shapes.MODEL_SHAPES["llama-3.1-8b"], vocab_size=600, hidden_size=64, intermediate_size=128,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  max_position_embeddings=256)
-    monkeypatch.setitem(shapes.MODEL_SHAPES, "tiny-llama3", config)
+    _register_small(monkeypatch, tmp_path, "llama-3.1-8b", "tiny-llama3", head_dim=16)
     directory = shapes.model_shape_config_dir("tiny-llama3")
     assert not [f for f in os.listdir(directory) if f.endswith(".safetensors")]
     assert shapes.model_shape_config_dir("tiny-llama3") == directory
