@@ -287,7 +287,8 @@ def throughput(args, report: Report, on_cpu: bool, deadline: float) -> list[dict
                                               num_kv_heads=2, model_vocab_size=512)
             else:
                 directory = model_shape_config_dir(name)
-            entry = gpu_throughput.run_shape(directory, name, requests, prompt_len, output_len, copy_bw, deadline)
+            entry = gpu_throughput.run_shape(directory, name, requests, prompt_len, output_len, copy_bw, deadline,
+                                             progress=lambda e: report.set("throughput", [*entries, e]))
         except Exception:
             print(f"FAIL throughput {name}: raised\n{traceback.format_exc()[-3000:]}", flush=True)
             entry = dict(error=f"throughput {name}: raised", traceback=traceback.format_exc()[-3000:])

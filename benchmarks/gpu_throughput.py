@@ -11,7 +11,9 @@ the copy bandwidth measured in the same run that is the step's floor (at these b
 below the GPU's rate). A step's time is the gap between its tokens' read-back and the previous step's: with
 async scheduling the host's work overlaps the device's, so this is the step time the engine sustains.
 
-Everything runs against a deadline: a run cut short says so and still reports the steps it timed.
+Everything runs against a deadline: a run cut short says so and still reports the steps it timed. The
+warm-up is traced too: its decode steps (`warmup_decode`; the few that compiled a shape are outliers the
+medians pass over) stand in where the timed run is cut short.
 """
 
 from __future__ import annotations
@@ -70,8 +72,9 @@ def _drive(engine, prompts: list[list[int]], params, prefix: str, deadline: floa
 
 
 def run_shape(model_dir: str, name: str, requests: int, prompt_len: int, output_len: int, copy_bytes_per_s: float,
-              deadline: float) -> dict:
-    """One shape's run (see the module's docstring); `model_dir` holds its config.json and tokenizer."""
+              deadline: float, progress=lambda entry: None) -> dict:
+    """One shape's run (see the module's docstring); `model_dir` holds its config.json and tokenizer.
+    `progress(entry)` is called with what is known so far after each stage (a run killed mid-way keeps it)."""
     from paged import LLM, SamplingParams
     entry = dict(shape=name, requests=requests, prompt_len=prompt_len, output_len=output_len)
     block = 16
@@ -82,16 +85,22 @@ def run_shape(model_dir: str, name: str, requests: int, prompt_len: int, output_
     engine = llm.engine
     entry.update(startup_s=time.monotonic() - start, attention_backend=engine.attention_name,
                  weight_bytes=int(engine.weight_bytes["total"]), kv_bytes_per_token=kv_bytes_per_token(engine))
+    progress(entry)
+    floor = lambda records: decode_steps(records, entry["weight_bytes"], entry["kv_bytes_per_token"],
+                                         copy_bytes_per_s)
     vocab = engine.worker.model_config.vocab_size
     rng = np.random.default_rng(0)
     draw = lambda: [rng.integers(10, vocab, prompt_len).tolist() for _ in range(requests)]
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     # Warm-up on other token ids: compiles every step shape the timed run meets.
+    engine.start_trace()
     warmed = _drive(engine, draw(), params, "warm-up", deadline)
-    entry["warmup_s"] = time.monotonic() - start - entry["startup_s"]
+    entry.update(warmup_s=time.monotonic() - start - entry["startup_s"], shapes_compiled=engine.num_compilations,
+                 warmup_decode=floor(engine.stop_trace().records))
     if not warmed:
         entry["cut_short"] = "during the warm-up"
-    else:
+    progress(entry)
+    if warmed:
         compiled = engine.num_compilations
         engine.start_trace()
         begin = time.perf_counter()
@@ -100,9 +109,7 @@ def run_shape(model_dir: str, name: str, requests: int, prompt_len: int, output_
         records = engine.stop_trace().records
         tokens = sum(sum(r.sampled) for r in records)
         entry.update(seconds=seconds, output_tokens=tokens, output_tokens_per_s=tokens / seconds,
-                     compilations_in_timed_run=engine.num_compilations - compiled,
-                     decode=decode_steps(records, entry["weight_bytes"], entry["kv_bytes_per_token"],
-                                         copy_bytes_per_s))
+                     compilations_in_timed_run=engine.num_compilations - compiled, decode=floor(records))
         if not complete:
             entry["cut_short"] = f"after {tokens} of {requests * output_len} output tokens"
     del llm, engine
@@ -112,7 +119,12 @@ def run_shape(model_dir: str, name: str, requests: int, prompt_len: int, output_
 
 def summary_line(entry: dict) -> str:
     if "output_tokens_per_s" not in entry:
-        return f"throughput {entry['shape']}: cut short {entry.get('cut_short', '')}, nothing timed"
+        line = f"throughput {entry['shape']}: cut short {entry.get('cut_short', '')}, nothing timed"
+        warm = entry.get("warmup_decode", {})
+        if warm.get("steps"):
+            line += (f"; in the warm-up, decode step {warm['median_step_s'] * 1e3:.2f} ms, "
+                     f"{warm['median_over_floor']:.2f}x its byte floor")
+        return line
     decode = entry["decode"]
     line = (f"throughput {entry['shape']} ({entry['requests']} x {entry['prompt_len']}+{entry['output_len']}, "
             f"{entry['attention_backend']}): {entry['output_tokens_per_s']:.0f} output tok/s")

@@ -80,9 +80,13 @@ def test_the_throughput_section_runs_a_shape_to_its_end(tmp_path):
     from paged.benchmarks.gpu_throughput import run_shape, summary_line
     from paged.models.tiny import create_tiny_llama
     directory = create_tiny_llama(str(tmp_path / "tiny"), hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2)
+    stages = []
     entry = run_shape(directory, "tiny", requests=4, prompt_len=12, output_len=6, copy_bytes_per_s=1e10,
-                      deadline=time.monotonic() + 600)
+                      deadline=time.monotonic() + 600, progress=lambda e: stages.append(sorted(e)))
     assert entry["output_tokens"] == 4 * 6 and "cut_short" not in entry
+    # What a run killed mid-way keeps: the engine's figures after start-up, the warm-up's decode steps after it.
+    assert len(stages) == 2 and "weight_bytes" in stages[0] and "warmup_decode" in stages[1]
+    assert entry["warmup_decode"]["steps"] > 0
     assert entry["kv_bytes_per_token"] == 2 * 2 * 2 * (128 // 4) * 2
     assert entry["compilations_in_timed_run"] == 0 and entry["decode"]["steps"] > 0
     assert "output tok/s" in summary_line(entry)
