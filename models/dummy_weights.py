@@ -50,7 +50,7 @@ def _drawer(shape: tuple[int, ...], dtype: np.dtype, kind: str, sharding, stacke
             return jnp.ones(shape, dtype)
         if kind == "zeros":
             return jnp.zeros(shape, dtype)
-        return (jax.random.normal(key, shape, jnp.float32) * _STD).astype(dtype)
+        return jax.random.normal(key, shape, dtype) * jnp.asarray(_STD, dtype)  # no float32 copy of a 4 GB stack
 
     def padded(key):
         values = one(key, drawn)
