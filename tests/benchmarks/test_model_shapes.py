@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 
 from paged.benchmarks import shapes
+from tests.native import cache_root_sharing_kernels
 
 
 def _register_small(monkeypatch, tmp_path, like: str, name: str, **changes) -> None:
     """An entry `name` shaped like `like` but small enough for a test, built under a temporary cache root."""
-    monkeypatch.setenv("PAGED_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("PAGED_CACHE_DIR", str(cache_root_sharing_kernels(tmp_path)))
     config = dict(shapes.MODEL_SHAPES[like], vocab_size=600, hidden_size=64, intermediate_size=128,
                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
     monkeypatch.setitem(shapes.MODEL_SHAPES, name, {**config, **changes})

@@ -14,6 +14,7 @@ from jax.experimental.compilation_cache.compilation_cache import reset_cache
 
 from paged import compilation_cache
 from paged.config import EngineConfig
+from tests.native import cache_root_sharing_kernels
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -35,7 +36,7 @@ print(json.dumps({"hits": len(hits), "dir": llm.engine.compilation_cache_dir,
 
 
 def _run(model_dir: str, cache_root: Path) -> dict:
-    env = {**os.environ, "PAGED_CACHE_DIR": str(cache_root), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PAGED_CACHE_DIR": str(cache_root_sharing_kernels(cache_root)), "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     done = subprocess.run([sys.executable, "-c", _RUN, model_dir], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)

@@ -14,6 +14,7 @@ from pathlib import Path
 from paged import LLM
 from paged.batch import Buckets
 from paged.startup import summary
+from tests.native import cache_root_sharing_kernels
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -81,7 +82,7 @@ print(json.dumps(lines))
 
 
 def test_precompile_says_which_shapes_came_from_the_cache(tiny_model_dir, tmp_path):
-    env = {**os.environ, "PAGED_CACHE_DIR": str(tmp_path), "JAX_PLATFORMS": "cpu"}
+    env = {**os.environ, "PAGED_CACHE_DIR": str(cache_root_sharing_kernels(tmp_path)), "JAX_PLATFORMS": "cpu"}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
     done = subprocess.run([sys.executable, "-c", _PRECOMPILE_TWICE, tiny_model_dir], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
