@@ -20,6 +20,7 @@ import ml_dtypes
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 from safetensors import safe_open
+from paged.config import LOAD_FORMATS
 from paged.models.progress import progress
 
 from paged.models.config import ModelConfig, load_model_config
@@ -340,7 +341,7 @@ def load_model(model: str, dtype: Any = "auto", show_progress: bool = True, stac
     (paged.lora.LoRAConfig): every adapted projection gets its `max_loras` slots of LoRA factors, zeroed.
     `load_format`: "auto" (or vLLM's "safetensors") reads the checkpoint's weights; "dummy" draws random ones from
     config.json alone (models/dummy_weights.py)."""
-    if load_format not in ("auto", "safetensors", "dummy"):
+    if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
     dummy = load_format == "dummy"
     model_dir = resolve_model_path(model, weights=not dummy)

@@ -16,6 +16,8 @@ from typing import Any
 # `kv_cache_dtype` option -> the pool's element type (an ml_dtypes name; None: the model's dtype).
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": "bfloat16", "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn",
                    "fp8_e5m2": "float8_e5m2"}
+# How weights load (vLLM's --load-format values that mean something here; models/loader.py).
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 def _option(default, help: str, choices: tuple | None = None, aliases: tuple[str, ...] = ()):
@@ -39,7 +41,7 @@ class EngineConfig:
     # vLLM's --load-format dummy: a model timed at its real size from config.json alone (models/dummy_weights.py).
     load_format: str = _option("auto", "auto (or safetensors) reads the checkpoint's weights; dummy draws random "
                                        "ones on the devices from config.json alone (for benchmarks: nothing to "
-                                       "download or write)", ("auto", "safetensors", "dummy"))
+                                       "download or write)", LOAD_FORMATS)
     block_size: int = _option(16, "tokens per KV cache block", (1, 2, 4, 8, 16, 32, 64, 128))
     num_kv_blocks: int | None = _option(None, "KV cache blocks (default: from the memory budget)")
     gpu_memory_utilization: float = _option(0.9, "fraction of device memory (host memory on CPU) for weights "
@@ -200,7 +202,7 @@ class EngineConfig:
               f"max_model_len must be None or an integer >= 1, got {self.max_model_len!r}")
         check(self.kv_cache_dtype in KV_CACHE_DTYPES,
               f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, got {self.kv_cache_dtype!r}")
-        check(self.load_format in ("auto", "safetensors", "dummy"),
+        check(self.load_format in LOAD_FORMATS,
               f"load_format must be 'auto', 'safetensors' or 'dummy', got {self.load_format!r}")
         check(self.preemption_mode in ("recompute", "swap"),
               f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
