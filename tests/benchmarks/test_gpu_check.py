@@ -93,3 +93,21 @@ def test_the_throughput_section_runs_a_shape_to_its_end(tmp_path):
     cut = run_shape(directory, "tiny", requests=4, prompt_len=12, output_len=6, copy_bytes_per_s=1e10,
                     deadline=time.monotonic())
     assert cut["cut_short"] == "during the warm-up" and "nothing timed" in summary_line(cut)
+
+
+def test_the_prepared_run_ends_with_the_throughput_section(tmp_path):
+    """The script as the device runs it (on CPU its dry run: a tiny Llama), the other sections skipped: the
+    section's entry lands in gpu_check.json and its line in the summary."""
+    import json
+    import os
+    import subprocess
+    import sys
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--out", str(tmp_path), "--budget-s", "300",
+                           "--skip", "correctness", "engine", "sweep"], cwd=repo, capture_output=True, text=True,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"}, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    (entry,) = report["throughput"]
+    assert entry["shape"] == "tiny" and entry["output_tokens"] == 8 * 8 and entry["copy_bytes_per_s"] > 0
+    assert any(line.startswith("throughput tiny (8 x 24+8, ") for line in report["summary"])
