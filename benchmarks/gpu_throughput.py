@@ -48,13 +48,6 @@ def decode_steps(records, weight_bytes: int, kv_bytes_per_token: int, copy_bytes
                 median_batch=float(np.median(batches)))
 
 
-def kv_bytes_per_token(engine) -> int:
-    """Bytes of K and V one token holds over every layer (the pool's dtype, the heads as held)."""
-    worker = engine.worker
-    config = worker.model_config
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * np.dtype(worker.kv_dtype).itemsize
-
-
 def _drive(engine, prompts: list[list[int]], params, prefix: str, deadline: float) -> bool:
     """Runs every prompt to its end; False if the deadline came first (the rest are aborted)."""
     ids = [f"{prefix}-{i}" for i in range(len(prompts))]
@@ -76,6 +69,8 @@ def run_shape(model_dir: str, name: str, requests: int, prompt_len: int, output_
     """One shape's run (see the module's docstring); `model_dir` holds its config.json and tokenizer.
     `progress(entry)` is called with what is known so far after each stage (a run killed mid-way keeps it)."""
     from paged import LLM, SamplingParams
+    from paged.benchmarks.common import random_workload, warmup_twin
+    from paged.runner import kv_block_bytes
     entry = dict(shape=name, requests=requests, prompt_len=prompt_len, output_len=output_len)
     block = 16
     start = time.monotonic()
@@ -84,17 +79,17 @@ def run_shape(model_dir: str, name: str, requests: int, prompt_len: int, output_
               num_kv_blocks=requests * -(-(prompt_len + output_len) // block) + 16, show_progress=False)
     engine = llm.engine
     entry.update(startup_s=time.monotonic() - start, attention_backend=engine.attention_name,
-                 weight_bytes=int(engine.weight_bytes["total"]), kv_bytes_per_token=kv_bytes_per_token(engine))
+                 weight_bytes=int(engine.weight_bytes["total"]),
+                 kv_bytes_per_token=kv_block_bytes(engine.worker.model_config, 1, engine.worker.kv_dtype))
     progress(entry)
     floor = lambda records: decode_steps(records, entry["weight_bytes"], entry["kv_bytes_per_token"],
                                          copy_bytes_per_s)
     vocab = engine.worker.model_config.vocab_size
-    rng = np.random.default_rng(0)
-    draw = lambda: [rng.integers(10, vocab, prompt_len).tolist() for _ in range(requests)]
+    workload = random_workload(requests, (prompt_len, prompt_len), (output_len, output_len), vocab)
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
     # Warm-up on other token ids: compiles every step shape the timed run meets.
     engine.start_trace()
-    warmed = _drive(engine, draw(), params, "warm-up", deadline)
+    warmed = _drive(engine, warmup_twin(workload, vocab).prompts, params, "warm-up", deadline)
     entry.update(warmup_s=time.monotonic() - start - entry["startup_s"], shapes_compiled=engine.num_compilations,
                  warmup_decode=floor(engine.stop_trace().records))
     if not warmed:
@@ -104,7 +99,7 @@ def run_shape(model_dir: str, name: str, requests: int, prompt_len: int, output_
         compiled = engine.num_compilations
         engine.start_trace()
         begin = time.perf_counter()
-        complete = _drive(engine, draw(), params, "timed", deadline)
+        complete = _drive(engine, workload.prompts, params, "timed", deadline)
         seconds = time.perf_counter() - begin
         records = engine.stop_trace().records
         tokens = sum(sum(r.sampled) for r in records)
