@@ -265,7 +265,10 @@ class Linear(nn.Module):
                 if self.quant.activations:
                     x = quantize_activations(x.astype(self.dtype), self.quant.activations)
                 y = quantized_matmul(self.backend, x.astype(self.dtype), params, self.quant.bits, live_rows,
-                                     self.out_dtype)
+                                     self.out_dtype, self._bias(axes) if self.use_bias else None)
+                if self.lora_slots:
+                    y = self._add_lora(inputs, y, axes)
+                return y
         if self.use_bias:
             y = y + self._bias(axes).astype(y.dtype)
         if self.lora_slots:
@@ -420,32 +423,35 @@ def _dtype(name: str):
 
 
 def quantized_matmul(backend: str, x: jax.Array, params: dict[str, jax.Array], bits: int,
-                     live_rows: jax.Array | None, out_dtype: Any) -> jax.Array:
-    """x [..., K] @ the quantized kernel (models/quantization.py's layout), in `out_dtype` (default x's).
+                     live_rows: jax.Array | None, out_dtype: Any, bias: jax.Array | None = None) -> jax.Array:
+    """x [..., K] @ the quantized kernel (models/quantization.py's layout) + bias, in `out_dtype` (default x's).
 
     With the native CPU backend, int8 and int4 codes go to the native quantized matmul as they are stored, so a
-    step reads one byte (or half of one) per weight: y = x @ (codes * scales) - (x's sums per group) @
-    zero_offsets. Layers it cannot take (N not a multiple of 64, groups that do not fit its 128-row blocks) and
-    other backends dequantize the kernel in the step and run the float matmul.
+    step reads one byte (or half of one) per weight, and the layer is that one call: the zero points, the bias
+    and the rounding to a bfloat16 result happen inside it. Layers it cannot take (N not a multiple of 64,
+    groups that do not fit its 128-row blocks) and other backends dequantize the kernel in the step and run the
+    float matmul.
     """
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    add_bias = lambda y: y if bias is None else y + bias.astype(y.dtype)
     if "zero_offsets" not in params:  # float8 codes with block scales
-        return linear_backend(backend)(x, dequantize_float8(params["qweight"], params["scales"], x.dtype),
-                                       live_rows, out_dtype)
+        return add_bias(linear_backend(backend)(x, dequantize_float8(params["qweight"], params["scales"], x.dtype),
+                                                live_rows, out_dtype))
     qweight, scales, offsets = params["qweight"], params["scales"], params["zero_offsets"]
     rows = math.prod(x.shape[:-1])
     in_features, (groups, out_features) = x.shape[-1], scales.shape
     if (backend == "cpu" and 0 < rows <= cpu.MATMUL_MAX_ROWS["int8"]
             and cpu.quant_matmul_takes(in_features, out_features, groups, bits)):
         x2 = x.reshape(rows, in_features)
-        x32 = x2.astype(jnp.float32)
         # bfloat16 x goes in as it is (the codes meet it as bfloat16 pairs, half the bytes in L1 per block).
-        operand = x2 if x.dtype == jnp.bfloat16 and cpu.quant_matmul_takes_bfloat16(in_features, groups) else x32
-        y = cpu.quant_matmul_cpu(operand, qweight, scales.astype(jnp.float32), live_rows)
-        group_sums = x32.reshape(rows, groups, in_features // groups).sum(axis=-1)  # [rows, G]
-        y = y - jnp.dot(group_sums, offsets.astype(jnp.float32), preferred_element_type=jnp.float32)
-        return y.reshape(*x.shape[:-1], out_features).astype(out_dtype or x.dtype)
+        if not (x.dtype == jnp.bfloat16 and cpu.quant_matmul_takes_bfloat16(in_features, groups)):
+            x2 = x2.astype(jnp.float32)
+        native_out = out_dtype if out_dtype in (jnp.float32, jnp.bfloat16) else jnp.dtype(jnp.float32)
+        y = cpu.quant_matmul_cpu(x2, qweight, scales, live_rows, zero_offsets=offsets, bias=bias,
+                                 out_dtype=native_out)
+        return y.reshape(*x.shape[:-1], out_features).astype(out_dtype)
     kernel = dequantize(qweight, scales, offsets, bits)
-    return linear_backend(backend)(x, kernel, live_rows, out_dtype)
+    return add_bias(linear_backend(backend)(x, kernel, live_rows, out_dtype))
 
 
 class GroupedLinear(nn.Module):

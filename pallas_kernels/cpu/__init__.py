@@ -495,13 +495,19 @@ def add_rms_norm_cpu(h: jax.Array, delta: jax.Array, scale: jax.Array, eps: floa
 
 
 def quant_matmul_cpu(x: jax.Array, w: jax.Array, scales: jax.Array, live_rows: jax.Array | int | None = None, *,
+                     zero_offsets: jax.Array | None = None, bias: jax.Array | None = None, out_dtype=jnp.float32,
                      _target: str = _QUANT_MATMUL_TARGET) -> jax.Array:
-    """x [M, K] @ (codes * per-group scales) by the native kernel, float32 [M, N] (zero points: the caller's).
+    """x [M, K] @ (codes * per-group scales - zero_offsets) + bias by the native kernel, in `out_dtype`.
+
+    One call does the layer: the zero points' part is taken from each block's sums and the bias added in the
+    kernel, and a bfloat16 result is rounded once from the float32 sums.
 
     x: float32 [M, K], or bfloat16 (then K and the rows per group even; codes meet x as exact bfloat16 pairs,
     `quant_matmul_takes_bfloat16`). w: int8 codes [K, N], or uint8 [K / 2, N] holding int4 codes + 8 (rows 2i
-    and 2i + 1 in the low and high nibble). scales: float32 [G, N], G dividing K, K / G a multiple or a divisor
-    of 128 (even for int4). live_rows: as for `matmul_cpu`.
+    and 2i + 1 in the low and high nibble). scales: [G, N], G dividing K, K / G a multiple or a divisor of 128
+    (even for int4). zero_offsets: [G, N] (scale * (zero point - centre), models/quantization.py) or None.
+    bias: [N] or None. The vectors are taken as float32 or bfloat16 (other dtypes are converted to float32).
+    out_dtype: float32 or bfloat16. live_rows: as for `matmul_cpu`.
     """
     _require_kernels()
     rows = {jnp.dtype(jnp.int8): x.shape[1], jnp.dtype(jnp.uint8): x.shape[1] // 2}.get(jnp.dtype(w.dtype))
@@ -517,9 +523,27 @@ def quant_matmul_cpu(x: jax.Array, w: jax.Array, scales: jax.Array, live_rows: j
     if x.dtype == jnp.bfloat16 and (x.shape[1] // groups) % 2:
         raise ValueError(f"quant_matmul_cpu: bfloat16 x needs an even number of rows per group; got x "
                          f"{list(x.shape)} and {groups} groups")
+    if zero_offsets is not None and zero_offsets.shape != scales.shape:
+        raise ValueError(f"quant_matmul_cpu: expected zero_offsets shaped as the scales {list(scales.shape)}; got "
+                         f"{list(zero_offsets.shape)}")
+    if bias is not None and bias.size != w.shape[1]:
+        raise ValueError(f"quant_matmul_cpu: expected a bias of {w.shape[1]} values; got {list(bias.shape)}")
+    out_dtype = jnp.dtype(out_dtype)
+    if out_dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"quant_matmul_cpu: out_dtype must be float32 or bfloat16; got {out_dtype}")
+
+    def vector(v, shape):  # as the kernel takes it: float32 or bfloat16 values, or [0] for none
+        if v is None:
+            return jnp.zeros((0,), jnp.float32)
+        return v.reshape(shape) if v.dtype in (jnp.float32, jnp.bfloat16) else v.reshape(shape).astype(jnp.float32)
+
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
-    call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
-    return call(x, w, scales.astype(jnp.float32), live.astype(jnp.int32))
+    y_shape = (x.shape[0], w.shape[1])
+    sums = jax.ShapeDtypeStruct(y_shape if out_dtype == jnp.bfloat16 else (0,), jnp.float32)
+    call = jax.ffi.ffi_call(_target, (jax.ShapeDtypeStruct(y_shape, out_dtype), sums))
+    y, _ = call(x, w, vector(scales, scales.shape), vector(zero_offsets, scales.shape),
+                vector(bias, (w.shape[1],)), live.astype(jnp.int32))
+    return y
 
 
 def _groups_fit(group_rows: int, int4: bool) -> bool:

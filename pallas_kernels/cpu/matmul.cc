@@ -31,7 +31,10 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <tuple>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -672,29 +675,104 @@ ffi::Error BuildScreenImpl(ffi::ThreadPool pool, ffi::AnyBuffer w, ffi::ResultBu
 
 // ---- quantized weights with per-group scales (GPTQ, AWQ, compressed-tensors; int8 or packed int4) -------
 //
-// y[M, N] = x[M, K] @ W with W[k, n] = code[k, n] * scales[k / group_rows, n]: each block of weight rows
-// (inside one group) is widened to float32 times its group's scales into the L1 buffer, and the float32
-// tiles run on it. Zero points are the caller's: it subtracts (x's per-group sums) @ zero offsets. With
-// bfloat16 x the codes are widened to bfloat16 pairs instead and the scales meet each block's sums (paired_tile).
-//   x       [M, K]      float32, or bfloat16 (then K and the rows per group even)
-//   w       [K, N] int8 codes, or [K / 2, N] uint8: rows 2i and 2i + 1 in the low and high nibble, code + 8
-//   scales  [G, N]      float32, G = K / group_rows; group_rows a multiple or a divisor of 128 (even for int4)
-//   live    []          int32, as for MatmulCpu
-//   y       [M, N]      float32
+// y[M, N] = x[M, K] @ W + bias with W[k, n] = code[k, n] * scales[g, n] - offsets[g, n], g = k / group_rows:
+// each block of weight rows (inside one group) is widened to float32 times its group's scales into the L1
+// buffer, and the float32 tiles run on it; with bfloat16 x the codes are widened to bfloat16 pairs instead and
+// the scales meet each block's sums (paired_tile, direct_tile). The zero points' part, (x's sums over the
+// block) * offsets, is taken from each block's sums as it lands, and the bias is added and the result rounded
+// once per pass of panels, so a layer is one call: its float32 product never leaves the call to meet its
+// zero points, bias and rounding in three more passes of the step.
+//   x        [M, K]      float32, or bfloat16 (then K and the rows per group even)
+//   w        [K, N] int8 codes, or [K / 2, N] uint8: rows 2i and 2i + 1 in the low and high nibble, code + 8
+//   scales   [G, N]      float32 or bfloat16, G = K / group_rows; group_rows a multiple or a divisor of 128
+//                        (even for int4)
+//   offsets  [G, N] or [0]  float32 or bfloat16: scale * (zero point - centre), or none
+//   bias     [N] or [0]  float32 or bfloat16, or none
+//   live     []          int32, as for MatmulCpu
+//   y        [M, N]      float32 or bfloat16
+//   sums     [M, N] or [0]  float32 scratch: the partial sums of a bfloat16 y (float32 y holds its own)
+
+// A vector operand (scales, offsets or bias) as the call got it: float32 or bfloat16 values, or none.
+struct Vector {
+  const void* data = nullptr;
+  bool bf16 = false;
+  explicit operator bool() const { return data != nullptr; }
+  float at(int64_t i) const {
+    return bf16 ? paged::bf16_to_float(static_cast<const uint16_t*>(data)[i]) : static_cast<const float*>(data)[i];
+  }
+  // Whether the count values from index i are all +0: symmetric schemes' zero offsets (GPTQ with sym, online
+  // int8) are, and testing their bits costs a fraction of converting and subtracting them.
+  bool zeros(int64_t i, int64_t count) const {
+    const int64_t bytes = count * (bf16 ? 2 : 4);
+    const char* p = static_cast<const char*>(data) + i * (bf16 ? 2 : 4);
+    int64_t b = 0;
+#if defined(__AVX512F__)
+    __m512i any = _mm512_setzero_si512();
+    for (; b + 64 <= bytes; b += 64) any = _mm512_or_si512(any, _mm512_loadu_si512(p + b));
+    if (_mm512_test_epi64_mask(any, any)) return false;
+#endif
+    for (; b < bytes; ++b)
+      if (p[b]) return false;
+    return true;
+  }
+  // count values from index i as float32: the data itself, or converted into `tmp`.
+  const float* floats(int64_t i, int64_t count, float* tmp) const {
+    if (!bf16) return static_cast<const float*>(data) + i;
+    const uint16_t* p = static_cast<const uint16_t*>(data) + i;
+#if defined(__AVX512F__)
+    for (int64_t c = 0; c < count; c += 16) _mm512_storeu_ps(tmp + c, paged::load_bf16x16(p + c));
+#else
+    for (int64_t c = 0; c < count; ++c) tmp[c] = paged::bf16_to_float(p[c]);
+#endif
+    return tmp;
+  }
+};
+
+// What one quantized call multiplies by, beside the codes.
+struct QuantVectors {
+  Vector scales, offsets, bias;
+  const float* block_sums;  // with offsets: [M][blocks] float32 sums of x over each block's rows
+  int64_t blocks;
+};
+
+// The most panels one direct tile takes side by side: the vectors' columns for a block fit a 256-float buffer.
+constexpr int64_t kMaxTilePanels = 4;
+
+// y[m, n0 + c] -= block_sums[m] * offsets[c] for c in [0, count), rows [0, M) (row stride ldy): the zero points'
+// part of one block, whose rows lie in one group.
+inline void subtract_offsets(float* y, int64_t ldy, int64_t M, const float* block_sums, int64_t blocks,
+                             const float* offsets, int64_t count) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float s = block_sums[m * blocks];
+    float* row = y + m * ldy;
+#if defined(__AVX512F__)
+    for (int64_t c = 0; c < count; c += 16)
+      _mm512_storeu_ps(row + c, _mm512_fnmadd_ps(_mm512_set1_ps(s), _mm512_loadu_ps(offsets + c), _mm512_loadu_ps(row + c)));
+#else
+    for (int64_t c = 0; c < count; ++c) row[c] -= s * offsets[c];
+#endif
+  }
+}
+
+// The rows per block quant_panels walks: bfloat16 blocks are 256 rows where the groups allow (32 KB paired,
+// as float32's 128 rows are widened); else 128, or the group's rows. Blocks lie inside one group (or span the
+// only one).
+inline int64_t quant_block_rows(bool bf16, int64_t K, int64_t group_rows) {
+  return bf16 && (group_rows == K || group_rows % kBlockK<uint16_t> == 0) ? kBlockK<uint16_t>
+                                                                         : std::min<int64_t>(kBlockK<int8_t>, group_rows);
+}
+
 template <int Bits, typename X>
-void quant_panels(const X* x, const uint8_t* w, const float* scales, float* y, int64_t M, int64_t K,
+void quant_panels(const X* x, const uint8_t* w, const QuantVectors& v, float* y, int64_t M, int64_t K,
                   int64_t N, int64_t group_rows, int64_t p_begin, int64_t p_end) {
   constexpr bool bf16 = std::is_same_v<X, uint16_t>;
   if constexpr (bf16 ? kVectorized<uint16_t> : kVectorized<int8_t>) {
 #if defined(__AVX512F__)
-    // Blocks lie inside one group (or span the only one). bfloat16 blocks are 256 rows where the groups allow,
-    // 32 KB paired as float32's 128 rows are widened.
-    const int64_t block = bf16 && (group_rows == K || group_rows % kBlockK<uint16_t> == 0)
-                              ? kBlockK<uint16_t>
-                              : std::min<int64_t>(kBlockK<int8_t>, group_rows);
+    alignas(64) float scale_tmp[kMaxTilePanels * kPanel], offset_tmp[kMaxTilePanels * kPanel];
+    const int64_t block = quant_block_rows(bf16, K, group_rows);
     for (int64_t k0 = 0; k0 < K; k0 += block) {
       const int64_t kc = std::min(block, K - k0);
-      const float* scale = scales + (k0 / group_rows) * N;
+      const int64_t row = (k0 / group_rows) * N;  // the block's group's vectors
       const uint8_t* block_rows = w + (Bits == 8 ? k0 : k0 / 2) * N;
       const uint8_t* next_block = k0 + block < K ? w + (Bits == 8 ? k0 + block : (k0 + block) / 2) * N : nullptr;
       // Panels a tile at a time (several for the direct tiles of one or two rows).
@@ -702,22 +780,26 @@ void quant_panels(const X* x, const uint8_t* w, const float* scales, float* y, i
       for (int64_t p = p_begin; p < p_end;) {
         const int64_t width = std::min(group, p_end - p);
         const int64_t n0 = p * kPanel;
+        const float* scale = v.scales.floats(row + n0, width * kPanel, scale_tmp);
         // The next panels' block, or after the last panel the first panel's next block (as panels() does).
         const uint8_t* next = p + width < p_end ? block_rows + n0 + width * kPanel
                               : next_block ? next_block + p_begin * kPanel : nullptr;
         if constexpr (bf16) {
 #if defined(__AVX512BF16__)
           if (M <= 6) {
-            direct_tiles<Bits>(x + k0, K, block_rows + n0, N, y + n0, N, M, width, kc, k0 == 0, scale + n0, next);
+            direct_tiles<Bits>(x + k0, K, block_rows + n0, N, y + n0, N, M, width, kc, k0 == 0, scale, next);
           } else {
             pair_block<Bits>(block_rows + n0, N, kc, next);
-            paired_tiles(x + k0, K, y + n0, N, M, kc, k0 == 0, scale + n0);
+            paired_tiles(x + k0, K, y + n0, N, M, kc, k0 == 0, scale);
           }
 #endif
         } else {
-          widen_scaled_block<Bits>(block_rows + n0, N, scale + n0, kc, next);
+          widen_scaled_block<Bits>(block_rows + n0, N, scale, kc, next);
           float_tiles(x + k0, K, widened, y + n0, N, M, kc, k0 == 0);
         }
+        if (v.offsets && !v.offsets.zeros(row + n0, width * kPanel))
+          subtract_offsets(y + n0, N, M, v.block_sums + k0 / block, v.blocks,
+                           v.offsets.floats(row + n0, width * kPanel, offset_tmp), width * kPanel);
         p += width;
       }
     }
@@ -728,7 +810,9 @@ void quant_panels(const X* x, const uint8_t* w, const float* scales, float* y, i
         float acc = 0.0f;
         for (int64_t k = 0; k < K; ++k) {
           const int code = Bits == 8 ? static_cast<int8_t>(w[k * N + n]) : ((w[(k / 2) * N + n] >> (4 * (k % 2))) & 15) - 8;
-          acc += to_float(x[m * K + k]) * (static_cast<float>(code) * scales[(k / group_rows) * N + n]);
+          const int64_t g = (k / group_rows) * N + n;
+          const float weight = static_cast<float>(code) * v.scales.at(g) - (v.offsets ? v.offsets.at(g) : 0.0f);
+          acc += to_float(x[m * K + k]) * weight;
         }
         y[m * N + n] = acc;
       }
@@ -736,9 +820,77 @@ void quant_panels(const X* x, const uint8_t* w, const float* scales, float* y, i
   }
 }
 
-// x float32 or bfloat16 (then K and the rows per group even: k pairs), w, scales, live -> y (see above).
-ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w,
-                           ffi::Buffer<ffi::F32> scales, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
+// The float32 sum of x[0, n).
+template <typename X>
+float sum_of(const X* x, int64_t n) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    if constexpr (std::is_same_v<X, uint16_t>)
+      acc = _mm512_add_ps(acc, paged::load_bf16x16(x + i));
+    else
+      acc = _mm512_add_ps(acc, _mm512_loadu_ps(x + i));
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) sum += to_float(x[i]);
+  return sum;
+}
+
+// [M][blocks] float32 sums of x over each block of `block` rows (the last may be short), for the offsets.
+template <typename X>
+std::vector<float> x_block_sums(const X* x, int64_t M, int64_t K, int64_t block) {
+  const int64_t blocks = (K + block - 1) / block;
+  std::vector<float> sums(M * blocks);
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < blocks; ++b) sums[m * blocks + b] = sum_of(x + m * K + b * block, std::min(block, K - b * block));
+  return sums;
+}
+
+// Panels [p_begin, p_end) of the float32 sums y32 (row stride N) plus the bias, into y: float32 in place, or
+// rounded once to bfloat16.
+void finish_panels(float* y32, const Vector& bias, void* y, bool y_bf16, int64_t M, int64_t N, int64_t p_begin,
+                   int64_t p_end) {
+  const int64_t n0 = p_begin * kPanel, count = (p_end - p_begin) * kPanel;
+  for (int64_t m = 0; m < M; ++m) {
+    float* row = y32 + m * N + n0;
+    if (bias) {
+      for (int64_t c = 0; c < count; c += kPanel) {
+        alignas(64) float tmp[kPanel];
+        const float* b = bias.floats(n0 + c, kPanel, tmp);
+        for (int64_t i = 0; i < kPanel; ++i) row[c + i] += b[i];
+      }
+    }
+    if (y_bf16) {
+      uint16_t* out = static_cast<uint16_t*>(y) + m * N + n0;
+#if defined(__AVX512F__)
+      for (int64_t c = 0; c < count; c += 16) paged::store_bf16x16(out + c, _mm512_loadu_ps(row + c));
+#else
+      for (int64_t c = 0; c < count; ++c) out[c] = paged::float_to_bf16(row[c]);
+#endif
+    }
+  }
+}
+
+// A float32 or bfloat16 vector operand of `count` values (0: none), or an error naming it.
+ffi::Error vector_operand(ffi::AnyBuffer buffer, int64_t count, const char* what, Vector* out) {
+  const auto type = buffer.element_type();
+  if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument(std::string("quant_matmul_cpu: ") + what + " must be float32 or bfloat16");
+  if (buffer.element_count() == 0) return ffi::Error::Success();
+  if (static_cast<int64_t>(buffer.element_count()) != count)
+    return ffi::Error::InvalidArgument(std::string("quant_matmul_cpu: ") + what + " does not fit w");
+  *out = Vector{buffer.untyped_data(), type == ffi::DataType::BF16};
+  return ffi::Error::Success();
+}
+
+// x float32 or bfloat16 (then K and the rows per group even: k pairs), w, scales, offsets, bias, live -> y
+// (see above).
+ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer scales,
+                           ffi::AnyBuffer offsets, ffi::AnyBuffer bias, ffi::Buffer<ffi::S32> live,
+                           ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::F32> sums) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto sd = scales.dimensions();
@@ -759,25 +911,47 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
                                        "(and even for int4)");
   if (bf16 && group_rows % 2)
     return ffi::Error::InvalidArgument("quant_matmul_cpu: bfloat16 x needs an even number of rows per group");
-  float* yp = y->typed_data();
-  const int64_t M = zero_rows_past_live(live, xd[0], N, yp);
+  QuantVectors v{};
+  if (scales.element_count() == 0) return ffi::Error::InvalidArgument("quant_matmul_cpu: scales must not be empty");
+  for (auto [buffer, count, what, out] : {std::tuple{scales, G * N, "scales", &v.scales},
+                                          std::tuple{offsets, G * N, "offsets", &v.offsets},
+                                          std::tuple{bias, N, "bias", &v.bias}})
+    if (auto error = vector_operand(buffer, count, what, out); error.failure()) return error;
+  const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
+  if ((!y_bf16 && y->element_type() != ffi::DataType::F32) || y->dimensions().size() != 2 ||
+      y->dimensions()[0] != xd[0] || y->dimensions()[1] != N)
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: y must be float32 or bfloat16 [M, N]");
+  if (static_cast<int64_t>(sums->element_count()) != (y_bf16 ? xd[0] * N : 0))
+    return ffi::Error::InvalidArgument("quant_matmul_cpu: expected float32 sums [M, N] for a bfloat16 y, else [0]");
+  const int64_t M = y_bf16 ? zero_rows_past_live(live, xd[0], N, static_cast<uint16_t*>(y->untyped_data()))
+                           : zero_rows_past_live(live, xd[0], N, static_cast<float*>(y->untyped_data()));
   if (M == 0) return ffi::Error::Success();
+  float* y32 = y_bf16 ? sums->typed_data() : static_cast<float*>(y->untyped_data());
   const auto* wp = static_cast<const uint8_t*>(w.untyped_data());
-  const float* sp = scales.typed_data();
+  const bool vectorized_bf16 = bf16 && kVectorized<uint16_t>;
+  const int64_t block = kVectorized<int8_t> ? quant_block_rows(vectorized_bf16, K, group_rows) : K;
+  std::vector<float> x_sums;
+  if (v.offsets) {
+    x_sums = bf16 ? x_block_sums(static_cast<const uint16_t*>(x.untyped_data()), M, K, block)
+                  : x_block_sums(static_cast<const float*>(x.untyped_data()), M, K, block);
+    v.block_sums = x_sums.data();
+    v.blocks = (K + block - 1) / block;
+  }
   over_panels(pool, N / kPanel, [&](int64_t p0, int64_t p1) {
     if (bf16) {
       const auto* xp = static_cast<const uint16_t*>(x.untyped_data());
       if (bits == 8)
-        quant_panels<8>(xp, wp, sp, yp, M, K, N, group_rows, p0, p1);
+        quant_panels<8>(xp, wp, v, y32, M, K, N, group_rows, p0, p1);
       else
-        quant_panels<4>(xp, wp, sp, yp, M, K, N, group_rows, p0, p1);
+        quant_panels<4>(xp, wp, v, y32, M, K, N, group_rows, p0, p1);
     } else {
       const auto* xp = static_cast<const float*>(x.untyped_data());
       if (bits == 8)
-        quant_panels<8>(xp, wp, sp, yp, M, K, N, group_rows, p0, p1);
+        quant_panels<8>(xp, wp, v, y32, M, K, N, group_rows, p0, p1);
       else
-        quant_panels<4>(xp, wp, sp, yp, M, K, N, group_rows, p0, p1);
+        quant_panels<4>(xp, wp, v, y32, M, K, N, group_rows, p0, p1);
     }
+    if (v.bias || y_bf16) finish_panels(y32, v.bias, y->untyped_data(), y_bf16, M, N, p0, p1);
   });
   return ffi::Error::Success();
 }
@@ -862,6 +1036,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantMatmulCpu, QuantMatmulImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

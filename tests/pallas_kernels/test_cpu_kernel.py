@@ -884,6 +884,69 @@ def test_quant_matmul_portable_build_and_live_rows(portable_target):
             np.testing.assert_allclose(got[:live].astype(np.float64), want[:live], atol=2e-4 * 8, rtol=2e-5)
 
 
+def _layer_case(rows, inner, cols, bits, groups, x_dtype, vectors_dtype, seed):
+    """A quantized layer with zero points and a bias, its vectors held in `vectors_dtype`, and the float64
+    product x @ (codes * scales - offsets) + bias of the values as held."""
+    x, w, scales, _ = _quant_case(rows, inner, cols, bits, groups, seed)
+    rng = np.random.default_rng(seed + 1)
+    offsets = jnp.asarray(rng.uniform(-0.3, 0.3, (groups, cols)), vectors_dtype)
+    bias = jnp.asarray(rng.uniform(-1, 1, (cols,)), vectors_dtype)
+    scales, x = scales.astype(vectors_dtype), x.astype(x_dtype)
+    group = np.arange(inner) // (inner // groups)
+    held = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
+    weights = _unpacked_codes(np.asarray(w), bits) * held(scales)[group] - held(offsets)[group]
+    return x, w, scales, offsets, bias, held(x) @ weights + held(bias)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 7, 13])
+@pytest.mark.parametrize("bits, inner, groups", [(8, 512, 1), (8, 640, 5), (4, 512, 4), (4, 768, 3), (4, 256, 16)])
+@pytest.mark.parametrize("x_dtype, vectors_dtype", [(jnp.bfloat16, jnp.bfloat16), (jnp.bfloat16, jnp.float32),
+                                                    (jnp.float32, jnp.bfloat16)])
+def test_quant_matmul_takes_zero_points_and_bias_and_rounds_once(rows, bits, inner, groups, x_dtype, vectors_dtype):
+    """A whole quantized layer in the call: the zero points' part taken from each block's sums (blocks of 256,
+    128 and pairs of rows, one group or several per block's span), the bias added, the vectors read as held
+    (bfloat16 or float32), and a bfloat16 result rounded once from the same float32 sums as the float32 one."""
+    x, w, scales, offsets, bias, want = _layer_case(rows, inner, 320, bits, groups, x_dtype, vectors_dtype,
+                                                    rows * 10 + inner + groups)
+    layer = lambda out: np.asarray(quant_matmul_cpu(x, w, scales, zero_offsets=offsets, bias=bias, out_dtype=out)
+                                   .astype(jnp.float32), np.float64)
+    got = layer(jnp.float32)
+    np.testing.assert_allclose(got, want, atol=2e-4 * 8, rtol=2e-5)
+    rounded = np.asarray(jnp.asarray(got, jnp.float32).astype(jnp.bfloat16).astype(jnp.float32), np.float64)
+    np.testing.assert_array_equal(layer(jnp.bfloat16), rounded)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 13])
+@pytest.mark.parametrize("vectors_dtype", [jnp.bfloat16, jnp.float32])
+def test_quant_matmul_skips_only_zero_offsets(rows, vectors_dtype):
+    """Symmetric schemes' offsets are zeros, and a block whose offsets are all zeros skips their pass: offsets
+    zero in some groups and panels but not others still meet every block that has them."""
+    x, w, scales, offsets, bias, _ = _layer_case(rows, 512, 320, 4, 4, jnp.bfloat16, vectors_dtype, rows)
+    mixed = offsets.at[1:3].set(0).at[:, 64:192].set(0)  # groups 1-2, and panels 1-2 in every group
+    held = lambda a: np.asarray(a.astype(jnp.float32), np.float64)
+    group = np.arange(512) // 128
+    for zero_offsets in (mixed, jnp.zeros_like(offsets)):
+        weights = _unpacked_codes(np.asarray(w), 4) * held(scales)[group] - held(zero_offsets)[group]
+        want = held(x) @ weights + held(bias)
+        got = quant_matmul_cpu(x, w, scales, zero_offsets=zero_offsets, bias=bias)
+        np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=2e-4 * 8, rtol=2e-5)
+
+
+def test_quant_matmul_layer_live_rows_and_portable_build(portable_target):
+    """Rows past live stay zeros in a bfloat16 result too, and the portable loops compute the same layer."""
+    x, w, scales, offsets, bias, want = _layer_case(13, 256, 128, 4, 2, jnp.bfloat16, jnp.bfloat16, 3)
+    kwargs = dict(zero_offsets=offsets, bias=bias, out_dtype=jnp.bfloat16)
+    for live in (4, 9):
+        got = np.asarray(jax.jit(lambda x, live: quant_matmul_cpu(x, w, scales, live, **kwargs))(x, jnp.int32(live))
+                         .astype(jnp.float32), np.float64)
+        assert not np.any(got[live:])
+        np.testing.assert_allclose(got[:live], want[:live], atol=2e-4 * 8, rtol=2 ** -8)
+    target = portable_target.replace("paged_attention_cpu", "quant_matmul_cpu")
+    for x_dtype in (jnp.bfloat16, jnp.float32):
+        got = quant_matmul_cpu(x.astype(x_dtype), w, scales, _target=target, **kwargs)
+        np.testing.assert_allclose(np.asarray(got.astype(jnp.float32), np.float64), want, atol=2e-4 * 8, rtol=2 ** -8)
+
+
 def _int8_case(rows, inner, cols, seed):
     rng = np.random.default_rng(seed)
     x = rng.integers(-128, 128, (rows, inner)).astype(np.int8)
@@ -1296,6 +1359,13 @@ def test_quant_matmul_refuses_what_it_cannot_do():
         quant_matmul_cpu(jnp.zeros((4, 128), jnp.float16), jnp.zeros((128, 64), jnp.int8), jnp.zeros((1, 64)))
     with pytest.raises(ValueError, match="even number of rows per group"):  # bfloat16 multiplies k pairs
         quant_matmul_cpu(jnp.zeros((4, 128), jnp.bfloat16), jnp.zeros((128, 64), jnp.int8), jnp.zeros((128, 64)))
+    w, scales = jnp.zeros((128, 64), jnp.int8), jnp.zeros((2, 64))
+    with pytest.raises(ValueError, match="zero_offsets shaped as the scales"):
+        quant_matmul_cpu(jnp.zeros((4, 128)), w, scales, zero_offsets=jnp.zeros((1, 64)))
+    with pytest.raises(ValueError, match="bias of 64 values"):
+        quant_matmul_cpu(jnp.zeros((4, 128)), w, scales, bias=jnp.zeros((32,)))
+    with pytest.raises(ValueError, match="out_dtype must be float32 or bfloat16"):
+        quant_matmul_cpu(jnp.zeros((4, 128)), w, scales, out_dtype=jnp.float16)
 
 
 def test_matmul_bfloat16_live_rows():
