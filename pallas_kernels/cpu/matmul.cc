@@ -912,7 +912,6 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffe
   if (bf16 && group_rows % 2)
     return ffi::Error::InvalidArgument("quant_matmul_cpu: bfloat16 x needs an even number of rows per group");
   QuantVectors v{};
-  if (scales.element_count() == 0) return ffi::Error::InvalidArgument("quant_matmul_cpu: scales must not be empty");
   for (auto [buffer, count, what, out] : {std::tuple{scales, G * N, "scales", &v.scales},
                                           std::tuple{offsets, G * N, "offsets", &v.offsets},
                                           std::tuple{bias, N, "bias", &v.bias}})
