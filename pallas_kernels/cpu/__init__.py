@@ -304,7 +304,11 @@ def scatter_blocks_cpu(k_cache: jax.Array, v_cache: jax.Array, dst: jax.Array, k
 # 0.91 s of device time with it against 1.36 s when steps over 192 rows dequantized for XLA's dot.
 # bfloat16 on AMX tiles (amx.cc) has no limit: on the 0.5B shape's products it beat XLA's bf16 dot (which uses
 # AMX too on that CPU) at every row count measured, 8 to 2048 (docs/kernels.md).
-MATMUL_MAX_ROWS = {"float32": 192, "bfloat16": 256, "int8": 2048}
+# int4 codes with bfloat16 x stop at 1,024 rows: a full chunked-prefill step (2,048 rows) dequantizes each kernel
+# to bfloat16 for XLA's dot instead, which made GPTQ int4 prompts 1.37x-1.49x faster on the EPYC machine
+# (docs/performance.md, "int4 prompt steps"); up to 1,024 rows the native call ran the 0.5B shape's products
+# faster than dequantizing.
+MATMUL_MAX_ROWS = {"float32": 192, "bfloat16": 256, "int8": 2048, "int4_bfloat16": 1024}
 
 
 def matmul_cpu(x: jax.Array, w: jax.Array, live_rows: jax.Array | int | None = None, *,

@@ -180,6 +180,9 @@ def test_native_matmul_routes_and_matches_xla(monkeypatch, lhs_shape, rhs_shape,
     (8, 32, 8, jnp.float32, True),      # grouped scales
     (4, 32, 8, jnp.float32, True),      # packed int4
     (4, -1, 8, jnp.bfloat16, True),
+    (4, -1, 1024, jnp.bfloat16, True),
+    (4, -1, 1025, jnp.bfloat16, False),  # past cpu.MATMUL_MAX_ROWS["int4_bfloat16"]: dequantize, then XLA's dot
+    (4, -1, 1025, jnp.float32, True),    # float32 x keeps the native call up to 2,048 rows
     (4, 24, 8, jnp.float32, False),     # 24-row groups do not fit the 128-row blocks: dequantized
 ])
 def test_quantized_linear_matches_float64_of_the_decoded_weights(monkeypatch, bits, group_size, rows, dtype,
