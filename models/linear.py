@@ -440,8 +440,10 @@ def quantized_matmul(backend: str, x: jax.Array, params: dict[str, jax.Array], b
     qweight, scales, offsets = params["qweight"], params["scales"], params["zero_offsets"]
     rows = math.prod(x.shape[:-1])
     in_features, (groups, out_features) = x.shape[-1], scales.shape
-    # bfloat16 x goes in as it is (the codes meet it as bfloat16 pairs, half the bytes in L1 per block).
-    bfloat16_x = x.dtype == jnp.bfloat16 and cpu.quant_matmul_takes_bfloat16(in_features, groups)
+    # bfloat16 x goes in as it is (the codes meet it as bfloat16 pairs, half the bytes in L1 per block). Only the
+    # native backend asks: the question loads (and on first use builds) the native kernels.
+    bfloat16_x = (backend == "cpu" and x.dtype == jnp.bfloat16
+                  and cpu.quant_matmul_takes_bfloat16(in_features, groups))
     max_rows = cpu.MATMUL_MAX_ROWS["int4_bfloat16" if bits == 4 and bfloat16_x else "int8"]
     if backend == "cpu" and 0 < rows <= max_rows and cpu.quant_matmul_takes(in_features, out_features, groups, bits):
         x2 = x.reshape(rows, in_features)
