@@ -249,6 +249,7 @@ class Linear(nn.Module):
                 y = self._int8_packed(x, live_rows, axes)
             return self._add_lora(x, y, axes) if self.lora_slots else y
         inputs = x  # what an adapter reads: the input as given, not as the quantized product reorders it
+        bias = self._bias(axes) if self.use_bias else None
         if self.quant is None:
             kernel = self.param("kernel", nn.with_partitioning(nn.initializers.lecun_normal(), axes),
                                 (x.shape[-1], self.features), self.dtype)
@@ -265,12 +266,10 @@ class Linear(nn.Module):
                 if self.quant.activations:
                     x = quantize_activations(x.astype(self.dtype), self.quant.activations)
                 y = quantized_matmul(self.backend, x.astype(self.dtype), params, self.quant.bits, live_rows,
-                                     self.out_dtype, self._bias(axes) if self.use_bias else None)
-                if self.lora_slots:
-                    y = self._add_lora(inputs, y, axes)
-                return y
-        if self.use_bias:
-            y = y + self._bias(axes).astype(y.dtype)
+                                     self.out_dtype, bias)
+                bias = None  # added in the product
+        if bias is not None:
+            y = y + bias.astype(y.dtype)
         if self.lora_slots:
             y = self._add_lora(inputs, y, axes)
         return y
