@@ -41,7 +41,8 @@ _SOURCES = (_SOURCE_DIR / "paged_attention.cc", _SOURCE_DIR / "kv_write.cc", _SO
 _HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "amx.h", _SOURCE_DIR / "amx_tiles.h",
             _SOURCE_DIR / "vector_math.h", _SOURCE_DIR / "transposed.h",
             _SOURCE_DIR / "lane_argmax.h", _SOURCE_DIR / "panels.h", _SOURCE_DIR / "amx_digits.h",
-            _SOURCE_DIR / "amx_int8_walk.h", _SOURCE_DIR / "amx_head.h", _SOURCE_DIR / "head_screen.h")
+            _SOURCE_DIR / "amx_int8_walk.h", _SOURCE_DIR / "amx_head.h", _SOURCE_DIR / "head_screen.h",
+            _SOURCE_DIR / "vnni.h")
 _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"

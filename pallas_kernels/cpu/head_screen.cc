@@ -53,6 +53,7 @@
 #include "lane_argmax.h"
 #include "parallel.h"
 #include "transposed.h"
+#include "vnni.h"
 
 #if defined(PAGED_AMX) && defined(__AMX_INT8__)
 #include "amx_head.h"
@@ -307,8 +308,8 @@ inline void block_products_vnni(const int8_t* b, const int8_t* x, int64_t K64, c
         int32_t quad;  // x's codes at k = 64 s + 4 q .. + 3
         std::memcpy(&quad, x + r * K64 + s * kStep + 4 * q, sizeof quad);
         const __m512i xq = _mm512_set1_epi32(quad);
-        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], low, xq);
-        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], high, xq);
+        acc[r][0] = paged::dot_bytes(acc[r][0], low, xq);
+        acc[r][1] = paged::dot_bytes(acc[r][1], high, xq);
       }
     }
   }

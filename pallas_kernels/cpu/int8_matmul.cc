@@ -37,6 +37,7 @@
 
 #include "amx.h"
 #include "panels.h"
+#include "vnni.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -72,7 +73,7 @@ inline void interleave_block(const int8_t* w, int64_t ldw, int64_t kc, const int
                           _mm512_unpacklo_epi16(high01, high23), _mm512_unpackhi_epi16(high01, high23)};
     for (int j = 0; j < 4; ++j) {
       _mm512_store_si512(quads + (4 * s + j) * 64, q[j]);
-      sums[j] = _mm512_dpbusd_epi32(sums[j], offset, q[j]);
+      sums[j] = paged::dot_bytes(sums[j], offset, q[j]);
     }
   }
   for (int j = 0; j < 4; ++j) _mm512_store_si512(offset_sums + 16 * j, sums[j]);
@@ -106,10 +107,10 @@ inline void quad_tile(const int8_t* x, int64_t ldx, float* y, int64_t ldy, int64
       uint32_t four;  // x[r, 4s .. 4s + 3] as unsigned bytes, xq + 128
       std::memcpy(&four, x + r * ldx + 4 * s, sizeof four);
       const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(four ^ 0x80808080u));
-      acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], a, b0);
-      acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], a, b1);
-      acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], a, b2);
-      acc[r][3] = _mm512_dpbusd_epi32(acc[r][3], a, b3);
+      acc[r][0] = paged::dot_bytes(acc[r][0], a, b0);
+      acc[r][1] = paged::dot_bytes(acc[r][1], a, b1);
+      acc[r][2] = paged::dot_bytes(acc[r][2], a, b2);
+      acc[r][3] = paged::dot_bytes(acc[r][3], a, b3);
     }
   }
   for (int r = 0; r < MR; ++r) {
