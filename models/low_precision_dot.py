@@ -76,18 +76,19 @@ def w8a8_dot(x: jax.Array, params: dict[str, jax.Array], quant: WeightQuant, out
     offsets of a symmetric checkpoint are zeros, and are subtracted as (sum_k x[m, k]) * offset[n]), or
     qweight float8_e4m3fn [K, N] with float32 scales [1, N / block_out].
     """
-    codes, row_scale = activation_codes(x, quant.activations)
     qweight, scales = params["qweight"], params["scales"].astype(jnp.float32)
-    if native:  # the CPU's int8 kernel applies both scales itself; rows from live_rows on come out zeros
-        rows = codes.reshape(-1, codes.shape[-1])
-        y = cpu.int8_matmul_cpu(rows, row_scale.reshape(-1), qweight, scales[0], live_rows)
-        y = y.reshape(*codes.shape[:-1], qweight.shape[1])
-    else:
-        accumulate = jnp.int32 if quant.activations == "int8" else jnp.float32
-        dims = (((codes.ndim - 1,), (0,)), ((), ()))
-        sums = jax.lax.dot_general(codes, qweight, dims, preferred_element_type=accumulate).astype(jnp.float32)
-        column_scale = jnp.repeat(scales[0], qweight.shape[1] // scales.shape[1])
-        y = sums * row_scale * column_scale
+    if native:  # one call: x quantized, both scales and the zero points applied; rows from live_rows on zeros
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.dtype not in (jnp.float32, jnp.bfloat16):  # activation_codes works in float32 too
+            rows = rows.astype(jnp.float32)
+        y = cpu.w8a8_matmul_cpu(rows, qweight, scales[0], params["zero_offsets"][0], live_rows)
+        return y.reshape(*x.shape[:-1], qweight.shape[1]).astype(out_dtype or x.dtype)
+    codes, row_scale = activation_codes(x, quant.activations)
+    accumulate = jnp.int32 if quant.activations == "int8" else jnp.float32
+    dims = (((codes.ndim - 1,), (0,)), ((), ()))
+    sums = jax.lax.dot_general(codes, qweight, dims, preferred_element_type=accumulate).astype(jnp.float32)
+    column_scale = jnp.repeat(scales[0], qweight.shape[1] // scales.shape[1])
+    y = sums * row_scale * column_scale
     if quant.kind != "float8":
         # Zero points (asymmetric weights): W = q * scale - offset, so x W = x (q scale) - (sum_k x) offset, with
         # x the dequantized activations, as the float path has them.

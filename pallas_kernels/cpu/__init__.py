@@ -42,11 +42,12 @@ _HEADERS = (_SOURCE_DIR / "parallel.h", _SOURCE_DIR / "bf16.h", _SOURCE_DIR / "a
             _SOURCE_DIR / "vector_math.h", _SOURCE_DIR / "transposed.h",
             _SOURCE_DIR / "lane_argmax.h", _SOURCE_DIR / "panels.h", _SOURCE_DIR / "amx_digits.h",
             _SOURCE_DIR / "amx_int8_walk.h", _SOURCE_DIR / "amx_head.h", _SOURCE_DIR / "head_screen.h",
-            _SOURCE_DIR / "vnni.h")
+            _SOURCE_DIR / "vnni.h", _SOURCE_DIR / "row_codes.h")
 _TARGET = "paged_attention_cpu"
 _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
 _INT8_MATMUL_TARGET = "int8_matmul_cpu"
+_W8A8_MATMUL_TARGET = "w8a8_matmul_cpu"
 _W8A8_PACKED_TARGET = "w8a8_matmul_packed_cpu"
 _W8A8_GATED_TARGET = "w8a8_gated_matmul_packed_cpu"
 _INT8_WEIGHTS_TARGET = "int8_weights_matmul_packed_cpu"
@@ -147,6 +148,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                              (_SCATTER_BLOCKS_TARGET, library.ScatterBlocksCpu),
                              (_QUANT_MATMUL_TARGET, library.QuantMatmulCpu),
                              (_INT8_MATMUL_TARGET, library.Int8MatmulCpu),
+                             (_W8A8_MATMUL_TARGET, library.W8A8MatmulCpu),
                              (_W8A8_PACKED_TARGET, library.W8A8MatmulPackedCpu),
                              (_W8A8_GATED_TARGET, library.W8A8GatedMatmulPackedCpu),
                              (_INT8_WEIGHTS_TARGET, library.Int8WeightsMatmulPackedCpu),
@@ -583,6 +585,31 @@ def int8_matmul_cpu(x: jax.Array, x_scale: jax.Array, w: jax.Array, w_scale: jax
                 live.astype(jnp.int32))
 
 
+def w8a8_matmul_cpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, zero_offsets: jax.Array | None = None,
+                    live_rows: jax.Array | int | None = None, *, _target: str = _W8A8_MATMUL_TARGET) -> jax.Array:
+    """A W8A8 layer in one call on CPUs without AMX-INT8 (AVX-512 VNNI where the build has it,
+    `int8_matmul_is_vectorized()`): x quantized per row in the call exactly as `activation_codes(x, "int8")`
+    does, then `int8_matmul_cpu`'s integer product, float32 [M, N]:
+    y = (codes @ w) * x_scale[m] * w_scale[n] - (sum_k codes[m, k] * x_scale[m]) * zero_offsets[n].
+
+    x: float32 or bfloat16 [M, K], K a multiple of 4. w: int8 [K, N] as held, N a multiple of 64. w_scale:
+    float32 [N] or [1, N]. zero_offsets: float32 [N] or [1, N], or None. live_rows: as for `matmul_cpu`.
+    """
+    _require_kernels()
+    if (x.ndim != 2 or w.ndim != 2 or x.dtype not in (jnp.float32, jnp.bfloat16) or w.dtype != jnp.int8
+            or x.shape[1] != w.shape[0] or x.shape[1] % 4 or w.shape[1] % 64):
+        raise ValueError(f"w8a8_matmul_cpu: expected float32 or bfloat16 x [M, K] and int8 w [K, N] with K a "
+                         f"multiple of 4 and N of 64; got {x.dtype}{list(x.shape)} and {w.dtype}{list(w.shape)}")
+    N = w.shape[1]
+    if w_scale.size != N or (zero_offsets is not None and zero_offsets.size != N):
+        raise ValueError(f"w8a8_matmul_cpu: expected w_scale and zero_offsets of {N} values; got "
+                         f"{list(w_scale.shape)} and {None if zero_offsets is None else list(zero_offsets.shape)}")
+    offsets = jnp.zeros((0,), jnp.float32) if zero_offsets is None else zero_offsets.reshape(-1).astype(jnp.float32)
+    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
+    call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))
+    return call(x, w, w_scale.reshape(-1).astype(jnp.float32), offsets, live.astype(jnp.int32))
+
+
 def w8a8_matmul_packed_cpu(x: jax.Array, packed: jax.Array, w_scale: jax.Array, zero_offsets: jax.Array | None = None,
                            bias: jax.Array | None = None, live_rows: jax.Array | int | None = None,
                            out_dtype=None) -> jax.Array:
@@ -769,10 +796,12 @@ def w8a8_on_amx() -> bool:
     return available()[0] and bool(_W8A8_ON_AMX and _W8A8_ON_AMX[0])
 
 
-# The fewest rows for which W8A8's integer matmul beats the layer's other CPU path (the weight-only quantized
-# matmul on the activations quantized and back): on the EPYC machine's 0.5B layer products, 32 rows 256 against
-# 287 GFLOP/s, 128 rows 397 against 342 (docs/kernels.md). Decode steps keep the other path.
-INT8_MATMUL_MIN_ROWS = 128
+# The fewest rows for which W8A8's one call (`w8a8_matmul_cpu`) beats the layer's other CPU path (the weight-only
+# quantized matmul on the activations quantized and back): `paged bench matmul` on the EPYC machine's 0.5B layer
+# products, GFLOP/s of the call against the weight-only int8 product alone (which the other path pays for and
+# then some): 8 rows 196 against 155, 16 rows 314 against 252, 64 rows 439 against 324; at 2 and 4 rows
+# 66 and 131 against 70 and 150 (docs/kernels.md).
+INT8_MATMUL_MIN_ROWS = 8
 
 
 def int8_matmul_is_vectorized() -> bool:

@@ -18,6 +18,7 @@
 #include <immintrin.h>
 
 #include "bf16.h"
+#include "row_codes.h"
 #include "vector_math.h"
 
 namespace paged::amx {
@@ -26,11 +27,6 @@ constexpr int64_t kDigits = 4;
 // The most rows of x a weight-only int8 call writes as digits: beyond, four digit rows per row of x cost more
 // tile work than the bf16 tiles against widened codes. (int4 writes digits up to 4 rows: amx_int4.cc.)
 constexpr int64_t kDigitRows = 16;
-
-// The lanes of 16 values from k that are in a row of K.
-inline __mmask16 lanes16(int64_t K, int64_t k) {
-  return K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (K - k)) - 1);
-}
 
 // Row x (K bfloat16) as kDigits rows of codes at `codes` (lda bytes apart, zeros from K to lda) and their
 // scales; x_sum: its float32 sum. Digits whose scale would leave float32's normal range stay zero.

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <string>
 #include <utility>
+#include <vector>
 
 #if defined(__AVX512VNNI__)
 #include <immintrin.h>
@@ -37,6 +38,8 @@
 
 #include "amx.h"
 #include "panels.h"
+#include "parallel.h"
+#include "row_codes.h"
 #include "vnni.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -46,6 +49,14 @@ namespace {
 
 using paged::kPanel;
 using paged::over_row_tiles;
+
+// What the walk multiplies x by: its codes offset by 128 (xq + 128, vpdpbusd's unsigned operand; row stride
+// K), each row's scale and the sum of its codes (for the zero points).
+struct RowCodes {
+  const uint8_t* codes;
+  const float* scale;
+  const int32_t* code_sum;
+};
 
 #if defined(__AVX512VNNI__)
 constexpr int64_t kBlock = 512;  // rows of w per block: 512 x 64 bytes = 32 KB interleaved
@@ -92,10 +103,12 @@ inline void to_column_order(const __m512i in[4], __m512i out[4]) {
   out[3] = _mm512_shuffle_i32x4(c, d, _MM_SHUFFLE(3, 1, 3, 1));
 }
 
-// Rows [0, MR) of x against the interleaved block: y[r, :64] (+)= (sums - offset sums) * x_scale[r] * w_scale.
+// Rows [0, MR) of x (codes offset by 128) against the interleaved block: y[r, :64] (+)= (sums - offset sums) *
+// x_scale[r] * w_scale, and at the `last` block minus code_sum[r] * x_scale[r] * zero_offsets (if any).
 template <int MR>
-inline void quad_tile(const int8_t* x, int64_t ldx, float* y, int64_t ldy, int64_t kc, bool first,
-                      const float* x_scale, const float* w_scale) {
+inline void quad_tile(const RowCodes& x, int64_t m0, int64_t k0, int64_t K, float* y, int64_t ldy, int64_t kc,
+                      bool first, bool last, const float* w_scale, const float* zero_offsets) {
+  const uint8_t* codes = x.codes + m0 * K + k0;
   __m512i acc[MR][4];
   for (int r = 0; r < MR; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_si512();
@@ -104,9 +117,9 @@ inline void quad_tile(const int8_t* x, int64_t ldx, float* y, int64_t ldy, int64
     const __m512i b0 = _mm512_load_si512(b), b1 = _mm512_load_si512(b + 64);
     const __m512i b2 = _mm512_load_si512(b + 128), b3 = _mm512_load_si512(b + 192);
     for (int r = 0; r < MR; ++r) {
-      uint32_t four;  // x[r, 4s .. 4s + 3] as unsigned bytes, xq + 128
-      std::memcpy(&four, x + r * ldx + 4 * s, sizeof four);
-      const __m512i a = _mm512_set1_epi32(static_cast<int32_t>(four ^ 0x80808080u));
+      int32_t four;  // x[r, 4s .. 4s + 3] as unsigned bytes, xq + 128
+      std::memcpy(&four, codes + r * K + 4 * s, sizeof four);
+      const __m512i a = _mm512_set1_epi32(four);
       acc[r][0] = paged::dot_bytes(acc[r][0], a, b0);
       acc[r][1] = paged::dot_bytes(acc[r][1], a, b1);
       acc[r][2] = paged::dot_bytes(acc[r][2], a, b2);
@@ -117,12 +130,16 @@ inline void quad_tile(const int8_t* x, int64_t ldx, float* y, int64_t ldy, int64
     __m512i exact[4], ordered[4];
     for (int j = 0; j < 4; ++j) exact[j] = _mm512_sub_epi32(acc[r][j], _mm512_load_si512(offset_sums + 16 * j));
     to_column_order(exact, ordered);
-    const __m512 row_scale = _mm512_set1_ps(x_scale[r]);
+    const float x_scale = x.scale[m0 + r];
+    const __m512 row_scale = _mm512_set1_ps(x_scale);
+    const __m512 row_offset = _mm512_set1_ps(static_cast<float>(x.code_sum[m0 + r]) * x_scale);
     for (int v = 0; v < 4; ++v) {
       float* out = y + r * ldy + 16 * v;
-      const __m512 scaled =
+      __m512 scaled =
           _mm512_mul_ps(_mm512_cvtepi32_ps(ordered[v]), _mm512_mul_ps(_mm512_loadu_ps(w_scale + 16 * v), row_scale));
-      _mm512_storeu_ps(out, first ? scaled : _mm512_add_ps(scaled, _mm512_loadu_ps(out)));
+      if (!first) scaled = _mm512_add_ps(scaled, _mm512_loadu_ps(out));
+      if (last && zero_offsets) scaled = _mm512_fnmadd_ps(row_offset, _mm512_loadu_ps(zero_offsets + 16 * v), scaled);
+      _mm512_storeu_ps(out, scaled);
     }
   }
 }
@@ -130,8 +147,8 @@ inline void quad_tile(const int8_t* x, int64_t ldx, float* y, int64_t ldy, int64
 #endif
 
 // Panels [p_begin, p_end) of y, a block of w's rows at a time (partial sums in y between blocks).
-void int8_panels(const int8_t* x, const float* x_scale, const int8_t* w, const float* w_scale, float* y, int64_t M,
-                 int64_t K, int64_t N, int64_t p_begin, int64_t p_end) {
+void int8_panels(const RowCodes& x, const int8_t* w, const float* w_scale, const float* zero_offsets, float* y,
+                 int64_t M, int64_t K, int64_t N, int64_t p_begin, int64_t p_end) {
 #if defined(__AVX512VNNI__)
   for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
     const int64_t kc = std::min(kBlock, K - k0);
@@ -143,8 +160,8 @@ void int8_panels(const int8_t* x, const float* x_scale, const int8_t* w, const f
                                              : nullptr;
       interleave_block(block_rows + n0, N, kc, next);
       over_row_tiles(M, [&](auto rows, int64_t m0) {
-        quad_tile<decltype(rows)::value>(x + m0 * K + k0, K, y + m0 * N + n0, N, kc, k0 == 0, x_scale + m0,
-                                         w_scale + n0);
+        quad_tile<decltype(rows)::value>(x, m0, k0, K, y + m0 * N + n0, N, kc, k0 == 0, k0 + kBlock >= K, w_scale + n0,
+                                         zero_offsets ? zero_offsets + n0 : nullptr);
       });
     }
   }
@@ -152,11 +169,40 @@ void int8_panels(const int8_t* x, const float* x_scale, const int8_t* w, const f
   for (int64_t n = p_begin * kPanel; n < p_end * kPanel; ++n) {
     for (int64_t m = 0; m < M; ++m) {
       int64_t acc = 0;
-      for (int64_t k = 0; k < K; ++k) acc += int64_t{x[m * K + k]} * int64_t{w[k * N + n]};
-      y[m * N + n] = static_cast<float>(acc) * (w_scale[n] * x_scale[m]);
+      for (int64_t k = 0; k < K; ++k) acc += (int64_t{x.codes[m * K + k]} - 128) * int64_t{w[k * N + n]};
+      float value = static_cast<float>(acc) * (w_scale[n] * x.scale[m]);
+      if (zero_offsets) value -= static_cast<float>(x.code_sum[m]) * x.scale[m] * zero_offsets[n];
+      y[m * N + n] = value;
     }
   }
 #endif
+}
+
+// Rows [0, M) of x's codes offset by 128, with their scales and code sums, kept from call to call (fresh pages
+// for every prompt step cost more than filling them); null where they could not be allocated.
+struct RowBuffers {
+  std::vector<uint8_t> codes;
+  std::vector<float> scale;
+  std::vector<int32_t> code_sum;
+};
+
+RowBuffers* row_buffers(int64_t M, int64_t K) {
+  thread_local RowBuffers buffers;
+  try {
+    if (buffers.codes.size() < static_cast<size_t>(M * K)) buffers.codes.resize(M * K);
+    if (buffers.scale.size() < static_cast<size_t>(M)) buffers.scale.resize(M), buffers.code_sum.resize(M);
+  } catch (const std::bad_alloc&) {
+    return nullptr;
+  }
+  return &buffers;
+}
+
+// y = the walk over every panel of w, the threads taking contiguous runs of panels.
+void int8_product(ffi::ThreadPool& pool, const RowCodes& x, const int8_t* w, const float* w_scale,
+                  const float* zero_offsets, float* y, int64_t M, int64_t K, int64_t N) {
+  paged::over_panels(pool, N / kPanel, [&](int64_t p0, int64_t p1) {
+    int8_panels(x, w, w_scale, zero_offsets, y, M, K, N, p0, p1);
+  });
 }
 
 ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buffer<ffi::F32> x_scale,
@@ -173,9 +219,50 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
   float* yp = y->typed_data();
   const int64_t M = paged::zero_rows_past_live(live, xd[0], N, yp);
   if (M == 0) return ffi::Error::Success();
-  paged::over_panels(pool, N / kPanel, [&](int64_t p0, int64_t p1) {
-    int8_panels(x.typed_data(), x_scale.typed_data(), w.typed_data(), w_scale.typed_data(), yp, M, K, N, p0, p1);
+  RowBuffers* rows = row_buffers(M, K);
+  if (!rows) return ffi::Error::Internal("int8_matmul_cpu: x's codes could not be allocated");
+  const uint8_t* codes = reinterpret_cast<const uint8_t*>(x.typed_data());
+  for (int64_t i = 0; i < M * K; ++i) rows->codes[i] = codes[i] ^ 0x80;
+  std::fill(rows->code_sum.begin(), rows->code_sum.begin() + M, 0);
+  int8_product(pool, {rows->codes.data(), x_scale.typed_data(), rows->code_sum.data()}, w.typed_data(),
+               w_scale.typed_data(), nullptr, yp, M, K, N);
+  return ffi::Error::Success();
+}
+
+// A W8A8 layer in one call on CPUs without AMX-INT8: y[M, N] float32 = (xq @ w) * x_scale[m] * w_scale[n] -
+// (sum_k xq[m, k]) * x_scale[m] * zero_offsets[n], x (float32 or bfloat16 [M, K], K a multiple of 4) quantized
+// per row here as activation_codes(x, "int8") does (row_codes.h); w int8 [K, N] as held (N a multiple of 64),
+// w_scale float32 [N], zero_offsets float32 [N] or [0] for none; rows [live, M) of y zeros.
+ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
+                          ffi::Buffer<ffi::F32> zero_offsets, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  const bool x_bf16 = x.element_type() == ffi::DataType::BF16;
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wd[1] % kPanel || xd[1] % 4 ||
+      (!x_bf16 && x.element_type() != ffi::DataType::F32))
+    return ffi::Error::InvalidArgument(
+        "w8a8_matmul_cpu: expected float32 or bfloat16 x [M, K] and int8 w [K, N] with K a multiple of 4 and N "
+        "a multiple of 64");
+  const int64_t K = xd[1], N = wd[1];
+  if (w_scale.element_count() != N || (zero_offsets.element_count() != 0 && zero_offsets.element_count() != N) ||
+      live.element_count() != 1)
+    return ffi::Error::InvalidArgument("w8a8_matmul_cpu: expected w_scale [N], zero_offsets [N] or [0] and a scalar live");
+  float* yp = y->typed_data();
+  const int64_t M = paged::zero_rows_past_live(live, xd[0], N, yp);
+  if (M == 0) return ffi::Error::Success();
+  RowBuffers* rows = row_buffers(M, K);
+  if (!rows) return ffi::Error::Internal("w8a8_matmul_cpu: x's codes could not be allocated");
+  uint8_t* codes = rows->codes.data();
+  float* scale = rows->scale.data();
+  int32_t* code_sum = rows->code_sum.data();
+  paged::run_parallel(&pool, M, 8, M / 8, [&](int64_t m) {
+    int8_t* row = reinterpret_cast<int8_t*>(codes + m * K);
+    scale[m] = x_bf16 ? paged::quantize_row(static_cast<const uint16_t*>(x.untyped_data()) + m * K, K, K, row, code_sum[m])
+                      : paged::quantize_row(static_cast<const float*>(x.untyped_data()) + m * K, K, K, row, code_sum[m]);
+    for (int64_t k = 0; k < K; ++k) codes[m * K + k] ^= 0x80;  // vpdpbusd's unsigned operand: xq + 128
   });
+  int8_product(pool, {codes, scale, code_sum}, w.typed_data(), w_scale.typed_data(),
+               zero_offsets.element_count() ? zero_offsets.typed_data() : nullptr, yp, M, K, N);
   return ffi::Error::Success();
 }
 
@@ -355,6 +442,16 @@ extern "C" int Int8MatmulCpuIsVectorized() {
   return 0;
 #endif
 }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulCpu, W8A8MatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8MatmulCpu, Int8MatmulImpl,
                               ffi::Ffi::Bind()

@@ -81,15 +81,15 @@ def test_w8a8_dot_matches_float64_of_the_same_codes(kind, zero_points, per_tenso
 @pytest.mark.parametrize("zero_points", [False, True])
 def test_the_cpus_int8_kernel_computes_w8a8_as_float64_does(monkeypatch, zero_points):
     """With the "cpu" linear backend and AVX-512 VNNI (a CPU without AMX-INT8; on one with it, as if it had
-    none), a W8A8 int8 Linear of prompt-sized steps routes to the native integer matmul, and its output is
-    float64's product of the same codes."""
+    none), a W8A8 int8 Linear of prompt-sized steps routes to the native call (x quantized in it, then the
+    integer matmul), and its output is float64's product of the same codes."""
     from paged.kernels import cpu
     if not cpu.int8_matmul_is_vectorized():
         pytest.skip("no AVX-512 VNNI here: W8A8 keeps the float path on this CPU")
     monkeypatch.setattr(cpu, "w8a8_on_amx", lambda: False)
     calls = []
-    real = cpu.int8_matmul_cpu
-    monkeypatch.setattr(cpu, "int8_matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = cpu.w8a8_matmul_cpu
+    monkeypatch.setattr(cpu, "w8a8_matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
     quant, params = _w8a8("int8", 96, 128, seed=4, zero_points=zero_points)
     rows = cpu.INT8_MATMUL_MIN_ROWS
     assert low_precision_dot.route(quant, params, "cpu", rows) == "native"

@@ -240,8 +240,8 @@ def test_online_w8a8_matches_the_librarys_dynamic_activations_on_rounded_weights
     monkeypatch.setattr(cpu, "w8a8_on_amx", lambda: False)  # the routes of a CPU without it
     if cpu.int8_matmul_is_vectorized():
         calls = []
-        real = cpu.int8_matmul_cpu
-        monkeypatch.setattr(cpu, "int8_matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+        real = cpu.w8a8_matmul_cpu
+        monkeypatch.setattr(cpu, "w8a8_matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
         monkeypatch.setattr(cpu, "INT8_MATMUL_MIN_ROWS", 1)
         assert _greedy(float_dir, quantization="w8a8")[0] == want and calls
     scheme = engine.model_config.weight_quant

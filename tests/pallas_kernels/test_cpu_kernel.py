@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from paged.kernels.cpu import (available, int8_matmul_cpu, matmul_cpu, matmul_transposed_argmax_cpu, matmul_transposed_cpu,
-                               paged_attention_cpu, quant_matmul_cpu)
+                               paged_attention_cpu, quant_matmul_cpu, w8a8_matmul_cpu)
 from tests.native import needs_compiler
 from tests.pallas_kernels.kernel_inputs import LAYER, attention_f64, random_pool, tolerance
 
@@ -991,6 +991,61 @@ def test_int8_matmul_refuses_what_it_cannot_do():
         int8_matmul_cpu(jnp.zeros((2, 64)), jnp.ones((2,)), w, jnp.ones((64,)))
     with pytest.raises(ValueError, match="x_scale"):
         int8_matmul_cpu(jnp.zeros((2, 64), jnp.int8), jnp.ones((3,)), w, jnp.ones((64,)))
+
+
+def _w8a8_case(rows, inner, cols, x_dtype, seed, offsets=True):
+    """x with rows of different magnitudes (and an all-zero row, whose scale is float32's epsilon) and the layer's
+    float64 result from the library path's quantization of it (activation_codes)."""
+    from paged.models.quantization import activation_codes
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, inner)) * rng.uniform(0.01, 30.0, (rows, 1))
+    if rows > 2:
+        x[1] = 0.0
+    x = jnp.asarray(x, x_dtype)
+    w = rng.integers(-128, 128, (inner, cols)).astype(np.int8)
+    w_scale = rng.uniform(0.001, 0.1, cols).astype(np.float32)
+    zero_offsets = rng.uniform(-0.05, 0.05, cols).astype(np.float32) if offsets else None
+    codes, x_scale = (np.asarray(v, np.float64) for v in activation_codes(x, "int8"))
+    want = (codes @ w.astype(np.float64)) * x_scale * w_scale
+    if offsets:
+        want -= codes.sum(-1, keepdims=True) * x_scale * zero_offsets
+    return (x, jnp.asarray(w), jnp.asarray(w_scale), None if zero_offsets is None else jnp.asarray(zero_offsets)), want
+
+
+@pytest.mark.parametrize("x_dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("rows", [1, 7, 13, 64])
+@pytest.mark.parametrize("inner, cols", [(64, 64), (516, 192)])
+def test_w8a8_matmul_quantizes_x_as_the_library_path_does(x_dtype, rows, inner, cols):
+    """The whole W8A8 layer in one call: x's codes and scales exactly activation_codes' (one code off by one
+    moves a result by |w| * scales, hundreds of times the tolerance), the integer product, both scales and the
+    zero points. 516 rows: a block of 512 and a short last one, which applies the zero points."""
+    args, want = _w8a8_case(rows, inner, cols, x_dtype, rows + inner)
+    got = np.asarray(w8a8_matmul_cpu(*args), np.float64)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def test_w8a8_matmul_live_rows_no_offsets_and_the_portable_build(portable_target):
+    args, want = _w8a8_case(13, 516, 128, jnp.bfloat16, 5)
+    got = np.asarray(jax.jit(w8a8_matmul_cpu)(*args, jnp.int32(6)), np.float64)
+    assert not np.any(got[6:])
+    np.testing.assert_allclose(got[:6], want[:6], rtol=1e-6, atol=1e-6 * np.abs(want).max())
+    target = portable_target.replace("paged_attention_cpu", "w8a8_matmul_cpu")
+    for x_dtype in (jnp.bfloat16, jnp.float32):
+        for offsets in (True, False):
+            args, want = _w8a8_case(7, 68, 64, x_dtype, 3, offsets)
+            for kwargs in ({}, {"_target": target}):
+                got = np.asarray(w8a8_matmul_cpu(*args, **kwargs), np.float64)
+                np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def test_w8a8_matmul_refuses_what_it_cannot_do():
+    w, scale = jnp.zeros((64, 64), jnp.int8), jnp.ones((64,))
+    with pytest.raises(ValueError, match="multiple of 4"):
+        w8a8_matmul_cpu(jnp.zeros((2, 62)), jnp.zeros((62, 64), jnp.int8), scale)
+    with pytest.raises(ValueError, match="float32 or bfloat16 x"):
+        w8a8_matmul_cpu(jnp.zeros((2, 64), jnp.int8), w, scale)
+    with pytest.raises(ValueError, match="zero_offsets"):
+        w8a8_matmul_cpu(jnp.zeros((2, 64)), w, scale, jnp.ones((32,)))
 
 
 def test_pack_for_amx_places_each_int8_code_where_the_tiles_read_it():
