@@ -79,9 +79,9 @@ constexpr int64_t kStep = 64;          // int8 k a step: a tile step, or 16 quad
 constexpr int64_t kHalfBytes = 1024;   // a half block's step: 16 quads x 16 rows x 4
 constexpr int64_t kCapacity = 1024;    // candidates a thread keeps for a row of x before compacting them
 constexpr int64_t kRefreshBlocks = 4;  // blocks between refreshes of each row's threshold
-// The most rows of x the VNNI screen takes: beyond, it is bound by vpdpbusd, which on the EPYC machine runs at
-// half vdpbf16ps's rate, and costs what the full head does (random 0.5B-shaped table: 32 rows 1.5x faster
-// than the full head, 48 rows 0.9x, 128 rows 0.9x).
+// The most rows of x the VNNI screen takes: beyond, it cost what the full head does (random 0.5B-shaped table:
+// 32 rows 1.5x faster than the full head, 48 rows 0.9x, 128 rows 0.9x). Measured while the compiler still
+// spilled vpdpbusd's accumulators (vnni.h), which the products at many rows paid for most.
 constexpr int64_t kVnniMaxRows = 32;
 
 using amx::TileVector;
