@@ -228,18 +228,23 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: jax.Array, live_rows: jax.Array | None = None, *, packed_kernel: bool = False) -> jax.Array:
-        """x @ kernel (+ bias). packed_kernel: declare the kernel and return it as held for AMX instead (the
-        packed kernel where `held_packed`, the int8 or int4 codes' parameters where `holds_int8_packed` or
-        `holds_int4_packed`; without a bias), for a fused call that reads two layers' kernels (`silu_gated`)."""
+        """x @ kernel (+ bias). packed_kernel: declare the kernel and return it as a fused call that reads two
+        layers' kernels reads it (`silu_gated`), without a bias: the packed kernel where `held_packed`, the int8
+        or int4 codes' parameters where `holds_int8_packed` or `holds_int4_packed`, else a quantized layer's
+        parameters as declared (a W8A8 layer for the AVX-512 VNNI gated call)."""
         axes = kernel_axes(self.parallel)
         if packed_kernel:
-            if not (self.held_packed or self.holds_int8_packed or self.holds_int4_packed) or self.use_bias:
-                raise ValueError(f"{self.name}: packed_kernel needs a kernel held packed for AMX and no bias")
+            held = self.held_packed or self.holds_int8_packed or self.holds_int4_packed
+            if not (held or self.quant is not None) or self.use_bias:
+                raise ValueError(f"{self.name}: packed_kernel needs a kernel held packed for AMX or quantized, and no "
+                                 "bias")
             if self.held_packed:
                 return self._packed_param(x.shape[-1], axes)
             if self.holds_int4_packed:
                 return self._int4_params(x.shape[-1], axes)
-            return self._w8a8_params(x.shape[-1], axes)
+            if self.holds_int8_packed:
+                return self._w8a8_params(x.shape[-1], axes)
+            return _quantized_params(self, self.quant, x.shape[-1], axes)
         if self.held_packed or self.holds_int8_packed or self.holds_int4_packed:
             if self.held_packed:
                 y = self._amx_packed(x, live_rows, axes)
@@ -372,9 +377,14 @@ def silu_gated(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | No
     has a bias, one native call computes it (`paged.kernels.cpu.gated_matmul_packed_cpu`; for int8 layers
     `w8a8_gated_matmul_packed_cpu`, for int4 `int4_gated_matmul_packed_cpu`): the two float32 products and the
     activation pass never reach memory, and the result is rounded once."""
+    plain = gate.use_bias or up.use_bias or gate.lora_slots or up.lora_slots
+    if not plain and _w8a8_pair_on_vnni(gate, up):
+        y = _w8a8_gated_on_vnni(x, gate, up, live_rows)
+        if y is not None:
+            return y
     fused = ((gate.held_packed and up.held_packed) or (gate.holds_int4_packed and up.holds_int4_packed)
              or (gate.holds_int8_packed and up.holds_int8_packed and gate.holds_w8a8_packed == up.holds_w8a8_packed))
-    if not fused or gate.use_bias or up.use_bias or gate.lora_slots or up.lora_slots:
+    if not fused or plain:
         return jax.nn.silu(gate(x, live_rows)) * up(x, live_rows)
     if gate.holds_int4_packed:  # int4 codes on the int8 tiles, x written as digits once for both
         g, u = gate(x, packed_kernel=True), up(x, packed_kernel=True)
@@ -390,6 +400,33 @@ def silu_gated(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | No
     rows, in_features = math.prod(x.shape[:-1]), x.shape[-1]
     y = cpu.gated_matmul_packed_cpu(x.reshape(rows, in_features).astype(jnp.bfloat16), gate(x, packed_kernel=True),
                                     up(x, packed_kernel=True), live_rows)
+    return y.reshape(*x.shape[:-1], gate.features).astype(gate.dtype)
+
+
+def _w8a8_pair_on_vnni(gate: Linear, up: Linear) -> bool:
+    """Whether gate and up are W8A8 int8 layers that the "cpu" backend runs through the AVX-512 VNNI calls
+    (not held for AMX tiles): then `silu_gated` can take them in one call."""
+    def w8a8(layer: Linear) -> bool:
+        return (layer.backend == "cpu" and layer.quant is not None and layer.quant.activations == "int8"
+                and not layer.holds_int8_packed)
+    return w8a8(gate) and w8a8(up) and gate.quant == up.quant and cpu.int8_matmul_is_vectorized()
+
+
+def _w8a8_gated_on_vnni(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | None) -> jax.Array | None:
+    """silu(gate(x)) * up(x) for two W8A8 layers in one native call (`cpu.w8a8_gated_matmul_cpu`: x quantized once,
+    the activation applied as up's sums land, one rounding), where both would take the native W8A8 call at
+    this step's rows (`low_precision_dot.route`); else None."""
+    g, u = gate(x, packed_kernel=True), up(x, packed_kernel=True)
+    rows = math.prod(x.shape[:-1])
+    if any(low_precision_dot.route(layer.quant, params, layer.backend, rows) != "native"
+           for layer, params in ((gate, g), (up, u))) or g["qweight"].shape != u["qweight"].shape:
+        return None
+    flat = x.reshape(rows, x.shape[-1]).astype(gate.dtype)
+    if flat.dtype not in (jnp.float32, jnp.bfloat16):  # activation_codes works in float32 too
+        flat = flat.astype(jnp.float32)
+    y = cpu.w8a8_gated_matmul_cpu(flat, g["qweight"], g["scales"][0], g["zero_offsets"][0], u["qweight"], u["scales"][0],
+                                  u["zero_offsets"][0], live_rows, jnp.bfloat16 if gate.dtype == jnp.bfloat16
+                                  else jnp.float32)
     return y.reshape(*x.shape[:-1], gate.features).astype(gate.dtype)
 
 

@@ -48,6 +48,7 @@ _MATMUL_TARGET = "matmul_cpu"
 _QUANT_MATMUL_TARGET = "quant_matmul_cpu"
 _INT8_MATMUL_TARGET = "int8_matmul_cpu"
 _W8A8_MATMUL_TARGET = "w8a8_matmul_cpu"
+_W8A8_GATED_MATMUL_TARGET = "w8a8_gated_matmul_cpu"
 _W8A8_PACKED_TARGET = "w8a8_matmul_packed_cpu"
 _W8A8_GATED_TARGET = "w8a8_gated_matmul_packed_cpu"
 _INT8_WEIGHTS_TARGET = "int8_weights_matmul_packed_cpu"
@@ -149,6 +150,7 @@ def _load(flags: tuple[str, ...] = _FLAGS, target: str = _TARGET) -> str | None:
                              (_QUANT_MATMUL_TARGET, library.QuantMatmulCpu),
                              (_INT8_MATMUL_TARGET, library.Int8MatmulCpu),
                              (_W8A8_MATMUL_TARGET, library.W8A8MatmulCpu),
+                             (_W8A8_GATED_MATMUL_TARGET, library.W8A8GatedMatmulCpu),
                              (_W8A8_PACKED_TARGET, library.W8A8MatmulPackedCpu),
                              (_W8A8_GATED_TARGET, library.W8A8GatedMatmulPackedCpu),
                              (_INT8_WEIGHTS_TARGET, library.Int8WeightsMatmulPackedCpu),
@@ -585,6 +587,21 @@ def int8_matmul_cpu(x: jax.Array, x_scale: jax.Array, w: jax.Array, w_scale: jax
                 live.astype(jnp.int32))
 
 
+def _check_w8a8_layer(name: str, x: jax.Array, w: jax.Array, w_scale: jax.Array,
+                      zero_offsets: jax.Array | None) -> list[jax.Array]:
+    """The layer's codes and vectors as the VNNI W8A8 calls take them (float32; offsets [0] for none)."""
+    if (x.ndim != 2 or w.ndim != 2 or x.dtype not in (jnp.float32, jnp.bfloat16) or w.dtype != jnp.int8
+            or x.shape[1] != w.shape[0] or x.shape[1] % 4 or w.shape[1] % 64):
+        raise ValueError(f"{name}: expected float32 or bfloat16 x [M, K] and int8 w [K, N] with K a multiple of 4 "
+                         f"and N of 64; got {x.dtype}{list(x.shape)} and {w.dtype}{list(w.shape)}")
+    N = w.shape[1]
+    if w_scale.size != N or (zero_offsets is not None and zero_offsets.size != N):
+        raise ValueError(f"{name}: expected w_scale and zero_offsets of {N} values; got {list(w_scale.shape)} and "
+                         f"{None if zero_offsets is None else list(zero_offsets.shape)}")
+    offsets = jnp.zeros((0,), jnp.float32) if zero_offsets is None else zero_offsets.reshape(-1).astype(jnp.float32)
+    return [w, w_scale.reshape(-1).astype(jnp.float32), offsets]
+
+
 def w8a8_matmul_cpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, zero_offsets: jax.Array | None = None,
                     live_rows: jax.Array | int | None = None, *, _target: str = _W8A8_MATMUL_TARGET) -> jax.Array:
     """A W8A8 layer in one call on CPUs without AMX-INT8 (AVX-512 VNNI where the build has it,
@@ -596,18 +613,33 @@ def w8a8_matmul_cpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, zero_offsets
     float32 [N] or [1, N]. zero_offsets: float32 [N] or [1, N], or None. live_rows: as for `matmul_cpu`.
     """
     _require_kernels()
-    if (x.ndim != 2 or w.ndim != 2 or x.dtype not in (jnp.float32, jnp.bfloat16) or w.dtype != jnp.int8
-            or x.shape[1] != w.shape[0] or x.shape[1] % 4 or w.shape[1] % 64):
-        raise ValueError(f"w8a8_matmul_cpu: expected float32 or bfloat16 x [M, K] and int8 w [K, N] with K a "
-                         f"multiple of 4 and N of 64; got {x.dtype}{list(x.shape)} and {w.dtype}{list(w.shape)}")
-    N = w.shape[1]
-    if w_scale.size != N or (zero_offsets is not None and zero_offsets.size != N):
-        raise ValueError(f"w8a8_matmul_cpu: expected w_scale and zero_offsets of {N} values; got "
-                         f"{list(w_scale.shape)} and {None if zero_offsets is None else list(zero_offsets.shape)}")
-    offsets = jnp.zeros((0,), jnp.float32) if zero_offsets is None else zero_offsets.reshape(-1).astype(jnp.float32)
+    layer = _check_w8a8_layer("w8a8_matmul_cpu", x, w, w_scale, zero_offsets)
     live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
-    call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], N), jnp.float32))
-    return call(x, w, w_scale.reshape(-1).astype(jnp.float32), offsets, live.astype(jnp.int32))
+    call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
+    return call(x, *layer, live.astype(jnp.int32))
+
+
+def w8a8_gated_matmul_cpu(x: jax.Array, gate: jax.Array, gate_scale: jax.Array, gate_offsets: jax.Array | None,
+                          up: jax.Array, up_scale: jax.Array, up_offsets: jax.Array | None,
+                          live_rows: jax.Array | int | None = None, out_dtype=None, *,
+                          _target: str = _W8A8_GATED_MATMUL_TARGET) -> jax.Array:
+    """silu(x @ gate) * (x @ up) for two W8A8 layers (each as `w8a8_matmul_cpu` computes it) in one call on CPUs
+    without AMX-INT8: x quantized once for both, and the activation applied as the up projection's sums land,
+    rounded once to `out_dtype` (float32 or bfloat16; default x's). gate, up: int8 codes [K, N] of one shape;
+    their scales [N] and zero offsets [N] or None."""
+    _require_kernels()
+    name = "w8a8_gated_matmul_cpu"
+    gate_args = _check_w8a8_layer(name, x, gate, gate_scale, gate_offsets)
+    up_args = _check_w8a8_layer(name, x, up, up_scale, up_offsets)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    if gate.shape != up.shape or out_dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{name}: expected gate and up of one shape and a float32 or bfloat16 result; got "
+                         f"{list(gate.shape)}, {list(up.shape)} and {out_dtype}")
+    M, N = x.shape[0], gate.shape[1]
+    live = jnp.asarray(M if live_rows is None else live_rows)
+    call = jax.ffi.ffi_call(_target, (jax.ShapeDtypeStruct((M, N), out_dtype),
+                                      jax.ShapeDtypeStruct((2, M, N), jnp.float32)))  # the partial sums
+    return call(x, *gate_args, *up_args, live.astype(jnp.int32))[0]
 
 
 def w8a8_matmul_packed_cpu(x: jax.Array, packed: jax.Array, w_scale: jax.Array, zero_offsets: jax.Array | None = None,

@@ -1,5 +1,6 @@
 // W8A8 on the CPU as an integer product: y[M, N] = (xq @ wq) * x_scale[m] * w_scale[n], int8 codes on both
-// sides, exact int32 sums, as an XLA FFI custom call (Int8MatmulCpu).
+// sides, exact int32 sums, as XLA FFI custom calls: W8A8MatmulCpu takes x as the layer gets it and quantizes
+// it per row in the call (row_codes.h), with the zero points; Int8MatmulCpu takes codes quantized beforehand.
 //
 // Why: a W8A8 layer's activations and weights are int8 codes; multiplying them as floats (dequantized) runs at
 // the float matmul's rate. AVX-512 VNNI's vpdpbusd multiplies 64 byte pairs into 16 int32 lanes per
@@ -12,7 +13,7 @@
 // word unpacks, which leave each 128-bit lane's columns in the order 4j + i for vector j, lane dword i; the
 // tile's stores transpose them back.
 //
-// Contract:
+// Contract (Int8MatmulCpu; W8A8MatmulCpu's is above W8A8MatmulImpl):
 //   x        [M, K]  int8 activation codes (one scale per row), K a multiple of 4
 //   x_scale  [M]     float32
 //   w        [K, N]  int8 weight codes (one scale per column), N a multiple of 64
@@ -26,6 +27,7 @@
 // here, computed in amx_int8.cc): weights packed at load, x quantized in the call.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -37,9 +39,11 @@
 #endif
 
 #include "amx.h"
+#include "bf16.h"
 #include "panels.h"
 #include "parallel.h"
 #include "row_codes.h"
+#include "vector_math.h"
 #include "vnni.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -56,6 +60,19 @@ struct RowCodes {
   const uint8_t* codes;
   const float* scale;
   const int32_t* code_sum;
+};
+
+// One int8 layer of the walk: its codes [K, N] and vectors, where its partial sums wait between blocks
+// (`sums`, [M, N] float32), and where its final sums go: into `sums` too, or with `gate` (the gated call's up
+// projection) silu(gate's final sums) * these into `y`, rounded once to y's type.
+struct Layer {
+  const int8_t* w;
+  const float* w_scale;
+  const float* zero_offsets;  // [N], or null
+  float* sums;
+  const float* gate = nullptr;  // the gate projection's final sums [M, N], or null
+  void* y = nullptr;
+  bool y_bf16 = false;
 };
 
 #if defined(__AVX512VNNI__)
@@ -103,11 +120,12 @@ inline void to_column_order(const __m512i in[4], __m512i out[4]) {
   out[3] = _mm512_shuffle_i32x4(c, d, _MM_SHUFFLE(3, 1, 3, 1));
 }
 
-// Rows [0, MR) of x (codes offset by 128) against the interleaved block: y[r, :64] (+)= (sums - offset sums) *
-// x_scale[r] * w_scale, and at the `last` block minus code_sum[r] * x_scale[r] * zero_offsets (if any).
+// Rows [m0, m0 + MR) of x (codes offset by 128) against the interleaved block of the layer's columns [n0, n0 +
+// 64): sums[r, :64] (+)= (products - offset sums) * x_scale[r] * w_scale, and at the `last` block minus
+// code_sum[r] * x_scale[r] * zero_offsets (if any), finished as the layer says.
 template <int MR>
-inline void quad_tile(const RowCodes& x, int64_t m0, int64_t k0, int64_t K, float* y, int64_t ldy, int64_t kc,
-                      bool first, bool last, const float* w_scale, const float* zero_offsets) {
+inline void quad_tile(const RowCodes& x, const Layer& layer, int64_t m0, int64_t n0, int64_t k0, int64_t K, int64_t N,
+                      int64_t kc, bool first, bool last) {
   const uint8_t* codes = x.codes + m0 * K + k0;
   __m512i acc[MR][4];
   for (int r = 0; r < MR; ++r)
@@ -126,6 +144,7 @@ inline void quad_tile(const RowCodes& x, int64_t m0, int64_t k0, int64_t K, floa
       acc[r][3] = paged::dot_bytes(acc[r][3], a, b3);
     }
   }
+  const bool offsets = last && layer.zero_offsets, gated = last && layer.gate;
   for (int r = 0; r < MR; ++r) {
     __m512i exact[4], ordered[4];
     for (int j = 0; j < 4; ++j) exact[j] = _mm512_sub_epi32(acc[r][j], _mm512_load_si512(offset_sums + 16 * j));
@@ -134,45 +153,70 @@ inline void quad_tile(const RowCodes& x, int64_t m0, int64_t k0, int64_t K, floa
     const __m512 row_scale = _mm512_set1_ps(x_scale);
     const __m512 row_offset = _mm512_set1_ps(static_cast<float>(x.code_sum[m0 + r]) * x_scale);
     for (int v = 0; v < 4; ++v) {
-      float* out = y + r * ldy + 16 * v;
-      __m512 scaled =
-          _mm512_mul_ps(_mm512_cvtepi32_ps(ordered[v]), _mm512_mul_ps(_mm512_loadu_ps(w_scale + 16 * v), row_scale));
-      if (!first) scaled = _mm512_add_ps(scaled, _mm512_loadu_ps(out));
-      if (last && zero_offsets) scaled = _mm512_fnmadd_ps(row_offset, _mm512_loadu_ps(zero_offsets + 16 * v), scaled);
-      _mm512_storeu_ps(out, scaled);
+      const int64_t at = (m0 + r) * N + n0 + 16 * v;
+      __m512 value = _mm512_mul_ps(_mm512_cvtepi32_ps(ordered[v]),
+                                   _mm512_mul_ps(_mm512_loadu_ps(layer.w_scale + n0 + 16 * v), row_scale));
+      if (!first) value = _mm512_add_ps(value, _mm512_loadu_ps(layer.sums + at));
+      if (offsets) value = _mm512_fnmadd_ps(row_offset, _mm512_loadu_ps(layer.zero_offsets + n0 + 16 * v), value);
+      if (!gated) {
+        _mm512_storeu_ps(layer.sums + at, value);
+        continue;
+      }
+      value = _mm512_mul_ps(paged::silu512(_mm512_loadu_ps(layer.gate + at)), value);
+      if (layer.y_bf16) {
+        paged::store_product_bf16x16(static_cast<uint16_t*>(layer.y) + at, value);
+      } else {
+        _mm512_storeu_ps(static_cast<float*>(layer.y) + at, value);
+      }
     }
   }
 }
 
 #endif
 
-// Panels [p_begin, p_end) of y, a block of w's rows at a time (partial sums in y between blocks).
-void int8_panels(const RowCodes& x, const int8_t* w, const float* w_scale, const float* zero_offsets, float* y,
-                 int64_t M, int64_t K, int64_t N, int64_t p_begin, int64_t p_end) {
+// Panels [p_begin, p_end) of each layer (one, or gate then up), a block of w's rows at a time; partial sums
+// wait in the layers' sums between blocks.
+void int8_panels(const RowCodes& x, const Layer* layers, int num_layers, int64_t M, int64_t K, int64_t N,
+                 int64_t p_begin, int64_t p_end) {
 #if defined(__AVX512VNNI__)
   for (int64_t k0 = 0; k0 < K; k0 += kBlock) {
     const int64_t kc = std::min(kBlock, K - k0);
-    const int8_t* block_rows = w + k0 * N;
     for (int64_t p = p_begin; p < p_end; ++p) {
       const int64_t n0 = p * kPanel;
-      const int8_t* next = p + 1 < p_end ? block_rows + n0 + kPanel
-                           : k0 + kBlock < K ? w + (k0 + kBlock) * N + p_begin * kPanel
-                                             : nullptr;
-      interleave_block(block_rows + n0, N, kc, next);
-      over_row_tiles(M, [&](auto rows, int64_t m0) {
-        quad_tile<decltype(rows)::value>(x, m0, k0, K, y + m0 * N + n0, N, kc, k0 == 0, k0 + kBlock >= K, w_scale + n0,
-                                         zero_offsets ? zero_offsets + n0 : nullptr);
-      });
+      for (int l = 0; l < num_layers; ++l) {
+        const Layer& layer = layers[l];
+        const int8_t* block_rows = layer.w + k0 * N;
+        const int8_t* next = p + 1 < p_end ? block_rows + n0 + kPanel
+                             : k0 + kBlock < K ? layer.w + (k0 + kBlock) * N + p_begin * kPanel
+                                               : nullptr;
+        interleave_block(block_rows + n0, N, kc, next);
+        over_row_tiles(M, [&](auto rows, int64_t m0) {
+          quad_tile<decltype(rows)::value>(x, layer, m0, n0, k0, K, N, kc, k0 == 0, k0 + kBlock >= K);
+        });
+      }
     }
   }
 #else
-  for (int64_t n = p_begin * kPanel; n < p_end * kPanel; ++n) {
-    for (int64_t m = 0; m < M; ++m) {
-      int64_t acc = 0;
-      for (int64_t k = 0; k < K; ++k) acc += (int64_t{x.codes[m * K + k]} - 128) * int64_t{w[k * N + n]};
-      float value = static_cast<float>(acc) * (w_scale[n] * x.scale[m]);
-      if (zero_offsets) value -= static_cast<float>(x.code_sum[m]) * x.scale[m] * zero_offsets[n];
-      y[m * N + n] = value;
+  for (int l = 0; l < num_layers; ++l) {
+    const Layer& layer = layers[l];
+    for (int64_t n = p_begin * kPanel; n < p_end * kPanel; ++n) {
+      for (int64_t m = 0; m < M; ++m) {
+        int64_t acc = 0;
+        for (int64_t k = 0; k < K; ++k) acc += (int64_t{x.codes[m * K + k]} - 128) * int64_t{layer.w[k * N + n]};
+        float value = static_cast<float>(acc) * (layer.w_scale[n] * x.scale[m]);
+        if (layer.zero_offsets) value -= static_cast<float>(x.code_sum[m]) * x.scale[m] * layer.zero_offsets[n];
+        if (!layer.gate) {
+          layer.sums[m * N + n] = value;
+          continue;
+        }
+        const float g = layer.gate[m * N + n];
+        value *= g / (1.0f + std::exp(-g));
+        if (layer.y_bf16) {
+          static_cast<uint16_t*>(layer.y)[m * N + n] = paged::float_to_bf16(value);
+        } else {
+          static_cast<float*>(layer.y)[m * N + n] = value;
+        }
+      }
     }
   }
 #endif
@@ -197,11 +241,11 @@ RowBuffers* row_buffers(int64_t M, int64_t K) {
   return &buffers;
 }
 
-// y = the walk over every panel of w, the threads taking contiguous runs of panels.
-void int8_product(ffi::ThreadPool& pool, const RowCodes& x, const int8_t* w, const float* w_scale,
-                  const float* zero_offsets, float* y, int64_t M, int64_t K, int64_t N) {
+// The walk over every panel of the layers, the threads taking contiguous runs of panels.
+void int8_product(ffi::ThreadPool& pool, const RowCodes& x, const Layer* layers, int num_layers, int64_t M, int64_t K,
+                  int64_t N) {
   paged::over_panels(pool, N / kPanel, [&](int64_t p0, int64_t p1) {
-    int8_panels(x, w, w_scale, zero_offsets, y, M, K, N, p0, p1);
+    int8_panels(x, layers, num_layers, M, K, N, p0, p1);
   });
 }
 
@@ -224,9 +268,48 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
   const uint8_t* codes = reinterpret_cast<const uint8_t*>(x.typed_data());
   for (int64_t i = 0; i < M * K; ++i) rows->codes[i] = codes[i] ^ 0x80;
   std::fill(rows->code_sum.begin(), rows->code_sum.begin() + M, 0);
-  int8_product(pool, {rows->codes.data(), x_scale.typed_data(), rows->code_sum.data()}, w.typed_data(),
-               w_scale.typed_data(), nullptr, yp, M, K, N);
+  const Layer layer{w.typed_data(), w_scale.typed_data(), nullptr, yp};
+  int8_product(pool, {rows->codes.data(), x_scale.typed_data(), rows->code_sum.data()}, &layer, 1, M, K, N);
   return ffi::Error::Success();
+}
+
+// Rows [0, M) of x (float32 or bfloat16 [M, K]) quantized as activation_codes(x, "int8") does (row_codes.h),
+// the codes offset by 128 for vpdpbusd; null where the buffers could not be allocated.
+const RowBuffers* quantized_rows(ffi::ThreadPool& pool, ffi::AnyBuffer x, int64_t M, int64_t K) {
+  RowBuffers* rows = row_buffers(M, K);
+  if (!rows) return nullptr;
+  uint8_t* codes = rows->codes.data();
+  float* scale = rows->scale.data();
+  int32_t* code_sum = rows->code_sum.data();
+  const bool x_bf16 = x.element_type() == ffi::DataType::BF16;
+  paged::run_parallel(&pool, M, 8, M / 8, [&](int64_t m) {
+    int8_t* row = reinterpret_cast<int8_t*>(codes + m * K);
+    scale[m] = x_bf16 ? paged::quantize_row(static_cast<const uint16_t*>(x.untyped_data()) + m * K, K, K, row, code_sum[m])
+                      : paged::quantize_row(static_cast<const float*>(x.untyped_data()) + m * K, K, K, row, code_sum[m]);
+    for (int64_t k = 0; k < K; ++k) codes[m * K + k] ^= 0x80;  // vpdpbusd's unsigned operand: xq + 128
+  });
+  return rows;
+}
+
+// x against one layer's codes, vectors and y: what the W8A8 calls check.
+ffi::Error check_layer(const char* name, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
+                       ffi::Buffer<ffi::F32> zero_offsets, ffi::Buffer<ffi::S32> live) {
+  const auto xd = x.dimensions();
+  const auto wd = w.dimensions();
+  auto invalid = [&](const char* what) { return ffi::Error::InvalidArgument(std::string(name) + ": " + what); };
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wd[1] % kPanel || xd[1] % 4 ||
+      (x.element_type() != ffi::DataType::BF16 && x.element_type() != ffi::DataType::F32))
+    return invalid("expected float32 or bfloat16 x [M, K] and int8 w [K, N] with K a multiple of 4 and N a multiple "
+                   "of 64");
+  const int64_t N = wd[1];
+  if (w_scale.element_count() != N || (zero_offsets.element_count() != 0 && zero_offsets.element_count() != N) ||
+      live.element_count() != 1)
+    return invalid("expected w_scale [N], zero_offsets [N] or [0] and a scalar live");
+  return ffi::Error::Success();
+}
+
+const float* offsets_or_null(ffi::Buffer<ffi::F32> zero_offsets) {
+  return zero_offsets.element_count() ? zero_offsets.typed_data() : nullptr;
 }
 
 // A W8A8 layer in one call on CPUs without AMX-INT8: y[M, N] float32 = (xq @ w) * x_scale[m] * w_scale[n] -
@@ -235,34 +318,15 @@ ffi::Error Int8MatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S8> x, ffi::Buf
 // w_scale float32 [N], zero_offsets float32 [N] or [0] for none; rows [live, M) of y zeros.
 ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
                           ffi::Buffer<ffi::F32> zero_offsets, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
-  const auto xd = x.dimensions();
-  const auto wd = w.dimensions();
-  const bool x_bf16 = x.element_type() == ffi::DataType::BF16;
-  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[0] || wd[1] % kPanel || xd[1] % 4 ||
-      (!x_bf16 && x.element_type() != ffi::DataType::F32))
-    return ffi::Error::InvalidArgument(
-        "w8a8_matmul_cpu: expected float32 or bfloat16 x [M, K] and int8 w [K, N] with K a multiple of 4 and N "
-        "a multiple of 64");
-  const int64_t K = xd[1], N = wd[1];
-  if (w_scale.element_count() != N || (zero_offsets.element_count() != 0 && zero_offsets.element_count() != N) ||
-      live.element_count() != 1)
-    return ffi::Error::InvalidArgument("w8a8_matmul_cpu: expected w_scale [N], zero_offsets [N] or [0] and a scalar live");
+  if (auto error = check_layer("w8a8_matmul_cpu", x, w, w_scale, zero_offsets, live); error.failure()) return error;
+  const int64_t K = x.dimensions()[1], N = w.dimensions()[1];
   float* yp = y->typed_data();
-  const int64_t M = paged::zero_rows_past_live(live, xd[0], N, yp);
+  const int64_t M = paged::zero_rows_past_live(live, x.dimensions()[0], N, yp);
   if (M == 0) return ffi::Error::Success();
-  RowBuffers* rows = row_buffers(M, K);
+  const RowBuffers* rows = quantized_rows(pool, x, M, K);
   if (!rows) return ffi::Error::Internal("w8a8_matmul_cpu: x's codes could not be allocated");
-  uint8_t* codes = rows->codes.data();
-  float* scale = rows->scale.data();
-  int32_t* code_sum = rows->code_sum.data();
-  paged::run_parallel(&pool, M, 8, M / 8, [&](int64_t m) {
-    int8_t* row = reinterpret_cast<int8_t*>(codes + m * K);
-    scale[m] = x_bf16 ? paged::quantize_row(static_cast<const uint16_t*>(x.untyped_data()) + m * K, K, K, row, code_sum[m])
-                      : paged::quantize_row(static_cast<const float*>(x.untyped_data()) + m * K, K, K, row, code_sum[m]);
-    for (int64_t k = 0; k < K; ++k) codes[m * K + k] ^= 0x80;  // vpdpbusd's unsigned operand: xq + 128
-  });
-  int8_product(pool, {codes, scale, code_sum}, w.typed_data(), w_scale.typed_data(),
-               zero_offsets.element_count() ? zero_offsets.typed_data() : nullptr, yp, M, K, N);
+  const Layer layer{w.typed_data(), w_scale.typed_data(), offsets_or_null(zero_offsets), yp};
+  int8_product(pool, {rows->codes.data(), rows->scale.data(), rows->code_sum.data()}, &layer, 1, M, K, N);
   return ffi::Error::Success();
 }
 
@@ -302,6 +366,36 @@ int64_t live_rows_of_y(ffi::Buffer<ffi::S32> live, int64_t rows, ffi::Result<ffi
   return y->element_type() == ffi::DataType::BF16
              ? paged::zero_rows_past_live(live, rows, N, static_cast<uint16_t*>(y->untyped_data()))
              : paged::zero_rows_past_live(live, rows, N, static_cast<float*>(y->untyped_data()));
+}
+
+// silu(x @ gate) * (x @ up) for two W8A8 layers in one call on CPUs without AMX-INT8, each layer as
+// W8A8MatmulImpl's (no bias): x quantized once for both, and the activation applied as up's last block
+// lands, rounded once to y (float32 or bfloat16 [M, N]). sums: float32 [2, M, N], the two products' partial
+// sums (the gate's final ones in the first half).
+ffi::Error W8A8GatedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> gate, F32 gate_scale,
+                               F32 gate_offsets, ffi::Buffer<ffi::S8> up, F32 up_scale, F32 up_offsets,
+                               ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> y, ffi::ResultBuffer<ffi::F32> sums) {
+  const char* name = "w8a8_gated_matmul_cpu";
+  if (auto error = check_layer(name, x, gate, gate_scale, gate_offsets, live); error.failure()) return error;
+  if (auto error = check_layer(name, x, up, up_scale, up_offsets, live); error.failure()) return error;
+  const int64_t M_all = x.dimensions()[0], K = x.dimensions()[1], N = gate.dimensions()[1];
+  if (up.dimensions()[1] != N || y->dimensions().size() != 2 || y->dimensions()[0] != M_all ||
+      y->dimensions()[1] != N || (y->element_type() != ffi::DataType::F32 && y->element_type() != ffi::DataType::BF16) ||
+      sums->element_count() != 2 * M_all * N)
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": expected gate and up of the same shape, y float32 or bfloat16 [M, N] and "
+                                       "sums float32 [2, M, N]");
+  const int64_t M = live_rows_of_y(live, M_all, y);
+  if (M == 0) return ffi::Error::Success();
+  const RowBuffers* rows = quantized_rows(pool, x, M, K);
+  if (!rows) return ffi::Error::Internal(std::string(name) + ": x's codes could not be allocated");
+  float* gate_sums = sums->typed_data();
+  const Layer layers[2] = {
+      {gate.typed_data(), gate_scale.typed_data(), offsets_or_null(gate_offsets), gate_sums},
+      {up.typed_data(), up_scale.typed_data(), offsets_or_null(up_offsets), gate_sums + M_all * N, gate_sums,
+       y->untyped_data(), y->element_type() == ffi::DataType::BF16}};
+  int8_product(pool, {rows->codes.data(), rows->scale.data(), rows->code_sum.data()}, layers, 2, M, K, N);
+  return ffi::Error::Success();
 }
 
 // The call on AMX after its checks: W8A8 (x quantized in the call), or with `weight_only` bfloat16 x against
@@ -451,6 +545,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulCpu, W8A8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8GatedMatmulCpu, W8A8GatedMatmulImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8MatmulCpu, Int8MatmulImpl,

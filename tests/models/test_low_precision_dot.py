@@ -211,6 +211,43 @@ def test_a_gated_mlp_of_int8_layers_on_amx_is_one_call(monkeypatch, weight_only)
     np.testing.assert_allclose(fused, separate, rtol=tolerance, atol=tolerance * np.abs(separate).max())
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_gated_mlp_of_w8a8_layers_on_vnni_is_one_call(monkeypatch, dtype):
+    """Without AMX-INT8 (on a CPU with it, as if it had none) silu_gated over two W8A8 layers makes one native
+    call from `cpu.INT8_MATMUL_MIN_ROWS` rows: x quantized once, the activation applied to the float32 sums and
+    rounded once, matching the two layers' own outputs through XLA's silu to the rounding of those outputs.
+    Below those rows the layers keep their own path (no call)."""
+    from paged.kernels import cpu
+    from paged.models.linear import silu_gated
+    if not cpu.int8_matmul_is_vectorized():
+        pytest.skip("no AVX-512 VNNI here: W8A8 keeps the float path on this CPU")
+    monkeypatch.setattr(cpu, "w8a8_on_amx", lambda: False)
+    quant = _w8a8("int8", 96, 128, seed=8)[0]
+
+    class Gated(nn.Module):
+        fused: bool
+
+        @nn.compact
+        def __call__(self, x):
+            gate, up = (Linear(128, dtype, backend="cpu", quant=quant, name=n) for n in ("gate", "up"))
+            return silu_gated(x, gate, up) if self.fused else jax.nn.silu(gate(x)) * up(x)
+
+    calls = []
+    real = cpu.w8a8_gated_matmul_cpu
+    monkeypatch.setattr(cpu, "w8a8_gated_matmul_cpu", lambda *a, **k: calls.append(1) or real(*a, **k))
+    params = {name: p for name, p in (("gate", _w8a8("int8", 96, 128, seed=9, zero_points=True)[1]),
+                                      ("up", _w8a8("int8", 96, 128, seed=10, zero_points=True)[1]))}
+    rows = cpu.INT8_MATMUL_MIN_ROWS
+    for shape, fused_call in (((2, rows // 2 + 1, 96), True), ((1, rows - 1, 96), False)):
+        calls.clear()
+        x = jnp.asarray(np.random.default_rng(11).normal(size=shape), dtype)
+        fused = np.asarray(Gated(True).apply({"params": params}, x).astype(jnp.float32), np.float64)
+        assert bool(calls) == fused_call and fused.shape == (*shape[:2], 128)
+        separate = np.asarray(Gated(False).apply({"params": params}, x).astype(jnp.float32), np.float64)
+        tolerance = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+        np.testing.assert_allclose(fused, separate, rtol=tolerance, atol=tolerance * np.abs(separate).max())
+
+
 def test_only_layers_whose_scales_factor_out_take_it():
     quant, params = _w8a8("int8", 64, 64, seed=0)
     assert low_precision_dot.takes(quant, params)

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from paged.kernels.cpu import (available, int8_matmul_cpu, matmul_cpu, matmul_transposed_argmax_cpu, matmul_transposed_cpu,
-                               paged_attention_cpu, quant_matmul_cpu, w8a8_matmul_cpu)
+                               paged_attention_cpu, quant_matmul_cpu, w8a8_gated_matmul_cpu, w8a8_matmul_cpu)
 from tests.native import needs_compiler
 from tests.pallas_kernels.kernel_inputs import LAYER, attention_f64, random_pool, tolerance
 
@@ -1046,6 +1046,56 @@ def test_w8a8_matmul_refuses_what_it_cannot_do():
         w8a8_matmul_cpu(jnp.zeros((2, 64), jnp.int8), w, scale)
     with pytest.raises(ValueError, match="zero_offsets"):
         w8a8_matmul_cpu(jnp.zeros((2, 64)), w, scale, jnp.ones((32,)))
+
+
+def _silu64(g):
+    return g / (1.0 + np.exp(-np.clip(g, -700.0, 700.0)))
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("rows, inner, cols", [(1, 64, 64), (7, 516, 192), (13, 68, 128), (64, 516, 64)])
+def test_w8a8_gated_matmul_matches_float64(out_dtype, rows, inner, cols):
+    """silu(x @ gate) * (x @ up) in one call, each product as w8a8_matmul_cpu's (x's codes activation_codes'),
+    against float64: float32 results to float32's rounding of the exp, bfloat16 ones to one rounding."""
+    (x, gate, gate_scale, gate_offsets), g = _w8a8_case(rows, inner, cols, jnp.bfloat16, rows + cols)
+    (_, up, up_scale, up_offsets), u = _w8a8_case(rows, inner, cols, jnp.bfloat16, rows + cols)
+    rng = np.random.default_rng(rows)  # up: other codes and vectors for the same x
+    up = jnp.asarray(rng.integers(-128, 128, (inner, cols)), jnp.int8)
+    up_scale = jnp.asarray(rng.uniform(0.001, 0.1, cols), jnp.float32)
+    up_offsets = jnp.asarray(rng.uniform(-0.05, 0.05, cols), jnp.float32)
+    from paged.models.quantization import activation_codes
+    codes, x_scale = (np.asarray(v, np.float64) for v in activation_codes(x, "int8"))
+    u = ((codes @ np.asarray(up, np.float64)) * x_scale * np.asarray(up_scale, np.float64)
+         - codes.sum(-1, keepdims=True) * x_scale * np.asarray(up_offsets, np.float64))
+    want = _silu64(g) * u
+    got = w8a8_gated_matmul_cpu(x, gate, gate_scale, gate_offsets, up, up_scale, up_offsets, out_dtype=out_dtype)
+    assert got.dtype == out_dtype
+    got = np.asarray(got.astype(jnp.float32), np.float64)
+    tolerance = 2 ** -8 if out_dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance * np.abs(want).max())
+
+
+def test_w8a8_gated_matmul_live_rows_the_portable_build_and_refusals(portable_target):
+    (x, gate, gate_scale, _), g = _w8a8_case(9, 68, 64, jnp.float32, 1, offsets=False)
+    (_, up, up_scale, up_offsets), _ = _w8a8_case(9, 68, 64, jnp.float32, 2)
+    from paged.models.quantization import activation_codes
+    codes, x_scale = (np.asarray(v, np.float64) for v in activation_codes(x, "int8"))
+    u = ((codes @ np.asarray(up, np.float64)) * x_scale * np.asarray(up_scale, np.float64)
+         - codes.sum(-1, keepdims=True) * x_scale * np.asarray(up_offsets, np.float64))
+    want = _silu64(g) * u
+    args = (x, gate, gate_scale, None, up, up_scale, up_offsets)
+    got = np.asarray(jax.jit(w8a8_gated_matmul_cpu)(*args, jnp.int32(4)), np.float64)
+    assert not np.any(got[4:])
+    np.testing.assert_allclose(got[:4], want[:4], rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    target = portable_target.replace("paged_attention_cpu", "w8a8_gated_matmul_cpu")
+    for out_dtype, tol in ((jnp.float32, 1e-5), (jnp.bfloat16, 2 ** -8)):
+        got = w8a8_gated_matmul_cpu(*args, out_dtype=out_dtype, _target=target)
+        np.testing.assert_allclose(np.asarray(got.astype(jnp.float32), np.float64), want, rtol=tol,
+                                   atol=tol * np.abs(want).max())
+    with pytest.raises(ValueError, match="one shape"):
+        w8a8_gated_matmul_cpu(x, gate, gate_scale, None, jnp.zeros((68, 128), jnp.int8), jnp.ones((128,)), None)
+    with pytest.raises(ValueError, match="float32 or bfloat16 result"):
+        w8a8_gated_matmul_cpu(*args, out_dtype=jnp.float16)
 
 
 def test_pack_for_amx_places_each_int8_code_where_the_tiles_read_it():
