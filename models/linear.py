@@ -265,8 +265,11 @@ class Linear(nn.Module):
                 x = jnp.take(x, params["perm"], axis=-1)
             route = low_precision_dot.route(self.quant, params, self.backend, math.prod(x.shape[:-1]))
             if route:  # W8A8 codes in an integer (or fp8) product: the CPU's kernel, or the platform's dot
+                native = route == "native"
                 y = low_precision_dot.w8a8_dot(x.astype(self.dtype), params, self.quant, self.out_dtype,
-                                               native=route == "native", live_rows=live_rows)
+                                               native=native, live_rows=live_rows, bias=bias if native else None)
+                if native:
+                    bias = None  # added in the call
             else:
                 if self.quant.activations:
                     x = quantize_activations(x.astype(self.dtype), self.quant.activations)
@@ -376,7 +379,8 @@ def silu_gated(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.Array | No
     """silu(gate(x)) * up(x), in `gate`'s dtype. Where both kernels are held packed for AMX and neither layer
     has a bias, one native call computes it (`paged.kernels.cpu.gated_matmul_packed_cpu`; for int8 layers
     `w8a8_gated_matmul_packed_cpu`, for int4 `int4_gated_matmul_packed_cpu`): the two float32 products and the
-    activation pass never reach memory, and the result is rounded once."""
+    activation pass never reach memory, and the result is rounded once. Two W8A8 layers on a CPU with AVX-512
+    VNNI and no AMX-INT8 take `w8a8_gated_matmul_cpu` the same way (`_w8a8_gated_on_vnni`)."""
     plain = gate.use_bias or up.use_bias or gate.lora_slots or up.lora_slots
     if not plain and _w8a8_pair_on_vnni(gate, up):
         y = _w8a8_gated_on_vnni(x, gate, up, live_rows)

@@ -67,22 +67,26 @@ def route(quant: WeightQuant, params: dict[str, jax.Array], backend: str, rows: 
 
 
 def w8a8_dot(x: jax.Array, params: dict[str, jax.Array], quant: WeightQuant, out_dtype=None, *,
-             native: bool = False, live_rows: jax.Array | None = None) -> jax.Array:
+             native: bool = False, live_rows: jax.Array | None = None, bias: jax.Array | None = None) -> jax.Array:
     """x [..., K] (the layer's input, not yet quantized) @ the layer's W8A8 weights, by XLA's low-precision dot
     or, with `native`, the CPU's int8 kernel (`route`), in `out_dtype` (default x's). Only where
-    `takes(quant, params)`.
+    `takes(quant, params)`. bias: only with `native`, which adds it in the call (the caller adds it otherwise).
 
     params: qweight int8 [K, N] with scales [1, N] and zero_offsets [1, N] (models/quantization.py; the
     offsets of a symmetric checkpoint are zeros, and are subtracted as (sum_k x[m, k]) * offset[n]), or
     qweight float8_e4m3fn [K, N] with float32 scales [1, N / block_out].
     """
     qweight, scales = params["qweight"], params["scales"].astype(jnp.float32)
-    if native:  # one call: x quantized, both scales and the zero points applied; rows from live_rows on zeros
+    if native:  # one call: x quantized, scales, zero points, bias and rounding; rows from live_rows on zeros
         rows = x.reshape(-1, x.shape[-1])
         if rows.dtype not in (jnp.float32, jnp.bfloat16):  # activation_codes works in float32 too
             rows = rows.astype(jnp.float32)
-        y = cpu.w8a8_matmul_cpu(rows, qweight, scales[0], params["zero_offsets"][0], live_rows)
-        return y.reshape(*x.shape[:-1], qweight.shape[1]).astype(out_dtype or x.dtype)
+        out_dtype = jnp.dtype(out_dtype or x.dtype)
+        y = cpu.w8a8_matmul_cpu(rows, qweight, scales[0], params["zero_offsets"][0], live_rows, bias=bias,
+                                out_dtype=out_dtype if out_dtype == jnp.bfloat16 else jnp.float32)
+        return y.reshape(*x.shape[:-1], qweight.shape[1]).astype(out_dtype)
+    if bias is not None:
+        raise ValueError("w8a8_dot: a bias is added in the call only with native=True")
     codes, row_scale = activation_codes(x, quant.activations)
     accumulate = jnp.int32 if quant.activations == "int8" else jnp.float32
     dims = (((codes.ndim - 1,), (0,)), ((), ()))

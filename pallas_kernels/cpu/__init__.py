@@ -603,20 +603,30 @@ def _check_w8a8_layer(name: str, x: jax.Array, w: jax.Array, w_scale: jax.Array,
 
 
 def w8a8_matmul_cpu(x: jax.Array, w: jax.Array, w_scale: jax.Array, zero_offsets: jax.Array | None = None,
-                    live_rows: jax.Array | int | None = None, *, _target: str = _W8A8_MATMUL_TARGET) -> jax.Array:
+                    live_rows: jax.Array | int | None = None, *, bias: jax.Array | None = None,
+                    out_dtype=jnp.float32, _target: str = _W8A8_MATMUL_TARGET) -> jax.Array:
     """A W8A8 layer in one call on CPUs without AMX-INT8 (AVX-512 VNNI where the build has it,
     `int8_matmul_is_vectorized()`): x quantized per row in the call exactly as `activation_codes(x, "int8")`
-    does, then `int8_matmul_cpu`'s integer product, float32 [M, N]:
-    y = (codes @ w) * x_scale[m] * w_scale[n] - (sum_k codes[m, k] * x_scale[m]) * zero_offsets[n].
+    does, then `int8_matmul_cpu`'s integer product:
+    y = (codes @ w) * x_scale[m] * w_scale[n] - (sum_k codes[m, k] * x_scale[m]) * zero_offsets[n] + bias[n],
+    in float32, or in bfloat16 rounded once.
 
     x: float32 or bfloat16 [M, K], K a multiple of 4. w: int8 [K, N] as held, N a multiple of 64. w_scale:
-    float32 [N] or [1, N]. zero_offsets: float32 [N] or [1, N], or None. live_rows: as for `matmul_cpu`.
+    float32 [N] or [1, N]. zero_offsets, bias: [N] or [1, N], or None. live_rows: as for `matmul_cpu`.
     """
     _require_kernels()
-    layer = _check_w8a8_layer("w8a8_matmul_cpu", x, w, w_scale, zero_offsets)
-    live = jnp.asarray(x.shape[0] if live_rows is None else live_rows)
-    call = jax.ffi.ffi_call(_target, jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
-    return call(x, *layer, live.astype(jnp.int32))
+    name = "w8a8_matmul_cpu"
+    layer = _check_w8a8_layer(name, x, w, w_scale, zero_offsets)
+    M, N = x.shape[0], w.shape[1]
+    out_dtype = jnp.dtype(out_dtype)
+    if (bias is not None and bias.size != N) or out_dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"{name}: expected a bias of {N} values and a float32 or bfloat16 result; got "
+                         f"{None if bias is None else list(bias.shape)} and {out_dtype}")
+    bias = jnp.zeros((0,), jnp.float32) if bias is None else bias.reshape(-1).astype(jnp.float32)
+    live = jnp.asarray(M if live_rows is None else live_rows)
+    sums = (M, N) if out_dtype == jnp.bfloat16 else (0,)  # a bfloat16 y's partial sums
+    call = jax.ffi.ffi_call(_target, (jax.ShapeDtypeStruct((M, N), out_dtype), jax.ShapeDtypeStruct(sums, jnp.float32)))
+    return call(x, *layer, bias, live.astype(jnp.int32))[0]
 
 
 def w8a8_gated_matmul_cpu(x: jax.Array, gate: jax.Array, gate_scale: jax.Array, gate_offsets: jax.Array | None,

@@ -63,16 +63,17 @@ struct RowCodes {
 };
 
 // One int8 layer of the walk: its codes [K, N] and vectors, where its partial sums wait between blocks
-// (`sums`, [M, N] float32), and where its final sums go: into `sums` too, or with `gate` (the gated call's up
-// projection) silu(gate's final sums) * these into `y`, rounded once to y's type.
+// (`sums`, [M, N] float32), and where its final sums (plus the bias) go: into `sums` too, or into `y`
+// rounded once to y's type; with `gate` (the gated call's up projection) silu(gate's final sums) * them.
 struct Layer {
   const int8_t* w;
   const float* w_scale;
   const float* zero_offsets;  // [N], or null
   float* sums;
-  const float* gate = nullptr;  // the gate projection's final sums [M, N], or null
-  void* y = nullptr;
+  const float* bias = nullptr;  // [N], or null
+  void* y = nullptr;            // null: the final sums stay in `sums`
   bool y_bf16 = false;
+  const float* gate = nullptr;  // the gate projection's final sums [M, N], or null
 };
 
 #if defined(__AVX512VNNI__)
@@ -144,7 +145,7 @@ inline void quad_tile(const RowCodes& x, const Layer& layer, int64_t m0, int64_t
       acc[r][3] = paged::dot_bytes(acc[r][3], a, b3);
     }
   }
-  const bool offsets = last && layer.zero_offsets, gated = last && layer.gate;
+  const bool offsets = last && layer.zero_offsets, bias = last && layer.bias, to_y = last && layer.y;
   for (int r = 0; r < MR; ++r) {
     __m512i exact[4], ordered[4];
     for (int j = 0; j < 4; ++j) exact[j] = _mm512_sub_epi32(acc[r][j], _mm512_load_si512(offset_sums + 16 * j));
@@ -158,11 +159,12 @@ inline void quad_tile(const RowCodes& x, const Layer& layer, int64_t m0, int64_t
                                    _mm512_mul_ps(_mm512_loadu_ps(layer.w_scale + n0 + 16 * v), row_scale));
       if (!first) value = _mm512_add_ps(value, _mm512_loadu_ps(layer.sums + at));
       if (offsets) value = _mm512_fnmadd_ps(row_offset, _mm512_loadu_ps(layer.zero_offsets + n0 + 16 * v), value);
-      if (!gated) {
+      if (bias) value = _mm512_add_ps(value, _mm512_loadu_ps(layer.bias + n0 + 16 * v));
+      if (!to_y) {
         _mm512_storeu_ps(layer.sums + at, value);
         continue;
       }
-      value = _mm512_mul_ps(paged::silu512(_mm512_loadu_ps(layer.gate + at)), value);
+      if (layer.gate) value = _mm512_mul_ps(paged::silu512(_mm512_loadu_ps(layer.gate + at)), value);
       if (layer.y_bf16) {
         paged::store_product_bf16x16(static_cast<uint16_t*>(layer.y) + at, value);
       } else {
@@ -205,12 +207,15 @@ void int8_panels(const RowCodes& x, const Layer* layers, int num_layers, int64_t
         for (int64_t k = 0; k < K; ++k) acc += (int64_t{x.codes[m * K + k]} - 128) * int64_t{layer.w[k * N + n]};
         float value = static_cast<float>(acc) * (layer.w_scale[n] * x.scale[m]);
         if (layer.zero_offsets) value -= static_cast<float>(x.code_sum[m]) * x.scale[m] * layer.zero_offsets[n];
-        if (!layer.gate) {
+        if (layer.bias) value += layer.bias[n];
+        if (!layer.y) {
           layer.sums[m * N + n] = value;
           continue;
         }
-        const float g = layer.gate[m * N + n];
-        value *= g / (1.0f + std::exp(-g));
+        if (layer.gate) {
+          const float g = layer.gate[m * N + n];
+          value *= g / (1.0f + std::exp(-g));
+        }
         if (layer.y_bf16) {
           static_cast<uint16_t*>(layer.y)[m * N + n] = paged::float_to_bf16(value);
         } else {
@@ -308,26 +313,9 @@ ffi::Error check_layer(const char* name, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> 
   return ffi::Error::Success();
 }
 
-const float* offsets_or_null(ffi::Buffer<ffi::F32> zero_offsets) {
-  return zero_offsets.element_count() ? zero_offsets.typed_data() : nullptr;
-}
-
-// A W8A8 layer in one call on CPUs without AMX-INT8: y[M, N] float32 = (xq @ w) * x_scale[m] * w_scale[n] -
-// (sum_k xq[m, k]) * x_scale[m] * zero_offsets[n], x (float32 or bfloat16 [M, K], K a multiple of 4) quantized
-// per row here as activation_codes(x, "int8") does (row_codes.h); w int8 [K, N] as held (N a multiple of 64),
-// w_scale float32 [N], zero_offsets float32 [N] or [0] for none; rows [live, M) of y zeros.
-ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, ffi::Buffer<ffi::F32> w_scale,
-                          ffi::Buffer<ffi::F32> zero_offsets, ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
-  if (auto error = check_layer("w8a8_matmul_cpu", x, w, w_scale, zero_offsets, live); error.failure()) return error;
-  const int64_t K = x.dimensions()[1], N = w.dimensions()[1];
-  float* yp = y->typed_data();
-  const int64_t M = paged::zero_rows_past_live(live, x.dimensions()[0], N, yp);
-  if (M == 0) return ffi::Error::Success();
-  const RowBuffers* rows = quantized_rows(pool, x, M, K);
-  if (!rows) return ffi::Error::Internal("w8a8_matmul_cpu: x's codes could not be allocated");
-  const Layer layer{w.typed_data(), w_scale.typed_data(), offsets_or_null(zero_offsets), yp};
-  int8_product(pool, {rows->codes.data(), rows->scale.data(), rows->code_sum.data()}, &layer, 1, M, K, N);
-  return ffi::Error::Success();
+// A vector operand (zero offsets, bias) as the walk takes it: its values, or null for [0].
+const float* vector_or_null(ffi::Buffer<ffi::F32> vector) {
+  return vector.element_count() ? vector.typed_data() : nullptr;
 }
 
 // W8A8 on AMX-INT8 with x quantized in the call (amx.h: W8A8MatmulPacked): x float32 or bfloat16 [M, K], w int8
@@ -368,6 +356,41 @@ int64_t live_rows_of_y(ffi::Buffer<ffi::S32> live, int64_t rows, ffi::Result<ffi
              : paged::zero_rows_past_live(live, rows, N, static_cast<float*>(y->untyped_data()));
 }
 
+// A W8A8 layer in one call on CPUs without AMX-INT8: y[M, N] = (xq @ w) * x_scale[m] * w_scale[n] - (sum_k
+// xq[m, k]) * x_scale[m] * zero_offsets[n] + bias[n], x (float32 or bfloat16 [M, K], K a multiple of 4)
+// quantized per row here as activation_codes(x, "int8") does (row_codes.h); w int8 [K, N] as held (N a multiple
+// of 64), w_scale float32 [N], zero_offsets and bias float32 [N] or [0] for none; y float32, or bfloat16
+// rounded once with sums float32 [M, N] for the partial sums ([0] for a float32 y); rows [live, M) of y zeros.
+ffi::Error W8A8MatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buffer<ffi::S8> w, F32 w_scale,
+                          F32 zero_offsets, F32 bias, ffi::Buffer<ffi::S32> live, ffi::Result<ffi::AnyBuffer> y,
+                          ffi::ResultBuffer<ffi::F32> sums) {
+  const char* name = "w8a8_matmul_cpu";
+  if (auto error = check_layer(name, x, w, w_scale, zero_offsets, live); error.failure()) return error;
+  const int64_t M_all = x.dimensions()[0], K = x.dimensions()[1], N = w.dimensions()[1];
+  const bool y_bf16 = y->element_type() == ffi::DataType::BF16;
+  if ((bias.element_count() != 0 && bias.element_count() != N) || y->dimensions().size() != 2 ||
+      y->dimensions()[0] != M_all || y->dimensions()[1] != N ||
+      (!y_bf16 && y->element_type() != ffi::DataType::F32) ||
+      sums->element_count() != (y_bf16 ? M_all * N : 0))
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": expected bias [N] or [0], y float32 or bfloat16 [M, N], and sums float32 "
+                                       "[M, N] for a bfloat16 y, else [0]");
+  const int64_t M = live_rows_of_y(live, M_all, y);
+  if (M == 0) return ffi::Error::Success();
+  const RowBuffers* rows = quantized_rows(pool, x, M, K);
+  if (!rows) return ffi::Error::Internal(std::string(name) + ": x's codes could not be allocated");
+  Layer layer{w.typed_data(), w_scale.typed_data(), vector_or_null(zero_offsets), nullptr, vector_or_null(bias)};
+  if (y_bf16) {
+    layer.sums = sums->typed_data();
+    layer.y = y->untyped_data();
+    layer.y_bf16 = true;
+  } else {
+    layer.sums = static_cast<float*>(y->untyped_data());
+  }
+  int8_product(pool, {rows->codes.data(), rows->scale.data(), rows->code_sum.data()}, &layer, 1, M, K, N);
+  return ffi::Error::Success();
+}
+
 // silu(x @ gate) * (x @ up) for two W8A8 layers in one call on CPUs without AMX-INT8, each layer as
 // W8A8MatmulImpl's (no bias): x quantized once for both, and the activation applied as up's last block
 // lands, rounded once to y (float32 or bfloat16 [M, N]). sums: float32 [2, M, N], the two products' partial
@@ -391,9 +414,9 @@ ffi::Error W8A8GatedMatmulImpl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::Buff
   if (!rows) return ffi::Error::Internal(std::string(name) + ": x's codes could not be allocated");
   float* gate_sums = sums->typed_data();
   const Layer layers[2] = {
-      {gate.typed_data(), gate_scale.typed_data(), offsets_or_null(gate_offsets), gate_sums},
-      {up.typed_data(), up_scale.typed_data(), offsets_or_null(up_offsets), gate_sums + M_all * N, gate_sums,
-       y->untyped_data(), y->element_type() == ffi::DataType::BF16}};
+      {gate.typed_data(), gate_scale.typed_data(), vector_or_null(gate_offsets), gate_sums},
+      {up.typed_data(), up_scale.typed_data(), vector_or_null(up_offsets), gate_sums + M_all * N, nullptr,
+       y->untyped_data(), y->element_type() == ffi::DataType::BF16, gate_sums}};
   int8_product(pool, {rows->codes.data(), rows->scale.data(), rows->code_sum.data()}, layers, 2, M, K, N);
   return ffi::Error::Success();
 }
@@ -544,7 +567,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulCpu, W8A8MatmulImpl,
                                   .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8GatedMatmulCpu, W8A8GatedMatmulImpl,

@@ -78,8 +78,8 @@ def test_w8a8_dot_matches_float64_of_the_same_codes(kind, zero_points, per_tenso
     np.testing.assert_allclose(got, np.asarray(floats, np.float64), rtol=1e-4, atol=1e-4 * np.abs(want).max())
 
 
-@pytest.mark.parametrize("zero_points", [False, True])
-def test_the_cpus_int8_kernel_computes_w8a8_as_float64_does(monkeypatch, zero_points):
+@pytest.mark.parametrize("zero_points, use_bias", [(False, False), (True, False), (True, True)])
+def test_the_cpus_int8_kernel_computes_w8a8_as_float64_does(monkeypatch, zero_points, use_bias):
     """With the "cpu" linear backend and AVX-512 VNNI (a CPU without AMX-INT8; on one with it, as if it had
     none), a W8A8 int8 Linear of prompt-sized steps routes to the native call (x quantized in it, then the
     integer matmul), and its output is float64's product of the same codes."""
@@ -95,11 +95,13 @@ def test_the_cpus_int8_kernel_computes_w8a8_as_float64_does(monkeypatch, zero_po
     assert low_precision_dot.route(quant, params, "cpu", rows) == "native"
     assert low_precision_dot.route(quant, params, "cpu", rows - 1) is None  # decode-sized: the weight-only path
     assert low_precision_dot.route(quant, params, "xla", rows) is None  # the CPU has no int8 dot of its own
-    layer = Linear(128, jnp.float32, backend="cpu", quant=quant)
+    layer = Linear(128, jnp.float32, backend="cpu", quant=quant, use_bias=use_bias)
     x = jnp.asarray(np.random.default_rng(5).normal(size=(2, rows // 2 + 3, 96)), jnp.float32)
+    if use_bias:  # added in the call
+        params = {**params, "bias": jnp.asarray(np.random.default_rng(6).uniform(-1, 1, 128), jnp.float32)}
     got = np.asarray(layer.apply({"params": params}, x), np.float64)
     assert calls
-    want = _float64_of_codes(x, params, quant)
+    want = _float64_of_codes(x, params, quant) + (np.asarray(params["bias"], np.float64) if use_bias else 0.0)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 

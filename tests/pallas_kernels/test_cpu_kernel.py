@@ -1038,6 +1038,23 @@ def test_w8a8_matmul_live_rows_no_offsets_and_the_portable_build(portable_target
                 np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("rows, inner", [(1, 64), (13, 516), (64, 1028)])
+def test_w8a8_matmul_adds_the_bias_and_rounds_once(rows, inner, portable_target):
+    """The bias added to the float32 sums, and a bfloat16 result the float32 one rounded once (bit for bit),
+    natively and in the portable build."""
+    args, want = _w8a8_case(rows, inner, 128, jnp.bfloat16, rows)
+    bias = np.random.default_rng(rows).uniform(-1.0, 1.0, 128).astype(np.float32)
+    want = want + bias
+    target = portable_target.replace("paged_attention_cpu", "w8a8_matmul_cpu")
+    for kwargs in ({}, {"_target": target}):
+        as_f32 = w8a8_matmul_cpu(*args, bias=jnp.asarray(bias), **kwargs)
+        np.testing.assert_allclose(np.asarray(as_f32, np.float64), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+        as_bf16 = w8a8_matmul_cpu(*args, bias=jnp.asarray(bias), out_dtype=jnp.bfloat16, **kwargs)
+        assert as_bf16.dtype == jnp.bfloat16
+        np.testing.assert_array_equal(np.asarray(as_bf16.astype(jnp.float32)),
+                                      np.asarray(as_f32.astype(jnp.bfloat16).astype(jnp.float32)))
+
+
 def test_w8a8_matmul_refuses_what_it_cannot_do():
     w, scale = jnp.zeros((64, 64), jnp.int8), jnp.ones((64,))
     with pytest.raises(ValueError, match="multiple of 4"):
@@ -1046,6 +1063,10 @@ def test_w8a8_matmul_refuses_what_it_cannot_do():
         w8a8_matmul_cpu(jnp.zeros((2, 64), jnp.int8), w, scale)
     with pytest.raises(ValueError, match="zero_offsets"):
         w8a8_matmul_cpu(jnp.zeros((2, 64)), w, scale, jnp.ones((32,)))
+    with pytest.raises(ValueError, match="bias of 64 values"):
+        w8a8_matmul_cpu(jnp.zeros((2, 64)), w, scale, bias=jnp.ones((32,)))
+    with pytest.raises(ValueError, match="float32 or bfloat16 result"):
+        w8a8_matmul_cpu(jnp.zeros((2, 64)), w, scale, out_dtype=jnp.float16)
 
 
 def _silu64(g):
