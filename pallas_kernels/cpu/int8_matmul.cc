@@ -560,32 +560,6 @@ extern "C" int Int8MatmulCpuIsVectorized() {
 #endif
 }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulCpu, W8A8MatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8GatedMatmulCpu, W8A8GatedMatmulImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8MatmulCpu, Int8MatmulImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -630,6 +604,10 @@ auto gated_int4_binding() {
 }
 }  // namespace
 
+// The AVX-512 VNNI W8A8 calls take the same arguments, with int8 codes as held, and return the float32 partial
+// sums beside y.
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulCpu, W8A8MatmulImpl, plain_int8_binding().Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8GatedMatmulCpu, W8A8GatedMatmulImpl, gated_int8_binding().Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8MatmulPackedCpu, Int8PackedImpl<false>, plain_int8_binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(Int8WeightsMatmulPackedCpu, Int8PackedImpl<true>, plain_int8_binding());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(W8A8GatedMatmulPackedCpu, Int8GatedPackedImpl<false>, gated_int8_binding());

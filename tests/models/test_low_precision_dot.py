@@ -177,18 +177,10 @@ def test_weight_only_int8_layers_of_bfloat16_models_on_amx(monkeypatch, zero_poi
     assert calls
 
 
-@pytest.mark.parametrize("weight_only", [False, True], ids=["w8a8", "weight-only-int8"])
-def test_a_gated_mlp_of_int8_layers_on_amx_is_one_call(monkeypatch, weight_only):
-    """silu_gated over two int8 layers held for AMX makes one native call (W8A8: x quantized once; weight-only
-    int8 of a bfloat16 model: x as it is), the activation applied to the float32 sums, matching the two layers'
-    own outputs through XLA's silu to the rounding of those outputs (float32 for W8A8, bfloat16 for the
-    weight-only layers)."""
-    from paged.kernels import cpu
+def _gated_mlp(quant: WeightQuant, dtype):
+    """A gated MLP's first half over two quantized Linears (gate, up) on the "cpu" backend: through silu_gated
+    (fused=True) or as the two layers and XLA's silu."""
     from paged.models.linear import silu_gated
-    if not (cpu.int8_weights_on_amx() if weight_only else cpu.w8a8_on_amx()):
-        pytest.skip("no AMX tiles here")
-    quant = WeightQuant(bits=8, group_size=-1) if weight_only else _w8a8("int8", 96, 128, seed=8)[0]
-    dtype = jnp.bfloat16 if weight_only else jnp.float32
 
     class Gated(nn.Module):
         fused: bool
@@ -197,6 +189,22 @@ def test_a_gated_mlp_of_int8_layers_on_amx_is_one_call(monkeypatch, weight_only)
         def __call__(self, x):
             gate, up = (Linear(128, dtype, backend="cpu", quant=quant, name=n) for n in ("gate", "up"))
             return silu_gated(x, gate, up) if self.fused else jax.nn.silu(gate(x)) * up(x)
+
+    return Gated
+
+
+@pytest.mark.parametrize("weight_only", [False, True], ids=["w8a8", "weight-only-int8"])
+def test_a_gated_mlp_of_int8_layers_on_amx_is_one_call(monkeypatch, weight_only):
+    """silu_gated over two int8 layers held for AMX makes one native call (W8A8: x quantized once; weight-only
+    int8 of a bfloat16 model: x as it is), the activation applied to the float32 sums, matching the two layers'
+    own outputs through XLA's silu to the rounding of those outputs (float32 for W8A8, bfloat16 for the
+    weight-only layers)."""
+    from paged.kernels import cpu
+    if not (cpu.int8_weights_on_amx() if weight_only else cpu.w8a8_on_amx()):
+        pytest.skip("no AMX tiles here")
+    quant = WeightQuant(bits=8, group_size=-1) if weight_only else _w8a8("int8", 96, 128, seed=8)[0]
+    dtype = jnp.bfloat16 if weight_only else jnp.float32
+    Gated = _gated_mlp(quant, dtype)
 
     calls = []
     real = cpu.w8a8_gated_matmul_packed_cpu
@@ -220,19 +228,10 @@ def test_a_gated_mlp_of_w8a8_layers_on_vnni_is_one_call(monkeypatch, dtype):
     rounded once, matching the two layers' own outputs through XLA's silu to the rounding of those outputs.
     Below those rows the layers keep their own path (no call)."""
     from paged.kernels import cpu
-    from paged.models.linear import silu_gated
     if not cpu.int8_matmul_is_vectorized():
         pytest.skip("no AVX-512 VNNI here: W8A8 keeps the float path on this CPU")
     monkeypatch.setattr(cpu, "w8a8_on_amx", lambda: False)
-    quant = _w8a8("int8", 96, 128, seed=8)[0]
-
-    class Gated(nn.Module):
-        fused: bool
-
-        @nn.compact
-        def __call__(self, x):
-            gate, up = (Linear(128, dtype, backend="cpu", quant=quant, name=n) for n in ("gate", "up"))
-            return silu_gated(x, gate, up) if self.fused else jax.nn.silu(gate(x)) * up(x)
+    Gated = _gated_mlp(_w8a8("int8", 96, 128, seed=8)[0], dtype)
 
     calls = []
     real = cpu.w8a8_gated_matmul_cpu
