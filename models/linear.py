@@ -425,12 +425,9 @@ def _w8a8_gated_on_vnni(x: jax.Array, gate: Linear, up: Linear, live_rows: jax.A
     if any(low_precision_dot.route(layer.quant, params, layer.backend, rows) != "native"
            for layer, params in ((gate, g), (up, u))) or g["qweight"].shape != u["qweight"].shape:
         return None
-    flat = x.reshape(rows, x.shape[-1]).astype(gate.dtype)
-    if flat.dtype not in (jnp.float32, jnp.bfloat16):  # activation_codes works in float32 too
-        flat = flat.astype(jnp.float32)
-    y = cpu.w8a8_gated_matmul_cpu(flat, g["qweight"], g["scales"][0], g["zero_offsets"][0], u["qweight"], u["scales"][0],
-                                  u["zero_offsets"][0], live_rows, jnp.bfloat16 if gate.dtype == jnp.bfloat16
-                                  else jnp.float32)
+    y = cpu.w8a8_gated_matmul_cpu(low_precision_dot.native_rows(x.astype(gate.dtype)), g["qweight"], g["scales"][0],
+                                  g["zero_offsets"][0], u["qweight"], u["scales"][0], u["zero_offsets"][0], live_rows,
+                                  low_precision_dot.native_result_dtype(gate.dtype))
     return y.reshape(*x.shape[:-1], gate.features).astype(gate.dtype)
 
 

@@ -66,6 +66,19 @@ def route(quant: WeightQuant, params: dict[str, jax.Array], backend: str, rows: 
     return "dot" if platform_dot(quant.activations) else None
 
 
+def native_rows(x: jax.Array) -> jax.Array:
+    """x [..., K] as the CPU's W8A8 calls take it: [rows, K] in float32 or bfloat16 (other dtypes in float32,
+    where activation_codes quantizes them too)."""
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.dtype in (jnp.float32, jnp.bfloat16) else rows.astype(jnp.float32)
+
+
+def native_result_dtype(dtype) -> jnp.dtype:
+    """The result dtype a CPU W8A8 call is asked for when the layer wants `dtype`: bfloat16 as it is (rounded
+    once in the call), anything else in float32 and converted after."""
+    return jnp.dtype(jnp.bfloat16) if jnp.dtype(dtype) == jnp.bfloat16 else jnp.dtype(jnp.float32)
+
+
 def w8a8_dot(x: jax.Array, params: dict[str, jax.Array], quant: WeightQuant, out_dtype=None, *,
              native: bool = False, live_rows: jax.Array | None = None, bias: jax.Array | None = None) -> jax.Array:
     """x [..., K] (the layer's input, not yet quantized) @ the layer's W8A8 weights, by XLA's low-precision dot
@@ -78,12 +91,9 @@ def w8a8_dot(x: jax.Array, params: dict[str, jax.Array], quant: WeightQuant, out
     """
     qweight, scales = params["qweight"], params["scales"].astype(jnp.float32)
     if native:  # one call: x quantized, scales, zero points, bias and rounding; rows from live_rows on zeros
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.dtype not in (jnp.float32, jnp.bfloat16):  # activation_codes works in float32 too
-            rows = rows.astype(jnp.float32)
         out_dtype = jnp.dtype(out_dtype or x.dtype)
-        y = cpu.w8a8_matmul_cpu(rows, qweight, scales[0], params["zero_offsets"][0], live_rows, bias=bias,
-                                out_dtype=out_dtype if out_dtype == jnp.bfloat16 else jnp.float32)
+        y = cpu.w8a8_matmul_cpu(native_rows(x), qweight, scales[0], params["zero_offsets"][0], live_rows, bias=bias,
+                                out_dtype=native_result_dtype(out_dtype))
         return y.reshape(*x.shape[:-1], qweight.shape[1]).astype(out_dtype)
     if bias is not None:
         raise ValueError("w8a8_dot: a bias is added in the call only with native=True")
